@@ -1,0 +1,132 @@
+"""Driver: the client side of the workers' step streams (used by tests, benchmarks, the CLI and the router)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import grpc
+
+from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
+from services.worker.step import StepBatch, StepOutput
+
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+class StepError(RuntimeError):
+    """A worker reported an error for a step, or a stream broke."""
+
+
+class _WorkerStream:
+    """One worker's Execute stream; a reader task resolves the future of each step, in order."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self.call = None
+        self.pending: dict[int, asyncio.Future[StepOutput]] = {}
+        self.reader: asyncio.Task | None = None
+
+    async def open(self) -> None:
+        self.call = self.stub.Execute()
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            while (result := await self.call.read()) is not grpc.aio.EOF:
+                output = StepOutput.from_pb(result)
+                future = self.pending.pop(output.step_id, None)
+                if future is not None and not future.done():
+                    future.set_result(output)
+            error: Exception = StepError(f"worker {self.address} closed its step stream")
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            error = StepError(f"worker {self.address} stream failed: {exc}")
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(error)
+        self.pending.clear()
+
+    async def submit(self, batch: StepBatch) -> asyncio.Future[StepOutput]:
+        future = asyncio.get_running_loop().create_future()
+        self.pending[batch.step_id] = future
+        await self.call.write(batch.to_pb())
+        return future
+
+    async def close(self) -> None:
+        if self.call is not None:
+            try:
+                await self.call.done_writing()
+            except grpc.aio.AioRpcError:
+                pass
+        if self.reader is not None:
+            try:
+                await asyncio.wait_for(self.reader, timeout=5)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self.reader.cancel()
+        await self.channel.close()
+
+
+class Driver:
+    """Sends each step to every active worker and returns the last stage's outputs."""
+
+    def __init__(self, worker_addresses: list[str], step_timeout_s: float = 120.0) -> None:
+        self.addresses = list(worker_addresses)
+        self.step_timeout_s = step_timeout_s
+        self.infos: list[worker_pb2.WorkerInfo] = []
+        self._streams: list[_WorkerStream] = []
+        self._step_ids = itertools.count(1)
+
+    async def __aenter__(self) -> Driver:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        """Read every worker's info and open the step streams of the active ones."""
+        infos = []
+        for address in self.addresses:
+            async with grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
+                stub = worker_pb2_grpc.WorkerStub(channel)
+                infos.append(await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=10))
+        self.infos = infos
+        self._streams = [_WorkerStream(a) for a, i in zip(self.addresses, infos) if i.num_kv_blocks > 0]
+        for stream in self._streams:
+            await stream.open()
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Usable KV blocks: the smallest capacity over active workers (block ids are shared by all)."""
+        return min(i.num_kv_blocks for i in self.infos if i.num_kv_blocks > 0)
+
+    @property
+    def block_size(self) -> int:
+        return next(i.block_size for i in self.infos if i.num_kv_blocks > 0)
+
+    async def submit(self, sequences) -> asyncio.Future[StepOutput]:
+        """Send a step to every active worker now; the returned future resolves with the sampled outputs.
+        Several steps may be in flight (pipeline parallelism keeps every stage busy)."""
+        batch = StepBatch(next(self._step_ids), tuple(sequences))
+        futures = [await stream.submit(batch) for stream in self._streams]
+        return asyncio.ensure_future(self._gather(batch.step_id, futures))
+
+    async def step(self, sequences) -> StepOutput:
+        """Run one step and wait for it."""
+        return await (await self.submit(sequences))
+
+    async def _gather(self, step_id: int, futures: list[asyncio.Future[StepOutput]]) -> StepOutput:
+        try:
+            outputs = await asyncio.wait_for(asyncio.gather(*futures), self.step_timeout_s)
+        except asyncio.TimeoutError as exc:
+            raise StepError(f"step {step_id} timed out after {self.step_timeout_s:.0f}s") from exc
+        errors = [f"rank {o.rank}: {o.error}" for o in outputs if o.error]
+        if errors:
+            raise StepError(f"step {step_id} failed: " + "; ".join(errors))
+        return max(outputs, key=lambda o: len(o.outputs))  # the last stage's TP rank 0 carries the tokens
+
+    async def close(self) -> None:
+        for stream in self._streams:
+            await stream.close()
+        self._streams = []

@@ -1,0 +1,161 @@
+"""Building blocks of the sharded model: TP group, shard loader, norms, rotary embedding, parallel layers."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from services.model.spec import RopeSpec
+
+
+class TPGroup(Protocol):
+    """Collectives over the tensor-parallel group of one pipeline stage."""
+
+    size: int
+    rank: int
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the group, in place; returns the tensor."""
+        ...
+
+    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's tensor along the last dimension, in rank order."""
+        ...
+
+
+class SingleRankGroup:
+    """A TP group of one: collectives are identities."""
+
+    size = 1
+    rank = 0
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+class ShardLoader:
+    """Copies slices of full checkpoint tensors (e.g. zero-copy views of shared memory) into owned tensors."""
+
+    def __init__(self, source: Callable[[str], torch.Tensor], names: set[str], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self._source = source
+        self._names = names
+        self.dtype = dtype
+        self.device = device
+
+    def has(self, name: str) -> bool:
+        return name in self._names
+
+    def full(self, name: str) -> torch.Tensor:
+        return self._own(self._source(name))
+
+    def rows(self, name: str, rows: range) -> torch.Tensor:
+        """Rows `rows` of a 1-D or 2-D tensor; rows past its end are zeros (padded vocabulary)."""
+        full = self._source(name)
+        real = full[rows.start:min(rows.stop, full.shape[0])]
+        if len(real) == len(rows):
+            return self._own(real)
+        out = torch.zeros((len(rows), *full.shape[1:]), dtype=self.dtype, device=self.device)
+        out[: len(real)] = real.to(self.dtype)
+        return out
+
+    def cols(self, name: str, cols: range) -> torch.Tensor:
+        return self._own(self._source(name)[:, cols.start:cols.stop])
+
+    def _own(self, view: torch.Tensor) -> torch.Tensor:
+        # .to() with copy=True: never keep a view of the (shared) source alive.
+        return view.to(device=self.device, dtype=self.dtype, copy=True).contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, returned in x's dtype (as Hugging Face Llama does)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding:
+    """Rotary position embedding (non-interleaved halves), with `linear` and `llama3` frequency scaling."""
+
+    def __init__(self, rope: RopeSpec, head_dim: int, device: torch.device) -> None:
+        inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        if rope.rope_type == "linear":
+            inv_freq = inv_freq / rope.factor
+        elif rope.rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope)
+        self.inv_freq = inv_freq.float().to(device)  # [D/2]
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [T, D] for int positions [T]."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths slowed by `factor`, short kept, a smooth blend between."""
+    old_len = rope.original_max_position_embeddings
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class RowParallelLinear:
+    """y = x W^T with W split by input columns across TP ranks: partial sums all-reduced, bias added once after."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: TPGroup) -> None:
+        self.weight = weight  # [out, in_local]
+        self.bias = bias      # [out] (full; added after the reduction, so once)
+        self.group = group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.group.all_reduce(x @ self.weight.T)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding:
+    """Embedding with rows split by vocabulary across TP ranks; out-of-range ids contribute zeros, then all-reduce."""
+
+    def __init__(self, weight: torch.Tensor, rows: range, group: TPGroup) -> None:
+        self.weight = weight  # [rows_local, hidden]
+        self.rows = rows
+        self.group = group
+
+    def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
+        local = token_ids - self.rows.start
+        mask = (local >= 0) & (local < len(self.rows))
+        out = F.embedding(local.clamp(0, len(self.rows) - 1), self.weight)
+        out = out * mask[:, None].to(out.dtype)
+        return self.group.all_reduce(out)
+
+
+class ParallelLMHead:
+    """lm_head with rows split by vocabulary: local logits, all-gathered, padding trimmed."""
+
+    def __init__(self, weight: torch.Tensor, vocab_size: int, group: TPGroup) -> None:
+        self.weight = weight  # [rows_local, hidden]
+        self.vocab_size = vocab_size
+        self.group = group
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.group.all_gather_last_dim(hidden @ self.weight.T)  # [N, padded_vocab]
+        return logits[:, : self.vocab_size]

@@ -1,0 +1,34 @@
+"""Configuration of one worker process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Everything a worker needs to join the world and load its shard."""
+
+    rank: int                          # rank in the torch.distributed world = position in the worker list
+    world_size: int
+    store_host: str                    # torch.distributed TCPStore (the launcher hosts it)
+    store_port: int
+    weightstore_address: str           # host:port of the WeightStore gRPC service
+    topology: str                      # live topology at start, e.g. "tp2pp2"
+    layer_partition: tuple[int, ...] | None = None  # explicit layers per stage (heterogeneous devices)
+    device: str = "cpu"                # "cpu" or "cuda" (worker r uses cuda:(r % device_count))
+    kv_cache_bytes: int = 64 << 20     # KV cache budget; the block count follows from it
+    block_size: int = 16               # tokens per KV block
+    host: str = "127.0.0.1"            # gRPC bind address
+    port: int = 0                      # 0: pick a free port and report it
+    collective_timeout_s: float = 60.0 # every collective / point-to-point op fails after this
+    parent_pid: int | None = None      # exit when this process is gone (no orphans)
+    num_threads: int = 1               # torch intra-op threads
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world of size {self.world_size}")
+        if self.block_size < 1 or self.kv_cache_bytes < 1:
+            raise ValueError("block_size and kv_cache_bytes must be positive")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', not {self.device!r}")

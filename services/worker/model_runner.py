@@ -1,0 +1,81 @@
+"""Runs this worker's part of a step: embed or receive hidden states, run local layers, hand off or sample."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from services.model.attention import AttentionMetadata
+from services.model.llama import ShardedCausalLM
+from services.topology import Placement, WorkerPlacement
+from services.worker.kv_cache import KVCache
+from services.worker.parallel import ParallelState
+from services.worker.sampler import sample
+from services.worker.step import SequenceOutput, StepBatch, StepOutput
+
+
+class ModelRunner:
+    """Owns the model shard and KV cache of one worker; called from one thread, one step at a time."""
+
+    def __init__(self, model: ShardedCausalLM, kv_cache: KVCache, placement: Placement, wp: WorkerPlacement,
+                 parallel: ParallelState | None, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.placement = placement
+        self.wp = wp
+        self.parallel = parallel
+        self.device = device
+        tp = placement.topology.tp
+        # World ranks of this worker's PP neighbours (same TP rank, previous / next stage).
+        self.prev_rank = (wp.pp_rank - 1) * tp + wp.tp_rank if not wp.is_first_stage else None
+        self.next_rank = (wp.pp_rank + 1) * tp + wp.tp_rank if not wp.is_last_stage else None
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch, rank: int) -> StepOutput:
+        """Run one step. Only the last stage's TP rank 0 returns outputs."""
+        started = time.perf_counter()
+        if not batch.sequences:
+            return StepOutput(batch.step_id, rank)
+        seqs = batch.sequences
+        meta = AttentionMetadata.build(
+            [s.start_position for s in seqs],
+            [len(s.token_ids) for s in seqs],
+            [list(s.block_table) for s in seqs],
+            self.kv_cache.block_size,
+            self.device,
+        )
+        positions = torch.cat(
+            [torch.arange(s.start_position, s.start_position + len(s.token_ids)) for s in seqs]
+        ).to(self.device)
+        if self.prev_rank is None:
+            inputs = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64, device=self.device)
+        else:
+            shape = (batch.num_tokens, self.model.spec.hidden_size)
+            inputs = self.parallel.recv(shape, self.model.dtype, self.device, self.prev_rank)
+        hidden = self.model.forward(inputs, positions, self.kv_cache.layers, meta)  # [T, hidden]
+        if self.next_rank is not None:
+            self.parallel.send(hidden, self.next_rank)
+            return StepOutput(batch.step_id, rank, compute_seconds=time.perf_counter() - started)
+        wanted = [i for i, s in enumerate(seqs) if s.sample or s.return_logits]
+        outputs: list[SequenceOutput] = []
+        if wanted:
+            last = torch.tensor([meta.sequences[i].token_start + meta.sequences[i].num_new_tokens - 1
+                                 for i in wanted], device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, last))  # [N, vocab]; a TP collective
+            if self.wp.tp_rank == 0:
+                outputs = self._outputs(batch, wanted, logits.cpu())
+        return StepOutput(batch.step_id, rank, tuple(outputs), compute_seconds=time.perf_counter() - started)
+
+    @staticmethod
+    def _outputs(batch: StepBatch, wanted: list[int], logits: torch.Tensor) -> list[SequenceOutput]:
+        seqs = [batch.sequences[i] for i in wanted]
+        tokens = sample(logits, [s.sampling for s in seqs], [s.num_generated for s in seqs])
+        return [
+            SequenceOutput(
+                s.request_id,
+                token if s.sample else -1,
+                logits[j].numpy().tobytes() if s.return_logits else b"",
+            )
+            for j, (s, token) in enumerate(zip(seqs, tokens, strict=True))
+        ]

@@ -1,0 +1,86 @@
+"""Thin gRPC servicer of a worker: converts at the edge and hands steps to the single model thread."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import structlog
+
+from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
+from services.worker.model_runner import ModelRunner
+from services.worker.step import StepBatch, StepOutput
+
+log = structlog.get_logger(__name__)
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Serves the step stream; model work runs on one dedicated thread, never on the event loop."""
+
+    def __init__(self, runner: ModelRunner | None, info: worker_pb2.WorkerInfo, rank: int) -> None:
+        self.runner = runner
+        self.info = info
+        self.rank = rank
+        # One thread: steps run strictly in arrival order, so every worker issues collectives in the same order.
+        self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self.stopped = asyncio.Event()
+
+    def _run_step(self, batch: StepBatch) -> StepOutput:
+        if self.runner is None:
+            return StepOutput(batch.step_id, self.rank, error=f"worker {self.rank} is on standby: it holds no shard")
+        try:
+            return self.runner.execute(batch, self.rank)
+        except Exception as exc:  # a failed step answers with an error; the stream stays open
+            log.exception("worker.step_failed", step_id=batch.step_id)
+            return StepOutput(batch.step_id, self.rank, error=f"{type(exc).__name__}: {exc}")
+
+    async def Execute(self, request_iterator, context):  # noqa: N802 (gRPC naming)
+        """Steps in, results out, in order; the next step is queued while the previous one computes."""
+        loop = asyncio.get_running_loop()
+        pending: asyncio.Queue[asyncio.Future | None] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    batch = StepBatch.from_pb(request)
+                    await pending.put(loop.run_in_executor(self.model_thread, self._run_step, batch))
+            finally:
+                await pending.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (future := await pending.get()) is not None:
+                yield (await future).to_pb()
+        finally:
+            reader.cancel()
+
+    async def GetInfo(self, request, context):  # noqa: N802
+        info = worker_pb2.WorkerInfo()
+        info.CopyFrom(self.info)
+        info.rss_bytes = rss_bytes()
+        return info
+
+    async def Shutdown(self, request, context):  # noqa: N802
+        log.info("worker.shutdown_requested", rank=self.rank)
+        self.stopped.set()
+        return worker_pb2.ShutdownResponse()
+
+
+async def start_server(servicer: WorkerServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Start the gRPC server; returns it and the bound port."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+                                      ("grpc.max_send_message_length", 64 << 20)])
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind worker gRPC server to {host}:{port}")
+    await server.start()
+    return server, bound

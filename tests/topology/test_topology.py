@@ -1,0 +1,189 @@
+"""Topology text form, field checks, validate() messages and candidate_topologies()."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.topology import ModelShape, Topology, TopologyError, candidate_topologies, validate
+
+
+def make_shape(**overrides: int) -> ModelShape:
+    dims = dict(
+        num_layers=4, num_heads=8, num_kv_heads=2, head_dim=16, hidden_size=128, intermediate_size=704, vocab_size=1000
+    )
+    return ModelShape(**(dims | overrides))
+
+
+@pytest.mark.parametrize(
+    ("text", "tp", "pp"),
+    [
+        ("tp2pp2", 2, 2),
+        ("TP4PP1", 4, 1),
+        ("tp2", 2, 1),
+        ("pp3", 1, 3),
+        ("tp1pp1", 1, 1),
+        ("  tp2pp4\n", 2, 4),
+        ("pp2tp8", 8, 2),
+        ("Tp16Pp12", 16, 12),
+    ],
+)
+def test_parse_accepts(text: str, tp: int, pp: int) -> None:
+    assert Topology.parse(text) == Topology(tp=tp, pp=pp)
+
+
+@pytest.mark.parametrize(
+    "text", ["", "   ", "tp0pp1", "tp2pp", "tp-1", "tp2tp2", "foo", "tp2 pp2", "tp2pp0", "tp", "2", "tp2,pp2", "tp٢"]
+)
+def test_parse_rejects_with_input_and_expected_form(text: str) -> None:
+    with pytest.raises(TopologyError) as raised:
+        Topology.parse(text)
+    message = str(raised.value)
+    assert f"invalid topology {text!r}" in message
+    assert "expected 'tpXppY' with X, Y >= 1, e.g. 'tp2pp2'" in message
+
+
+def test_parse_exact_message() -> None:
+    with pytest.raises(TopologyError, match=r"^invalid topology 'tp2pp': expected 'tpXppY' with X, Y >= 1, e\.g\. 'tp2pp2'$"):
+        Topology.parse("tp2pp")
+
+
+def test_parse_reserved_degrees() -> None:
+    assert Topology.parse("tp2dp1ep1") == Topology(tp=2)
+    with pytest.raises(TopologyError, match=r"'tp2ep2'.*ep=2.*not supported yet"):
+        Topology.parse("tp2ep2")
+
+
+def test_str_always_names_both_degrees() -> None:
+    assert str(Topology(tp=2, pp=2)) == "tp2pp2"
+    assert str(Topology()) == "tp1pp1"
+    assert str(Topology.parse("pp3")) == "tp1pp3"
+
+
+@given(tp=st.integers(1, 64), pp=st.integers(1, 64))
+@settings(max_examples=100, deadline=None)
+def test_parse_str_round_trip(tp: int, pp: int) -> None:
+    topology = Topology(tp=tp, pp=pp)
+    assert Topology.parse(str(topology)) == topology
+    assert topology.num_workers == tp * pp
+
+
+@pytest.mark.parametrize("degrees", [dict(tp=0), dict(pp=-1), dict(tp=2.0), dict(pp="2"), dict(tp=True)])
+def test_fields_must_be_positive_ints(degrees: dict) -> None:
+    with pytest.raises(TopologyError, match="must be an int >= 1"):
+        Topology(**degrees)
+
+
+@pytest.mark.parametrize("degrees", [dict(ep=2), dict(dp=2), dict(tp=2, ep=4)])
+def test_expert_and_data_parallelism_not_supported_yet(degrees: dict) -> None:
+    with pytest.raises(TopologyError, match="not supported yet"):
+        Topology(**degrees)
+
+
+def test_topology_is_frozen_and_hashable() -> None:
+    topology = Topology(tp=2, pp=2)
+    with pytest.raises(AttributeError):
+        topology.tp = 4  # type: ignore[misc]
+    assert len({topology, Topology.parse("pp2tp2")}) == 1
+
+
+def test_model_shape_rejects_bad_dimensions() -> None:
+    with pytest.raises(ValueError, match="num_layers=0"):
+        make_shape(num_layers=0)
+    with pytest.raises(ValueError, match="num_kv_heads=3 does not divide num_heads=8"):
+        make_shape(num_kv_heads=3)
+    assert make_shape(num_heads=32, num_kv_heads=8).num_queries_per_kv == 4
+
+
+def test_validate_accepts_runnable_topology() -> None:
+    validate(Topology(tp=4, pp=2), make_shape(), num_workers=8)
+    validate(Topology(tp=8), make_shape(num_heads=8, num_kv_heads=1), num_workers=8)  # MQA, replicated KV
+    validate(Topology(tp=1, pp=2), make_shape(), num_workers=2, layer_partition=[3, 1])
+
+
+@pytest.mark.parametrize(
+    ("topology", "overrides", "num_workers", "partition", "message"),
+    [
+        (Topology(tp=3), dict(num_kv_heads=1, intermediate_size=768), 4, None, "tp=3 does not divide num_heads=8"),
+        (Topology(tp=4), dict(num_heads=24, num_kv_heads=6), 4, None, "num_kv_heads=6 and tp=4: one must divide the other"),
+        (Topology(tp=4), dict(intermediate_size=706), 4, None, "tp=4 does not divide intermediate_size=706"),
+        (Topology(pp=5), {}, 8, None, "pp=5 exceeds num_layers=4"),
+        (Topology(tp=4, pp=2), {}, 4, None, "tp*pp=8 exceeds the 4 available workers"),
+        (Topology(pp=2), {}, 2, [1, 1, 2], "layer_partition has 3 entries for pp=2"),
+        (Topology(pp=2), {}, 2, [2, 3], "layer_partition sums to 5, model has 4 layers"),
+        (Topology(pp=2), {}, 2, [4, 0], "layer_partition entries must be >= 1"),
+    ],
+)
+def test_validate_each_message(
+    topology: Topology, overrides: dict, num_workers: int, partition: list[int] | None, message: str
+) -> None:
+    with pytest.raises(TopologyError) as raised:
+        validate(topology, make_shape(**overrides), num_workers, partition)
+    assert str(raised.value) == message
+
+
+def test_validate_lists_every_failure() -> None:
+    shape = make_shape(num_heads=24, num_kv_heads=6, intermediate_size=700)
+    with pytest.raises(TopologyError) as raised:
+        validate(Topology(tp=9, pp=5), shape, num_workers=16, layer_partition=[1, 2, 2])
+    assert str(raised.value) == "; ".join(
+        [
+            "tp=9 does not divide num_heads=24",
+            "num_kv_heads=6 and tp=9: one must divide the other",
+            "tp=9 does not divide intermediate_size=700",
+            "pp=5 exceeds num_layers=4",
+            "tp*pp=45 exceeds the 16 available workers",
+            "layer_partition has 3 entries for pp=5",
+            "layer_partition sums to 5, model has 4 layers",
+        ]
+    )
+
+
+def test_candidate_topologies_example() -> None:
+    candidates = candidate_topologies(make_shape(), num_workers=8)
+    assert [str(t) for t in candidates] == [
+        "tp1pp1",
+        "tp1pp2",
+        "tp2pp1",
+        "tp1pp3",
+        "tp1pp4",
+        "tp2pp2",
+        "tp4pp1",
+        "tp2pp3",
+        "tp2pp4",
+        "tp4pp2",
+        "tp8pp1",
+    ]
+    assert candidate_topologies(make_shape(), num_workers=0) == []
+
+
+@given(
+    num_kv_heads=st.integers(1, 12),
+    group=st.integers(1, 6),
+    num_layers=st.integers(1, 12),
+    intermediate_size=st.integers(1, 512),
+    num_workers=st.integers(0, 12),
+)
+@settings(max_examples=60, deadline=None)
+def test_candidate_topologies_are_exactly_the_valid_ones(
+    num_kv_heads: int, group: int, num_layers: int, intermediate_size: int, num_workers: int
+) -> None:
+    shape = make_shape(
+        num_layers=num_layers,
+        num_heads=num_kv_heads * group,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+    )
+    candidates = candidate_topologies(shape, num_workers)
+    assert candidates == sorted(candidates, key=lambda t: (t.tp * t.pp, t.tp))
+    assert len(set(candidates)) == len(candidates)
+    for tp in range(1, num_workers + 2):
+        for pp in range(1, num_workers + 2):
+            topology = Topology(tp=tp, pp=pp)
+            try:
+                validate(topology, shape, num_workers)
+                is_valid = True
+            except TopologyError:
+                is_valid = False
+            assert (topology in candidates) == is_valid
+            if is_valid:
+                assert tp * pp <= num_workers and pp <= num_layers
