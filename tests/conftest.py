@@ -54,7 +54,21 @@ def make_checkpoint(directory: Path, style: str, seed: int = 0) -> Path:
     model = transformers.AutoModelForCausalLM.from_config(config)
     _decisive_init(model, seed)
     model.save_pretrained(directory, safe_serialization=True)
+    from services.model.tokenizer import write_tokenizer_files
+
+    write_tokenizer_files(directory, config.max_position_embeddings)  # a checkpoint directory has a tokenizer
     return directory
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_shared_memory():
+    """The suite as a whole leaves no weight-store segment behind."""
+    from services.weightstore.shm import list_segments
+
+    before = set(list_segments())
+    yield
+    leaked = set(list_segments()) - before
+    assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"
 
 
 @pytest.fixture(scope="session", params=CHECKPOINT_STYLES)
