@@ -62,12 +62,14 @@ def make_checkpoint(directory: Path, style: str, seed: int = 0) -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def no_leaked_shared_memory():
-    """The suite as a whole leaves no weight-store segment behind."""
-    from services.weightstore.shm import list_segments
+    """The suite as a whole leaves no weight-store segment behind: no new segment outlives its owner process.
+    (Segments of live processes belong to stores still running, possibly outside this test run.)"""
+    from services.weightstore.shm import is_process_alive, list_segments, owner_pid
 
     before = set(list_segments())
     yield
-    leaked = set(list_segments()) - before
+    leaked = [s for s in set(list_segments()) - before
+              if (pid := owner_pid(s)) is not None and not is_process_alive(pid)]
     assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"
 
 
@@ -83,11 +85,14 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
+    # No EOS: run exactly max_new_tokens without suppressing EOS (min_new_tokens would mask its logit, which
+    # the engine under test does not do).
+    model.generation_config.eos_token_id = None
     tokens, logits = [], []
     with torch.no_grad():
         for prompt in prompts:
             out = model.generate(
-                torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                torch.tensor([prompt]), max_new_tokens=max_new_tokens,
                 do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
             )
             tokens.append(out.sequences[0, len(prompt):].tolist())

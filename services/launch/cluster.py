@@ -56,6 +56,9 @@ def _run_worker(config: WorkerConfig, ready: Connection) -> None:
     run_worker(config, ready)
 
 
+_TIER_STORE, _TIER_WORKER, _TIER_SERVICE = 0, 1, 2  # start order; stop goes in reverse
+
+
 class ClusterError(RuntimeError):
     """A process of the cluster failed to start or died."""
 
@@ -71,7 +74,7 @@ class LocalCluster:
         validate(self.topology, self.spec.shape, config.num_workers, config.layer_partition)
         self.weightstore_address = ""
         self.worker_addresses: list[str] = []
-        self._processes: list[tuple[str, mp.process.BaseProcess]] = []
+        self._processes: list[tuple[str, int, mp.process.BaseProcess]] = []  # (name, tier, process)
         self._store: dist.TCPStore | None = None
 
     def __enter__(self) -> LocalCluster:
@@ -83,7 +86,11 @@ class LocalCluster:
 
     @property
     def worker_pids(self) -> list[int]:
-        return [p.pid for name, p in self._processes if name.startswith("worker")]
+        return [p.pid for _, tier, p in self._processes if tier == _TIER_WORKER]
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {name: p.pid for name, _, p in self._processes}
 
     def start(self) -> None:
         """Start every process and wait until all are ready (or raise ClusterError naming the one that failed)."""
@@ -94,11 +101,11 @@ class LocalCluster:
         # Children fork from a server that already imported torch and our code: ~50 ms each instead of ~2 s.
         ctx.set_forkserver_preload(["services.worker.main", "services.weightstore.server"])
         try:
-            ws = self._spawn(ctx, "weightstore", _run_weightstore, str(self.model_dir), cfg.host)
+            ws = self._spawn(ctx, "weightstore", _run_weightstore, str(self.model_dir), cfg.host, tier=_TIER_STORE)
             self.weightstore_address = f"{cfg.host}:{self._wait_ready([ws])[0]['port']}"
             self._store = dist.TCPStore(cfg.host, 0, cfg.num_workers, is_master=True, wait_for_workers=False)
             workers = [
-                self._spawn(ctx, f"worker-{rank}", _run_worker, self._worker_config(rank))
+                self._spawn(ctx, f"worker-{rank}", _run_worker, self._worker_config(rank), tier=_TIER_WORKER)
                 for rank in range(cfg.num_workers)
             ]
             ready = sorted(self._wait_ready(workers), key=lambda r: r["rank"])
@@ -119,13 +126,23 @@ class LocalCluster:
             parent_pid=os.getpid(), num_threads=cfg.num_threads,
         )
 
-    def _spawn(self, ctx, name: str, target, *args) -> tuple[str, Connection, mp.process.BaseProcess]:
+    def _spawn(self, ctx, name: str, target, *args, tier: int) -> tuple[str, Connection, mp.process.BaseProcess]:
         receiver, sender = ctx.Pipe(duplex=False)
         process = ctx.Process(target=target, args=(*args, sender), name=f"reconfig-{name}", daemon=False)
         process.start()
         sender.close()
-        self._processes.append((name, process))
+        self._processes.append((name, tier, process))
         return name, receiver, process
+
+    def spawn_service(self, name: str, target, *args) -> dict:
+        """Start another service process (router, controller) after the workers; returns its ready message.
+        `target(*args, ready_connection)` must send one dict (or {"error": ...}) once it serves."""
+        ctx = mp.get_context("forkserver")
+        try:
+            return self._wait_ready([self._spawn(ctx, name, target, *args, tier=_TIER_SERVICE)])[0]
+        except BaseException:
+            self.stop()
+            raise
 
     def _wait_ready(self, spawned: list[tuple[str, Connection, mp.process.BaseProcess]]) -> list[dict]:
         """Collect one ready message per process; a death or an error message fails fast with its name."""
@@ -155,13 +172,13 @@ class LocalCluster:
 
     def dead_processes(self) -> list[str]:
         """Names (with exit codes) of processes that have exited."""
-        return [f"{name} (pid {p.pid}, exit {p.exitcode})" for name, p in self._processes if not p.is_alive()]
+        return [f"{name} (pid {p.pid}, exit code {p.exitcode})" for name, _, p in self._processes if not p.is_alive()]
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM workers, then the weightstore (which unlinks its segments); SIGKILL what lingers."""
-        workers = [p for name, p in self._processes if name.startswith("worker")]
-        others = [p for name, p in self._processes if not name.startswith("worker")]
-        for group in (workers, others):
+        """SIGTERM tier by tier, newest first (services, workers, then the weightstore, which unlinks its
+        segments); SIGKILL whatever lingers past the timeout."""
+        for tier in sorted({tier for _, tier, _ in self._processes}, reverse=True):
+            group = [p for _, t, p in self._processes if t == tier]
             for process in group:
                 if process.is_alive():
                     os.kill(process.pid, signal.SIGTERM)

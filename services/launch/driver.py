@@ -47,10 +47,9 @@ class _WorkerStream:
                 future.set_exception(error)
         self.pending.clear()
 
-    async def submit(self, batch: StepBatch) -> asyncio.Future[StepOutput]:
+    def expect(self, step_id: int) -> asyncio.Future[StepOutput]:
         future = asyncio.get_running_loop().create_future()
-        self.pending[batch.step_id] = future
-        await self.call.write(batch.to_pb())
+        self.pending[step_id] = future
         return future
 
     async def close(self) -> None:
@@ -109,7 +108,11 @@ class Driver:
         """Send a step to every active worker now; the returned future resolves with the sampled outputs.
         Several steps may be in flight (pipeline parallelism keeps every stage busy)."""
         batch = StepBatch(next(self._step_ids), tuple(sequences))
-        futures = [await stream.submit(batch) for stream in self._streams]
+        request = batch.to_pb()
+        futures = [stream.expect(batch.step_id) for stream in self._streams]
+        # All or nothing: a step written to some workers but not others would leave a PP send/recv or a TP
+        # collective unmatched. Shielded, the writes finish even if the caller is cancelled meanwhile.
+        await asyncio.shield(asyncio.gather(*(stream.call.write(request) for stream in self._streams)))
         return asyncio.ensure_future(self._gather(batch.step_id, futures))
 
     async def step(self, sequences) -> StepOutput:

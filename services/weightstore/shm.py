@@ -139,6 +139,8 @@ def list_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
 
 def is_process_alive(pid: int) -> bool:
     """True if a process with this pid exists (possibly owned by another user)."""
+    if pid <= 0:  # kill(0 or negative) would signal process groups, not a process
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import os
 import signal
-import threading
 import time
 from multiprocessing.connection import Connection
 
@@ -15,7 +13,7 @@ import structlog
 import torch
 
 from services.rpc.reconfig.v1 import worker_pb2
-from services.logs import configure_logging
+from services.launch.process import run_service
 from services.model.layers import ShardLoader
 from services.model.llama import ShardedCausalLM
 from services.model.spec import ModelSpec
@@ -28,28 +26,6 @@ from services.worker.parallel import ParallelState
 from services.worker.server import WorkerServicer, start_server
 
 log = structlog.get_logger(__name__)
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(parent_pid: int | None) -> None:
-    """Never outlive the launcher: SIGTERM when our parent dies, plus a watchdog on the launcher pid."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-    if parent_pid is None:
-        return
-
-    def watch() -> None:
-        while True:
-            try:
-                os.kill(parent_pid, 0)
-            except ProcessLookupError:
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-            time.sleep(0.5)
-
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def _device(config: WorkerConfig) -> torch.device:
@@ -140,20 +116,4 @@ async def serve_worker(config: WorkerConfig, ready: Connection | None = None) ->
 def run_worker(config: WorkerConfig, ready: Connection | None = None) -> None:
     """Process target: configure the process, then serve."""
     torch.set_num_threads(config.num_threads)
-    configure_logging("worker")
-    _die_with_parent(config.parent_pid)
-    try:
-        try:
-            import uvloop
-
-            uvloop.run(serve_worker(config, ready))
-        except ImportError:
-            asyncio.run(serve_worker(config, ready))
-    except BaseException as exc:
-        log.exception("worker.failed", rank=config.rank)
-        if ready is not None:
-            try:
-                ready.send({"rank": config.rank, "error": f"{type(exc).__name__}: {exc}"})
-            except (OSError, ValueError):
-                pass
-        raise SystemExit(1) from exc
+    run_service("worker", serve_worker(config, ready), ready, config.parent_pid)

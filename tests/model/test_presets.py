@@ -152,8 +152,9 @@ def test_write_checkpoint_round_trips(tmp_path: Path) -> None:
 
 
 def _greedy(model: torch.nn.Module, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
+    model.generation_config.eos_token_id = None  # generate(eos_token_id=None) is refilled from the config
     output = model.generate(
-        torch.tensor([prompt_ids]), max_new_tokens=NUM_GREEDY_STEPS, do_sample=False, eos_token_id=None,
+        torch.tensor([prompt_ids]), max_new_tokens=NUM_GREEDY_STEPS, do_sample=False,
         pad_token_id=PAD_TOKEN_ID, output_logits=True, return_dict_in_generate=True,
     )
     top2 = torch.stack(output.logits)[:, 0].topk(2, dim=-1).values  # [steps, 2]

@@ -1,0 +1,31 @@
+"""Configuration of the router's scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits of continuous batching: batch size, token budget, admission queue, context and pipelining."""
+
+    max_model_len: int                   # prompt + max_tokens limit of one request (the model's context)
+    max_num_seqs: int = 128              # sequences holding KV at once (running, in flight included)
+    max_num_batched_tokens: int = 2048   # tokens fed per step (one micro-batch): decodes + prefill chunks
+    max_waiting: int = 1024              # admission limit; past it add() raises QueueFullError
+    num_inflight_batches: int = 1        # = pp: micro-batches in flight so every pipeline stage stays busy
+    enable_chunked_prefill: bool = True  # off: a prompt is fed whole, so it must fit one step's token budget
+    retry_after_s: float = 1.0           # what QueueFullError tells the client to wait
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
+                     "num_inflight_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.retry_after_s <= 0:
+            raise ValueError(f"retry_after_s must be > 0, got {self.retry_after_s}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}): a whole prompt has to fit one step"
+            )

@@ -1,0 +1,83 @@
+"""Contracts between the router's front ends (HTTP, gRPC) and its engine: plain dataclasses, no protobuf."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from services.model.tokenizer import Tokenizer
+from services.worker.step import GREEDY, SamplingParams
+
+
+class QueueFullError(RuntimeError):
+    """The router's waiting queue is full; retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (e.g. prompt longer than the context); maps to HTTP 400 / INVALID_ARGUMENT."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One generation request, already tokenized."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = GREEDY
+    stop_token_ids: frozenset[int] = frozenset()   # finish when one is sampled (EOS unless ignore_eos)
+    stop_strings: tuple[str, ...] = ()              # finish when the text contains one (trimmed from the output)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationDelta:
+    """What a request produced since its previous delta; the last one carries finish_reason."""
+
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error" | None while running
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0      # total so far
+    error: str | None = None           # with finish_reason "error": what failed (a worker step, ...)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine for /metrics, Stats and reconfigctl."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks_total: int = 0
+    num_kv_blocks_used: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    topology: str = ""
+    is_frozen: bool = False
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class EngineProtocol(Protocol):
+    """What the HTTP and gRPC front ends need from the engine (services.router.engine.Engine implements it)."""
+
+    model_name: str          # served model id (/v1/models)
+    max_model_len: int       # prompt + max_tokens limit
+    tokenizer: Tokenizer
+
+    @property
+    def is_ready(self) -> bool:
+        """Workers up and weights loaded (/ready)."""
+        ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        """Stream a request's deltas. Raises QueueFullError / RequestError before the first delta.
+        Closing the iterator early (client disconnect) aborts the request and frees its KV blocks."""
+        ...
+
+    def stats(self) -> EngineStats:
+        ...

@@ -1,0 +1,182 @@
+"""The router's engine: the step loop (schedule → workers → postprocess) and per-request output streams."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import structlog
+
+from services.launch.driver import Driver, StepError
+from services.model.tokenizer import Tokenizer
+from services.router.block_manager import BlockManager
+from services.router.config import SchedulerConfig
+from services.router.contracts import EngineStats, GenerationDelta, GenerationRequest
+from services.router.output import RequestStream
+from services.router.scheduler import ScheduledBatch, Scheduler
+from services.router.sequence import Sequence, SequenceStatus
+from services.topology import Topology
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class _InFlight:
+    batch: ScheduledBatch
+    future: asyncio.Future
+
+
+class Engine:
+    """Owns the scheduler and the driver; front ends call generate() and read deltas."""
+
+    def __init__(self, driver: Driver, tokenizer: Tokenizer, model_name: str, max_model_len: int,
+                 scheduler_config: SchedulerConfig | None = None) -> None:
+        self.driver = driver
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.topology = Topology.parse(driver.infos[0].topology)
+        config = scheduler_config or SchedulerConfig(max_model_len=max_model_len)
+        self.scheduler = Scheduler(config, BlockManager(driver.num_kv_blocks, driver.block_size))
+        self.num_inflight_batches = max(config.num_inflight_batches, self.topology.pp)
+        self._streams: dict[str, RequestStream] = {}
+        self._inflight: list[_InFlight] = []
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()  # set when nothing is in flight (Freeze waits on it)
+        self._idle.set()
+        self._task: asyncio.Task | None = None
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_step_errors = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    async def stop(self, drain_timeout_s: float = 30.0) -> None:
+        """Finish the steps in flight (workers must see whole steps), then stop the loop and the streams."""
+        self.scheduler.freeze()
+        try:
+            await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("engine.stop_drain_timeout", inflight=len(self._inflight))
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for stream in list(self._streams.values()):
+            stream.finish("abort")
+        await self.driver.close()
+
+    @property
+    def is_ready(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    # ---- front-end API ---------------------------------------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        """Admit the request (QueueFullError / RequestError raise here) and stream its deltas."""
+        seq = Sequence.from_request(request)
+        stream = RequestStream(request, self.tokenizer)
+        self.scheduler.add(seq)
+        self._streams[request.request_id] = stream
+        self.num_prompt_tokens += len(request.prompt_token_ids)
+        self._wakeup.set()
+        try:
+            while True:
+                delta = await stream.get()
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            if not stream.finished:  # the consumer went away (client disconnect): free the request's blocks
+                self.scheduler.abort(request.request_id)
+                stream.finish("abort")
+                self._wakeup.set()
+            self._streams.pop(request.request_id, None)
+
+    def stats(self) -> EngineStats:
+        blocks = self.scheduler.block_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks_total=blocks.num_total,
+            num_kv_blocks_used=blocks.num_used,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            topology=str(self.topology),
+            is_frozen=self.scheduler.is_frozen,
+            extra={"num_step_errors": float(self.num_step_errors),
+                   "num_inflight_batches": float(len(self._inflight))},
+        )
+
+    # ---- admin (controller) ----------------------------------------------------------------------------------
+    async def freeze(self, timeout_s: float = 60.0) -> None:
+        """Stop scheduling new steps and wait until the in-flight ones are done. Admission stays open."""
+        self.scheduler.freeze()
+        await asyncio.wait_for(self._idle.wait(), timeout_s)
+
+    def rebind(self, num_kv_blocks: int) -> None:
+        """Take a new KV capacity (frozen only); newest requests are preempted if live blocks exceed it."""
+        self.scheduler.rebind(num_kv_blocks)
+
+    def resume(self) -> None:
+        self.scheduler.unfreeze()
+        self._wakeup.set()
+
+    # ---- the step loop ---------------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            await self._fill_pipeline()
+            if not self._inflight:
+                self._idle.set()
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            self._wakeup.clear()
+            wakeup = asyncio.ensure_future(self._wakeup.wait())
+            await asyncio.wait([self._inflight[0].future, wakeup], return_when=asyncio.FIRST_COMPLETED)
+            wakeup.cancel()
+            # Batches complete in submission order (every worker runs steps in order): drain the done prefix.
+            while self._inflight and self._inflight[0].future.done():
+                self._complete(self._inflight.pop(0))
+
+    async def _fill_pipeline(self) -> None:
+        while len(self._inflight) < self.num_inflight_batches:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return
+            self._idle.clear()
+            future = await self.driver.submit([item.step for item in batch.items])
+            self._inflight.append(_InFlight(batch, future))
+
+    def _complete(self, inflight: _InFlight) -> None:
+        try:
+            output = inflight.future.result()
+        except StepError as exc:
+            self._fail_batch(inflight.batch, exc)
+            return
+        sampled = {o.request_id: o.token_id for o in output.outputs if o.token_id >= 0}
+        for update in self.scheduler.on_batch_done(inflight.batch, sampled):
+            self.num_generation_tokens += len(update.new_token_ids)
+            stream = self._streams.get(update.seq.request_id)
+            if stream is None:
+                continue
+            stopped = stream.push(update.new_token_ids, update.seq)
+            if stopped and not update.finished:  # a stop string: the scheduler has not finished it yet
+                self.scheduler.finish(update.seq.request_id, SequenceStatus.FINISHED_STOPPED)
+
+    def _fail_batch(self, batch: ScheduledBatch, exc: Exception) -> None:
+        """A step failed on a worker: its requests end with an explicit error instead of hanging."""
+        self.num_step_errors += 1
+        log.error("engine.step_failed", error=str(exc), requests=len(batch.items))
+        for item in batch.items:
+            self.scheduler.abort(item.seq.request_id)  # in flight: marked now, freed by on_batch_done
+        self.scheduler.on_batch_done(batch, {})
+        for item in batch.items:
+            stream = self._streams.get(item.seq.request_id)
+            if stream is not None:
+                stream.finish("error", error=str(exc))

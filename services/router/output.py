@@ -1,0 +1,75 @@
+"""Per-request output: incremental detokenization, stop strings, and the queue of deltas a front end reads."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.model.tokenizer import Tokenizer
+from services.router.contracts import GenerationDelta, GenerationRequest
+from services.router.sequence import Sequence, SequenceStatus
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class RequestStream:
+    """Turns a request's new tokens into text deltas; withholds text that may begin a stop string."""
+
+    def __init__(self, request: GenerationRequest, tokenizer: Tokenizer) -> None:
+        self.request = request
+        self._queue: asyncio.Queue[GenerationDelta] = asyncio.Queue()
+        self._decoder = tokenizer.incremental_decoder()
+        self._pending = ""  # decoded text not yet emitted
+        self._holdback = max((len(s) for s in request.stop_strings), default=1) - 1
+        self._num_generated = 0
+        self.finished = False
+
+    async def get(self) -> GenerationDelta:
+        return await self._queue.get()
+
+    def push(self, new_token_ids: tuple[int, ...], seq: Sequence) -> bool:
+        """Emit what new tokens add; returns True when a stop string ended the request."""
+        if self.finished:
+            return False
+        self._num_generated = len(seq.output_token_ids)
+        self._pending += "".join(self._decoder.push(t) for t in new_token_ids)
+        done = seq.status.is_finished
+        if done:
+            self._pending += self._decoder.flush()
+        cut = self._first_stop()
+        if cut is not None:
+            self._emit(new_token_ids, self._pending[:cut], "stop")
+            return True
+        if done:
+            self._emit(new_token_ids, self._pending, _FINISH_REASONS.get(seq.status, "stop"))
+            return False
+        keep = min(self._holdback, len(self._pending))
+        text, self._pending = self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep:]
+        self._queue.put_nowait(self._delta(new_token_ids, text, None))
+        return False
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        """End the stream without new tokens (abort, error)."""
+        if not self.finished:
+            self.finished = True
+            self._queue.put_nowait(self._delta((), "", reason, error))
+
+    def _first_stop(self) -> int | None:
+        hits = [i for i in (self._pending.find(s) for s in self.request.stop_strings if s) if i >= 0]
+        return min(hits) if hits else None
+
+    def _emit(self, token_ids: tuple[int, ...], text: str, reason: str) -> None:
+        self.finished = True
+        self._pending = ""
+        self._queue.put_nowait(self._delta(token_ids, text, reason))
+
+    def _delta(self, token_ids: tuple[int, ...], text: str, reason: str | None,
+               error: str | None = None) -> GenerationDelta:
+        return GenerationDelta(
+            token_ids=tuple(token_ids), text=text, finish_reason=reason,
+            num_prompt_tokens=len(self.request.prompt_token_ids), num_generated_tokens=self._num_generated,
+            error=error,
+        )

@@ -1,0 +1,299 @@
+"""Continuous batching: which sequences feed which tokens in the next step, and what a finished step changed.
+
+Each schedule() builds one micro-batch from the sequences not in flight: decodes of running sequences first,
+then the rest of running chunked prefills, then new prefills from the waiting queue (FCFS), within the token
+budget, max_num_seqs and the free KV blocks. When a running sequence cannot get a block, the newest running
+sequence not in flight is preempted by recompute: its blocks are freed and it re-prefills its whole prefix
+later, ahead of every other waiting request. With pipeline parallelism up to num_inflight_batches (= pp)
+disjoint micro-batches are in flight. The scheduler never touches tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from services.router.block_manager import BlockManager, num_blocks_for
+from services.router.config import SchedulerConfig
+from services.router.contracts import QueueFullError, RequestError
+from services.router.sequence import Sequence, SequenceStatus
+from services.worker.step import SequenceStep
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledItem:
+    """One sequence's share of a micro-batch: the sequence and the step sent to the workers for it."""
+
+    seq: Sequence
+    step: SequenceStep
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledBatch:
+    """A micro-batch: what one step feeds; batch_id doubles as the workers' step_id."""
+
+    batch_id: int
+    items: tuple[ScheduledItem, ...]
+
+    @property
+    def steps(self) -> tuple[SequenceStep, ...]:
+        return tuple(item.step for item in self.items)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(item.step.token_ids) for item in self.items)
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceUpdate:
+    """What a finished step did to one sequence: its new tokens, and whether it is done (seq.status says why)."""
+
+    seq: Sequence
+    new_token_ids: tuple[int, ...]
+    finished: bool
+
+
+class Scheduler:
+    """Owns the waiting and running queues; builds micro-batches and applies their results."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.clock = clock
+        self.waiting: deque[Sequence] = deque()   # FCFS; preempted sequences go to the front
+        self.running: list[Sequence] = []         # hold KV blocks, in order of (re)admission
+        self.num_preemptions = 0                  # all preemptions by recompute
+        self.num_switch_preemptions = 0           # those forced by a Rebind to fewer blocks
+        self._sequences: dict[str, Sequence] = {}  # unfinished sequences by request_id
+        self._admission_index: dict[str, int] = {}  # add() order: larger = newer, the preemption victim
+        self._admission_counter = itertools.count()
+        self._batch_counter = itertools.count()
+        self._inflight: dict[int, ScheduledBatch] = {}
+        self._inflight_ids: set[str] = set()
+        self._is_frozen = False
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; RequestError if it can never run, QueueFullError past max_waiting."""
+        num_prompt, max_model_len = seq.num_prompt_tokens, self.config.max_model_len
+        if num_prompt == 0:
+            raise RequestError("the prompt is empty")
+        if seq.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {seq.max_tokens}")
+        if num_prompt + seq.max_tokens > max_model_len:
+            raise RequestError(
+                f"the prompt ({num_prompt} tokens) plus max_tokens ({seq.max_tokens}) is "
+                f"{num_prompt + seq.max_tokens} tokens, more than the context of {max_model_len} tokens"
+            )
+        if (needed := self._max_blocks(seq)) > self.block_manager.num_total:
+            raise RequestError(f"the request needs {needed} KV blocks, the cache has "
+                               f"{self.block_manager.num_total}")
+        if seq.request_id in self._sequences:
+            raise RequestError(f"request id {seq.request_id!r} is already in use")
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_ids:
+            raise ValueError(f"{seq.request_id} is not a fresh sequence")
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_waiting)",
+                                 retry_after_s=self.config.retry_after_s)
+        self._sequences[seq.request_id] = seq
+        self._admission_index[seq.request_id] = next(self._admission_counter)
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch | None:
+        """The next micro-batch from the sequences not in flight; None when frozen or nothing can run.
+
+        The caller keeps up to config.num_inflight_batches (= the live pp, which a reconfiguration changes) in flight.
+        """
+        if self._is_frozen:
+            return None
+        budget = self.config.max_num_batched_tokens
+        items: list[ScheduledItem] = []
+        scheduled: set[str] = set()
+        preempted = False
+        # Decodes first (one token each), then the next chunks of running prefills.
+        for decodes in (True, False):
+            for seq in list(self.running):
+                if budget == 0:
+                    break
+                # A sequence scheduled as a decode still is one in the second pass: it is never fed twice.
+                if (seq.status is not SequenceStatus.RUNNING or seq.request_id in self._inflight_ids
+                        or seq.is_prefill == decodes):
+                    continue
+                num_new_tokens = min(seq.num_uncomputed_tokens, budget)
+                if not self.config.enable_chunked_prefill and num_new_tokens < seq.num_uncomputed_tokens:
+                    continue
+                while not self.block_manager.append_slots(seq, num_new_tokens):
+                    victim = self._newest_running(exclude=scheduled)
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        break
+                else:
+                    items.append(self._item(seq, num_new_tokens))
+                    scheduled.add(seq.request_id)
+                    budget -= num_new_tokens
+        # New prefills, FCFS, only in a step that preempted nothing (blocks are short otherwise).
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            num_new_tokens = min(seq.num_uncomputed_tokens, budget)
+            if not self.config.enable_chunked_prefill and num_new_tokens < seq.num_uncomputed_tokens:
+                break
+            if not self.block_manager.can_allocate(self.block_manager.num_blocks_needed(seq, num_new_tokens)):
+                break
+            self.block_manager.allocate(seq, num_new_tokens)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.num_prefills += 1
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = self.clock()
+            self.running.append(seq)
+            items.append(self._item(seq, num_new_tokens))
+            budget -= num_new_tokens
+        if not items:
+            return None
+        batch = ScheduledBatch(next(self._batch_counter), tuple(items))
+        self._inflight[batch.batch_id] = batch
+        self._inflight_ids.update(item.seq.request_id for item in items)
+        return batch
+
+    def on_batch_done(self, batch: ScheduledBatch, sampled: Mapping[str, int]) -> list[SequenceUpdate]:
+        """Apply a finished step: advance the caches, append sampled tokens, finish and free what is done.
+
+        `sampled` maps request_id -> token for the items whose step sampled. Sequences aborted or finished while
+        in flight are freed here and get no update.
+        """
+        if self._inflight.pop(batch.batch_id, None) is None:
+            raise ValueError(f"batch {batch.batch_id} is not in flight")
+        now, updates = self.clock(), []
+        for item in batch.items:
+            seq, step = item.seq, item.step
+            self._inflight_ids.discard(seq.request_id)
+            if seq.is_finished:
+                self.block_manager.free(seq)
+                continue
+            seq.num_computed_tokens += len(step.token_ids)
+            if not step.sample:
+                updates.append(SequenceUpdate(seq, (), False))
+                continue
+            if seq.request_id not in sampled:
+                raise ValueError(f"no sampled token for {seq.request_id} in batch {batch.batch_id}")
+            token_id = sampled[seq.request_id]
+            seq.output_token_ids.append(token_id)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if token_id in seq.stop_token_ids:
+                self._finish(seq, SequenceStatus.FINISHED_STOPPED)
+            elif len(seq.output_token_ids) >= seq.max_tokens:
+                self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+            updates.append(SequenceUpdate(seq, (token_id,), seq.is_finished))
+        return updates
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request in any state (its blocks are freed now, or when its in-flight step returns)."""
+        return self.finish(request_id, SequenceStatus.FINISHED_ABORTED)
+
+    def finish(self, request_id: str, status: SequenceStatus = SequenceStatus.FINISHED_STOPPED) -> bool:
+        """End a request the engine decided is done (a stop string); False when the id is unknown or finished."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        seq = self._sequences.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, status)
+        return True
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+        seq.status = status
+        seq.finished_time = self.clock()
+        del self._sequences[seq.request_id]
+        del self._admission_index[seq.request_id]
+        if seq.request_id not in self._inflight_ids:
+            self.block_manager.free(seq)
+
+    def _newest_running(self, exclude: Iterable[str] = (), among: set[str] | None = None) -> Sequence:
+        candidates = [s for s in self.running if s.request_id not in self._inflight_ids
+                      and s.request_id not in exclude and (among is None or s.request_id in among)]
+        return max(candidates, key=lambda s: self._admission_index[s.request_id])
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preempt by recompute: drop seq's KV and queue it first; it later re-prefills prompt + outputs."""
+        self.block_manager.free(seq)
+        self.running.remove(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def freeze(self) -> None:
+        """Stop building steps (QUIESCING); admission stays open and in-flight steps still complete."""
+        self._is_frozen = True
+
+    def unfreeze(self) -> None:
+        self._is_frozen = False
+
+    @property
+    def is_frozen(self) -> bool:
+        return self._is_frozen
+
+    def rebind(self, num_blocks: int) -> list[Sequence]:
+        """Take a new KV capacity (REBINDING); preempts, newest first, the owners of ids past it. Returns them."""
+        if not self._is_frozen or self._inflight:
+            raise RuntimeError("rebind needs a frozen scheduler with nothing in flight")
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        too_large = [s.request_id for s in self._sequences.values() if self._max_blocks(s) > num_blocks]
+        if too_large:
+            raise ValueError(f"{len(too_large)} requests (e.g. {too_large[0]!r}) need more than {num_blocks} blocks")
+        preempted = []
+        while blocking := self.block_manager.resize(num_blocks):
+            owners = {self.block_manager.owner(block_id) for block_id in blocking}
+            victim = self._newest_running(among=owners)
+            self._preempt(victim)
+            self.num_switch_preemptions += 1
+            preempted.append(victim)
+        return preempted
+
+    def _max_blocks(self, seq: Sequence) -> int:
+        # The KV a sequence ever holds: every token but the last one sampled.
+        return num_blocks_for(seq.num_prompt_tokens + seq.max_tokens - 1, self.block_manager.block_size)
+
+    def _item(self, seq: Sequence, num_new_tokens: int) -> ScheduledItem:
+        start = seq.num_computed_tokens
+        step = SequenceStep(
+            request_id=seq.request_id,
+            token_ids=tuple(seq.all_token_ids[start:start + num_new_tokens]),
+            start_position=start,
+            block_table=tuple(seq.block_ids),
+            sampling=seq.sampling,
+            sample=start + num_new_tokens == seq.num_tokens,
+            num_generated=len(seq.output_token_ids),
+        )
+        return ScheduledItem(seq, step)
+
+    def get(self, request_id: str) -> Sequence | None:
+        """The unfinished sequence with this id, or None."""
+        return self._sequences.get(request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_inflight_batches(self) -> int:
+        return len(self._inflight)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._sequences) or bool(self._inflight)

@@ -1,0 +1,99 @@
+"""A request as the scheduler sees it: its tokens, how many of them are cached on the workers, and its blocks."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from services.router.contracts import GenerationRequest
+from services.worker.step import GREEDY, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life: queued, holding KV blocks, or done (and why)."""
+
+    WAITING = "waiting"                  # queued; holds no KV blocks (new, or preempted by recompute)
+    RUNNING = "running"                  # holds KV blocks; prefilling in chunks or decoding
+    FINISHED_STOPPED = "stopped"         # a stop token (or an engine-detected stop string)
+    FINISHED_LENGTH = "length"           # max_tokens generated
+    FINISHED_ABORTED = "aborted"         # the client went away or the request was cancelled
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI finish_reason ("stop" | "length" | "abort"), None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISHED = frozenset({SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                       SequenceStatus.FINISHED_ABORTED})
+_FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
+                   SequenceStatus.FINISHED_ABORTED: "abort"}
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One request's mutable scheduling state; the scheduler owns it, workers only see SequenceSteps."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = GREEDY
+    stop_token_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0         # tokens whose KV is cached on the workers (after the last finished step)
+    block_ids: list[int] = field(default_factory=list)  # global KV block ids, in token order
+    status: SequenceStatus = SequenceStatus.WAITING
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0             # times its KV was dropped to be recomputed later
+    num_prefills: int = 0                # times its prefix was (re)prefilled: 1 + preemptions once it ran
+
+    @classmethod
+    def from_request(cls, request: GenerationRequest, arrival_time: float | None = None) -> Sequence:
+        """A fresh WAITING sequence for `request` (stop strings stay with the engine: they need the text)."""
+        return cls(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            max_tokens=request.max_tokens,
+            sampling=request.sampling,
+            stop_token_ids=frozenset(request.stop_token_ids),
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+        )
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to feed before the next token can be sampled (1 for a decode: the last sampled token)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while the cache lacks more than the last sampled token, or holds nothing of this sequence.
+
+        A decode feeds exactly one token on top of a non-empty cache; everything else (a new prompt, a later chunk
+        of it, a preempted sequence re-feeding prompt + outputs) is a prefill. The one-token last chunk of a
+        chunked prompt counts as a decode: it is fed and sampled exactly like one.
+        """
+        return self.num_computed_tokens == 0 or self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

@@ -1,0 +1,460 @@
+"""Scheduler: admission, continuous batching, chunked prefill, preemption by recompute, abort, freeze/rebind.
+
+The driver below plays the workers: a paged KV store indexed by the global block ids of each step. A step
+writes its tokens into the slots its block table names, and a sampling step reads the whole prefix back from
+the cache and "samples" a deterministic function of it. So a wrong block table, a block shared by two live
+sequences, or a preempted sequence that does not re-prefill its whole prefix changes the generated tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from services.router.block_manager import BlockManager, num_blocks_for
+from services.router.config import SchedulerConfig
+from services.router.contracts import GenerationRequest, QueueFullError, RequestError
+from services.router.scheduler import ScheduledBatch, Scheduler
+from services.router.sequence import Sequence, SequenceStatus
+
+VOCAB = 97
+
+
+def next_token(prefix: list[int]) -> int:
+    """The fake model: a deterministic function of the whole prefix."""
+    return (31 * sum(prefix) + 7 * len(prefix) + 3 * prefix[-1]) % VOCAB
+
+
+def expected_output(prompt: list[int], max_tokens: int, stop_token_ids=frozenset()) -> list[int]:
+    tokens, output = list(prompt), []
+    while len(output) < max_tokens:
+        output.append(next_token(tokens))
+        tokens.append(output[-1])
+        if output[-1] in stop_token_ids:
+            break
+    return output
+
+
+def prompt_of(index: int, length: int) -> list[int]:
+    return [(index * 7 + i * 13 + 1) % VOCAB for i in range(length)]
+
+
+class PagedWorkers:
+    """Executes steps against a paged KV store of token ids, the way workers use the global block ids."""
+
+    def __init__(self, block_manager: BlockManager) -> None:
+        self.block_manager = block_manager
+        self.cache: dict[int, list[int | None]] = {}
+
+    def run(self, batch: ScheduledBatch) -> dict[str, int]:
+        size, sampled = self.block_manager.block_size, {}
+        for item in batch.items:
+            step, seq = item.step, item.seq
+            end = step.start_position + len(step.token_ids)
+            assert len(step.block_table) == num_blocks_for(end, size)
+            assert all(0 <= b < self.block_manager.num_total for b in step.block_table)
+            for offset, token in enumerate(step.token_ids):
+                position = step.start_position + offset
+                block = self.cache.setdefault(step.block_table[position // size], [None] * size)
+                block[position % size] = token
+            if step.sample:
+                prefix = [self.cache[step.block_table[p // size]][p % size] for p in range(end)]
+                assert prefix == seq.all_token_ids, f"{seq.request_id}: cached prefix differs from its tokens"
+                sampled[step.request_id] = next_token(prefix)
+        return sampled
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_model_len=256, **config) -> Scheduler:
+    clock = iter(range(1, 10**9))
+    return Scheduler(SchedulerConfig(max_model_len=max_model_len, **config), BlockManager(num_blocks, block_size),
+                     clock=lambda: float(next(clock)))
+
+
+def seq_of(request_id: str, prompt: list[int], max_tokens: int, stop_token_ids=frozenset()) -> Sequence:
+    return Sequence.from_request(GenerationRequest(request_id, tuple(prompt), max_tokens,
+                                                   stop_token_ids=frozenset(stop_token_ids)))
+
+
+def run_step(scheduler: Scheduler, workers: PagedWorkers):
+    batch = scheduler.schedule()
+    assert batch is not None
+    return batch, scheduler.on_batch_done(batch, workers.run(batch))
+
+
+def drain(scheduler: Scheduler, workers: PagedWorkers, max_steps=10_000) -> None:
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished:
+            return
+        run_step(scheduler, workers)
+    raise AssertionError("requests did not finish")
+
+
+def test_sequence_token_accounting():
+    seq = seq_of("a", [4], 3)
+    assert (seq.num_tokens, seq.num_uncomputed_tokens, seq.is_prefill) == (1, 1, True)  # a 1-token prompt
+    seq.num_computed_tokens = 1
+    seq.output_token_ids.append(9)
+    assert (seq.all_token_ids, seq.num_uncomputed_tokens, seq.is_prefill) == ([4, 9], 1, False)  # a decode
+    seq.num_computed_tokens = 0  # preempted: prompt and output are fed again
+    assert (seq.num_uncomputed_tokens, seq.is_prefill, seq.is_finished) == (2, True, False)
+    seq.status = SequenceStatus.FINISHED_ABORTED
+    assert seq.is_finished and seq.status.finish_reason == "abort"
+    assert SequenceStatus.WAITING.finish_reason is None
+
+
+# ---- admission ---------------------------------------------------------------------------------------------
+
+def test_add_refuses_requests_that_can_never_run():
+    scheduler = make_scheduler(num_blocks=8, block_size=4, max_model_len=40)
+    with pytest.raises(RequestError, match="empty"):
+        scheduler.add(seq_of("a", [], 4))
+    with pytest.raises(RequestError) as error:
+        scheduler.add(seq_of("b", prompt_of(0, 30), 11))
+    assert "30" in str(error.value) and "11" in str(error.value) and "40" in str(error.value)
+    with pytest.raises(RequestError, match="KV blocks"):
+        scheduler.add(seq_of("c", prompt_of(0, 30), 4))  # 33 cached tokens need 9 blocks, the cache has 8
+    with pytest.raises(RequestError, match="max_tokens"):
+        scheduler.add(seq_of("d", [1], 0))
+    scheduler.add(seq_of("e", prompt_of(0, 30), 3))  # 32 cached tokens: exactly 8 blocks
+    with pytest.raises(RequestError, match="already in use"):
+        scheduler.add(seq_of("e", [1], 1))
+    assert scheduler.num_waiting == 1
+
+
+def test_queue_full_raises_with_retry_after_and_frozen_still_admits():
+    scheduler = make_scheduler(max_waiting=2, retry_after_s=2.5)
+    scheduler.freeze()
+    scheduler.add(seq_of("a", [1], 1))
+    scheduler.add(seq_of("b", [1], 1))
+    with pytest.raises(QueueFullError) as error:
+        scheduler.add(seq_of("c", [1], 1))
+    assert error.value.retry_after_s == 2.5
+    assert scheduler.schedule() is None and scheduler.num_waiting == 2
+
+
+# ---- batching ----------------------------------------------------------------------------------------------
+
+def test_prefill_then_decodes_build_steps_like_the_offline_loop():
+    scheduler, prompt = make_scheduler(block_size=4), prompt_of(1, 5)
+    workers = PagedWorkers(scheduler.block_manager)
+    seq = seq_of("a", prompt, 3)
+    scheduler.add(seq)
+    batch, updates = run_step(scheduler, workers)
+    (step,) = batch.steps
+    assert (step.token_ids, step.start_position, step.block_table, step.sample, step.num_generated) == (
+        tuple(prompt), 0, (0, 1), True, 0)
+    want = expected_output(prompt, 3)
+    assert [(u.new_token_ids, u.finished) for u in updates] == [((want[0],), False)]
+    assert seq.first_scheduled_time is not None and seq.first_token_time is not None
+    batch, _ = run_step(scheduler, workers)
+    assert batch.steps[0].token_ids == (want[0],) and batch.steps[0].start_position == 5
+    assert batch.steps[0].num_generated == 1
+    _, updates = run_step(scheduler, workers)
+    assert updates[0].finished and seq.status is SequenceStatus.FINISHED_LENGTH
+    assert seq.output_token_ids == want and seq.status.finish_reason == "length"
+    assert scheduler.block_manager.num_used == 0 and not scheduler.has_unfinished
+    assert scheduler.schedule() is None and scheduler.get("a") is None
+
+
+def test_chunked_prefill_feeds_exactly_the_prompt_and_samples_once():
+    scheduler, prompt = make_scheduler(max_num_batched_tokens=8), prompt_of(2, 20)
+    workers = PagedWorkers(scheduler.block_manager)
+    seq = seq_of("a", prompt, 2)
+    scheduler.add(seq)
+    fed, samples = [], []
+    for _ in range(3):
+        batch, updates = run_step(scheduler, workers)
+        (step,) = batch.steps
+        assert step.start_position == len(fed)
+        fed += step.token_ids
+        samples.append(step.sample)
+        assert updates[0].new_token_ids == (() if not step.sample else (seq.output_token_ids[0],))
+    assert fed == prompt and samples == [False, False, True] and seq.num_prefills == 1
+    drain(scheduler, workers)
+    assert seq.output_token_ids == expected_output(prompt, 2)
+
+
+def test_decodes_go_first_and_the_token_budget_holds():
+    scheduler = make_scheduler(max_num_batched_tokens=6)
+    workers = PagedWorkers(scheduler.block_manager)
+    for name in ("a", "b"):
+        scheduler.add(seq_of(name, prompt_of(3, 3), 5))
+    run_step(scheduler, workers)  # both prompts: 6 tokens
+    scheduler.add(seq_of("c", prompt_of(4, 10), 5))
+    batch, _ = run_step(scheduler, workers)
+    assert [(s.request_id, len(s.token_ids), s.sample) for s in batch.steps] == [
+        ("a", 1, True), ("b", 1, True), ("c", 4, False)]
+    batch, _ = run_step(scheduler, workers)  # c's next chunk comes after the decodes
+    assert [(s.request_id, len(s.token_ids)) for s in batch.steps] == [("a", 1), ("b", 1), ("c", 4)]
+    assert batch.num_tokens == 6
+
+
+def test_max_num_seqs_bounds_the_running_set():
+    scheduler = make_scheduler(max_num_seqs=2)
+    workers = PagedWorkers(scheduler.block_manager)
+    for name in "abc":
+        scheduler.add(seq_of(name, [5, 6], 2))
+    batch, _ = run_step(scheduler, workers)
+    assert [s.request_id for s in batch.steps] == ["a", "b"] and scheduler.num_waiting == 1
+    batch, _ = run_step(scheduler, workers)  # a and b finish in this step; c is admitted only after
+    assert [s.request_id for s in batch.steps] == ["a", "b"]
+    batch, _ = run_step(scheduler, workers)
+    assert [s.request_id for s in batch.steps] == ["c"]
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_step_with_room():
+    scheduler = make_scheduler(max_model_len=16, max_num_batched_tokens=16, enable_chunked_prefill=False)
+    workers = PagedWorkers(scheduler.block_manager)
+    scheduler.add(seq_of("a", prompt_of(0, 10), 3))
+    scheduler.add(seq_of("b", prompt_of(1, 10), 3))
+    batch, _ = run_step(scheduler, workers)
+    assert [(s.request_id, len(s.token_ids)) for s in batch.steps] == [("a", 10)]
+    batch, _ = run_step(scheduler, workers)
+    assert [(s.request_id, len(s.token_ids)) for s in batch.steps] == [("a", 1), ("b", 10)]
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_model_len=32, max_num_batched_tokens=16, enable_chunked_prefill=False)
+
+
+def test_inflight_micro_batches_are_disjoint():
+    scheduler = make_scheduler(num_inflight_batches=2, max_num_batched_tokens=4)
+    workers = PagedWorkers(scheduler.block_manager)
+    for name in "abc":
+        scheduler.add(seq_of(name, prompt_of(5, 4), 3))
+    first, second = scheduler.schedule(), scheduler.schedule()
+    assert [s.request_id for s in first.steps] == ["a"] and [s.request_id for s in second.steps] == ["b"]
+    assert scheduler.num_inflight_batches == 2
+    scheduler.on_batch_done(first, workers.run(first))
+    third = scheduler.schedule()  # a decodes (b is still in flight), c's prompt fills the rest of the budget
+    assert [(s.request_id, len(s.token_ids)) for s in third.steps] == [("a", 1), ("c", 3)]
+    assert scheduler.schedule() is None  # every sequence is in flight
+    with pytest.raises(ValueError, match="not in flight"):
+        scheduler.on_batch_done(first, {})
+    scheduler.on_batch_done(second, workers.run(second))
+    scheduler.on_batch_done(third, workers.run(third))
+    drain(scheduler, workers)
+    assert scheduler.block_manager.num_used == 0
+
+
+def test_stop_token_finishes_the_sequence():
+    prompt = prompt_of(6, 4)
+    want = expected_output(prompt, 10)
+    scheduler = make_scheduler()
+    workers = PagedWorkers(scheduler.block_manager)
+    seq = seq_of("a", prompt, 10, stop_token_ids={want[2]})
+    scheduler.add(seq)
+    drain(scheduler, workers)
+    assert seq.output_token_ids == want[:want.index(want[2]) + 1]
+    assert seq.status is SequenceStatus.FINISHED_STOPPED and seq.status.finish_reason == "stop"
+
+
+# ---- preemption --------------------------------------------------------------------------------------------
+
+def test_out_of_blocks_preempts_the_newest_which_re_prefills_its_whole_prefix():
+    scheduler = make_scheduler(num_blocks=4, block_size=2)
+    workers = PagedWorkers(scheduler.block_manager)
+    a, b = seq_of("a", prompt_of(7, 4), 3), seq_of("b", prompt_of(8, 4), 3)
+    scheduler.add(a)
+    scheduler.add(b)
+    run_step(scheduler, workers)  # both prefilled: all 4 blocks used
+    batch, _ = run_step(scheduler, workers)  # a's decode needs a 3rd block: b (newest) is preempted
+    assert [s.request_id for s in batch.steps] == ["a"]
+    assert b.status is SequenceStatus.WAITING and b.block_ids == [] and b.num_computed_tokens == 0
+    assert (b.num_preemptions, scheduler.num_preemptions, list(scheduler.waiting)) == (1, 1, [b])
+    b_output_before = list(b.output_token_ids)
+    while b.status is SequenceStatus.WAITING:
+        batch, _ = run_step(scheduler, workers)
+    (step,) = [s for s in batch.steps if s.request_id == "b"]
+    assert (list(step.token_ids), step.start_position) == (b.prompt_token_ids + b_output_before, 0)
+    drain(scheduler, workers)
+    assert a.output_token_ids == expected_output(a.prompt_token_ids, 3)
+    assert b.output_token_ids == expected_output(b.prompt_token_ids, 3)
+    assert b.num_prefills == 2 and a.num_prefills == 1 and scheduler.block_manager.num_free == 4
+
+
+def test_a_sequence_preempts_itself_when_every_other_one_is_in_flight():
+    scheduler = make_scheduler(num_blocks=4, block_size=2, num_inflight_batches=2, max_num_batched_tokens=4)
+    workers = PagedWorkers(scheduler.block_manager)
+    a, b = seq_of("a", prompt_of(9, 4), 2), seq_of("b", prompt_of(10, 4), 2)
+    scheduler.add(a)
+    scheduler.add(b)
+    first, second = scheduler.schedule(), scheduler.schedule()
+    scheduler.on_batch_done(first, workers.run(first))
+    assert scheduler.schedule() is None  # a needs a block; b is in flight, so a is the only victim
+    assert a.status is SequenceStatus.WAITING and a.num_preemptions == 1 and list(scheduler.waiting) == [a]
+    scheduler.on_batch_done(second, workers.run(second))
+    drain(scheduler, workers)
+    assert a.output_token_ids == expected_output(a.prompt_token_ids, 2)
+    assert b.output_token_ids == expected_output(b.prompt_token_ids, 2)
+
+
+# ---- abort, finish -----------------------------------------------------------------------------------------
+
+def test_abort_frees_everything_in_every_state():
+    scheduler = make_scheduler(num_inflight_batches=2, max_num_batched_tokens=4)
+    workers, manager = PagedWorkers(scheduler.block_manager), scheduler.block_manager
+    for name in "abcd":
+        scheduler.add(seq_of(name, prompt_of(11, 4), 5))
+    first, second = scheduler.schedule(), scheduler.schedule()  # a, b in flight; c, d waiting
+    assert scheduler.abort("d") and scheduler.num_waiting == 1  # waiting
+    assert scheduler.abort("b") and manager.num_used == 2  # in flight: blocks kept until the step returns
+    assert scheduler.get("b") is None and scheduler.num_running == 1
+    updates = scheduler.on_batch_done(second, workers.run(second))
+    assert updates == [] and manager.num_used == 1
+    scheduler.on_batch_done(first, workers.run(first))
+    assert scheduler.abort("a") and manager.num_used == 0  # running, not in flight
+    assert not scheduler.abort("a") and not scheduler.abort("nope")
+    assert scheduler.finish("c", SequenceStatus.FINISHED_STOPPED)
+    assert not scheduler.has_unfinished and manager.num_free == manager.num_total
+    with pytest.raises(ValueError):
+        scheduler.finish("x", SequenceStatus.RUNNING)
+
+
+# ---- live reconfiguration ----------------------------------------------------------------------------------
+
+def test_freeze_stops_scheduling_and_in_flight_steps_still_complete():
+    scheduler = make_scheduler()
+    workers = PagedWorkers(scheduler.block_manager)
+    scheduler.add(seq_of("a", [1, 2, 3], 2))
+    batch = scheduler.schedule()
+    scheduler.freeze()
+    assert scheduler.is_frozen and scheduler.schedule() is None
+    scheduler.on_batch_done(batch, workers.run(batch))
+    assert scheduler.schedule() is None
+    scheduler.unfreeze()
+    drain(scheduler, workers)
+    assert scheduler.get("a") is None
+
+
+def test_rebind_shrink_preempts_newest_owners_of_ids_past_the_new_size():
+    scheduler = make_scheduler(num_blocks=12, block_size=2)
+    workers, manager = PagedWorkers(scheduler.block_manager), scheduler.block_manager
+    seqs = [seq_of(name, prompt_of(i, 5), 3) for i, name in enumerate("abc")]
+    for seq in seqs:
+        scheduler.add(seq)
+    batch = scheduler.schedule()  # a: 0-2, b: 3-5, c: 6-8
+    with pytest.raises(RuntimeError):
+        scheduler.rebind(4)  # not frozen
+    scheduler.freeze()
+    with pytest.raises(RuntimeError):
+        scheduler.rebind(4)  # a step in flight
+    scheduler.on_batch_done(batch, workers.run(batch))
+    with pytest.raises(ValueError, match="need more than"):
+        scheduler.rebind(3)  # each request needs 4 blocks at the end
+    assert scheduler.rebind(4) == [seqs[2], seqs[1]]
+    assert (manager.num_total, manager.num_used, scheduler.num_switch_preemptions) == (4, 3, 2)
+    assert list(scheduler.waiting) == [seqs[1], seqs[2]] and scheduler.num_preemptions == 2
+    assert scheduler.rebind(16) == [] and manager.num_total == 16
+    scheduler.unfreeze()
+    drain(scheduler, workers)
+    assert all(s.output_token_ids == expected_output(s.prompt_token_ids, 3) for s in seqs)
+    assert [s.num_prefills for s in seqs] == [1, 2, 2]
+    assert manager.num_free == 16
+
+
+# ---- random workloads --------------------------------------------------------------------------------------
+
+@st.composite
+def workloads(draw):
+    block_size = draw(st.integers(1, 6))
+    requests = draw(st.lists(st.tuples(st.integers(0, 20), st.integers(1, 30), st.integers(1, 12)),
+                             min_size=1, max_size=14))
+    largest = max(num_blocks_for(p + m - 1, block_size) for _, p, m in requests)
+    chunked = draw(st.booleans())
+    config = dict(
+        max_model_len=64,
+        max_num_seqs=draw(st.integers(1, 8)),
+        max_num_batched_tokens=draw(st.integers(1, 40)) if chunked else 64,
+        num_inflight_batches=draw(st.integers(1, 3)),
+        enable_chunked_prefill=chunked,
+    )
+    num_blocks = draw(st.integers(largest, largest * 3))
+    stop_token_ids = frozenset(draw(st.sets(st.integers(0, VOCAB - 1), max_size=2)))
+    aborts = draw(st.lists(st.tuples(st.integers(0, 60), st.integers(0, len(requests) - 1)), max_size=3))
+    return block_size, num_blocks, config, requests, stop_token_ids, aborts
+
+
+@settings(max_examples=100, deadline=None)
+@given(workloads())
+def test_random_workloads_finish_correctly_under_every_invariant(workload):
+    scheduler = simulate(*workload)
+    event(f"preempted: {scheduler.num_preemptions > 0}")
+
+
+def test_a_heavy_pipelined_workload_with_scarce_blocks_preempts_and_still_finishes_correctly():
+    rng = random.Random(0)
+    requests = [(rng.randrange(0, 40), rng.randrange(1, 40), rng.randrange(1, 20)) for _ in range(60)]
+    config = dict(max_model_len=64, max_num_seqs=16, max_num_batched_tokens=24, num_inflight_batches=2)
+    scheduler = simulate(4, 16, config, requests, frozenset(), [(30, 5), (31, 17)])
+    assert scheduler.num_preemptions > 10
+
+
+def simulate(block_size, num_blocks, config, requests, stop_token_ids, aborts) -> Scheduler:
+    """Replay a workload (arrival tick, prompt length, max_tokens) with aborts (tick, index); check everything."""
+    scheduler = make_scheduler(num_blocks, block_size, **config)
+    workers, manager = PagedWorkers(scheduler.block_manager), scheduler.block_manager
+    seqs = [seq_of(f"r{i}", prompt_of(i, p), m, stop_token_ids) for i, (_, p, m) in enumerate(requests)]
+    arrivals = deque(sorted(range(len(requests)), key=lambda i: (requests[i][0], i)))
+    add_order, first_scheduled, aborted, inflight = [], [], set(), deque()
+    for tick in range(20_000):
+        if not arrivals and not scheduler.has_unfinished:
+            break
+        while arrivals and requests[arrivals[0]][0] <= tick:
+            scheduler.add(seqs[arrivals[0]])
+            add_order.append(arrivals.popleft())
+        for _, index in [a for a in aborts if a[0] == tick]:
+            if index in add_order and scheduler.abort(f"r{index}"):
+                aborted.add(index)
+        while len(inflight) < config["num_inflight_batches"] and (batch := scheduler.schedule()) is not None:
+            busy = {item.seq.request_id for b in inflight for item in b.items}
+            names = [item.seq.request_id for item in batch.items]
+            assert len(set(names)) == len(names) and not busy & set(names), "micro-batches overlap"
+            assert batch.num_tokens <= config["max_num_batched_tokens"]
+            assert scheduler.num_running <= config["max_num_seqs"]
+            for item in batch.items:
+                step, seq = item.step, item.seq
+                assert step.start_position == seq.num_computed_tokens and step.num_generated == len(
+                    seq.output_token_ids)
+                end = step.start_position + len(step.token_ids)
+                assert len(step.token_ids) >= 1
+                assert list(step.token_ids) == seq.all_token_ids[step.start_position:end]
+                assert step.sample == (end == seq.num_tokens)
+                if int(seq.request_id[1:]) not in first_scheduled:
+                    first_scheduled.append(int(seq.request_id[1:]))
+            inflight.append(batch)
+        if inflight:
+            batch = inflight.popleft()  # the pipeline returns micro-batches in order
+            scheduler.on_batch_done(batch, workers.run(batch))
+        _check_blocks(scheduler, inflight)
+    else:
+        raise AssertionError("the workload did not finish")
+    assert manager.num_used == 0 and manager.num_free == manager.num_total == num_blocks
+    assert first_scheduled == sorted(first_scheduled, key=add_order.index), "first scheduling is not FCFS"
+    assert scheduler.num_preemptions == sum(s.num_preemptions for s in seqs)
+    for i, seq in enumerate(seqs):
+        assert seq.is_finished
+        if i in aborted:
+            assert seq.status is SequenceStatus.FINISHED_ABORTED
+            continue
+        assert seq.output_token_ids == expected_output(seq.prompt_token_ids, seq.max_tokens, stop_token_ids)
+        assert seq.num_prefills == seq.num_preemptions + 1
+    return scheduler
+
+
+def _check_blocks(scheduler: Scheduler, inflight: deque[ScheduledBatch]) -> None:
+    manager = scheduler.block_manager
+    step_of = {item.seq.request_id: item.step for batch in inflight for item in batch.items}
+    holders = {s.request_id: s for s in scheduler.running}
+    holders.update({item.seq.request_id: item.seq for batch in inflight for item in batch.items})
+    owned = [b for s in holders.values() for b in s.block_ids]
+    assert len(owned) == len(set(owned)), "a block is owned by two sequences"
+    assert manager.num_used == len(owned) and manager.num_free + manager.num_used == manager.num_total
+    for seq in holders.values():
+        step = step_of.get(seq.request_id)
+        cached = seq.num_computed_tokens + (len(step.token_ids) if step else 0)
+        assert len(seq.block_ids) == num_blocks_for(cached, manager.block_size)
+    for seq in scheduler.waiting:
+        assert seq.block_ids == [] and seq.num_computed_tokens == 0
