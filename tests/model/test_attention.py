@@ -75,3 +75,20 @@ def test_short_block_table_is_an_error():
 
     with pytest.raises(ValueError, match="2 needed for 5 tokens"):
         AttentionMetadata.build([0], [5], [[0]], BLOCK, torch.device("cpu"))
+
+
+def test_decodes_of_different_lengths_in_one_batch_equal_dense():
+    torch.manual_seed(3)
+    lengths, tables = [2, 9, 5], [[7], [0, 4, 6], [3, 1]]
+    qs = [torch.randn(n, HEADS, DIM) for n in lengths]
+    ks = [torch.randn(n, KV_HEADS, DIM) for n in lengths]
+    vs = [torch.randn(n, KV_HEADS, DIM) for n in lengths]
+    cache = torch.zeros(2, 8, BLOCK, KV_HEADS, DIM)
+    prefill = AttentionMetadata.build([0, 0, 0], [n - 1 for n in lengths], tables, BLOCK, torch.device("cpu"))
+    write_kv(cache, torch.cat([k[:-1] for k in ks]), torch.cat([v[:-1] for v in vs]), prefill.slot_mapping)
+    decode = AttentionMetadata.build([n - 1 for n in lengths], [1, 1, 1], tables, BLOCK, torch.device("cpu"))
+    assert decode.decodes is not None and not decode.prefills
+    write_kv(cache, torch.stack([k[-1] for k in ks]), torch.stack([v[-1] for v in vs]), decode.slot_mapping)
+    out = paged_attention(torch.stack([q[-1] for q in qs]), cache, decode, DIM**-0.5)
+    for i in range(3):
+        torch.testing.assert_close(out[i], _dense(qs[i], ks[i], vs[i])[-1], atol=1e-5, rtol=1e-5)
