@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: install
-	$(VENV)/bin/reconfig demo
+	$(VENV)/bin/reconfig up
 
 test: install
 	$(PY) -m pytest -q

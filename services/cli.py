@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompts-file", required=True, type=Path,
                      help='JSONL: {"prompt_token_ids": [...]} or {"prompt": "..."} per line')
     gen.add_argument("--json", action="store_true", help='print {"outputs": [{"token_ids", "text"}]}')
+    from services.launch import up as up_module
+
+    up = commands.add_parser("up", help="start the whole stack (weightstore, workers, router, controller)")
+    up_module.add_arguments(up)
     demo = commands.add_parser("demo", help="start the built-in model on 4 workers (TP2PP2) and generate")
     _add_cluster_args(demo, workers=4, topology="tp2pp2")
     _add_sampling_args(demo)
@@ -137,6 +141,13 @@ def _demo_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up_command(args: argparse.Namespace) -> int:
+    from services.launch.up import UpConfig, up
+
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "verbose", "handler")}
+    return up(UpConfig.load(args.config, overrides))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from services.logs import configure_logging
@@ -144,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "verbose", False):
         os.environ.setdefault("RECONFIG_LOG_LEVEL", "WARNING")  # inherited by the service processes
     configure_logging("cli")
-    handlers = {"generate": _generate_command, "demo": _demo_command}
+    handlers = {"generate": _generate_command, "demo": _demo_command, "up": _up_command}
     handler = handlers.get(args.command) or args.handler
     try:
         return handler(args)

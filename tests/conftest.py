@@ -17,7 +17,7 @@ def _config(style: str):
 
     common = dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=160, max_position_embeddings=256, rms_norm_eps=1e-6,
+        num_key_value_heads=2, vocab_size=264, max_position_embeddings=256, rms_norm_eps=1e-6,
         bos_token_id=1, eos_token_id=2, pad_token_id=None,
     )
     if style == "llama":
@@ -65,11 +65,15 @@ def no_leaked_shared_memory():
     """The suite as a whole leaves no weight-store segment behind: no new segment outlives its owner process.
     (Segments of live processes belong to stores still running, possibly outside this test run.)"""
     from services.weightstore.shm import is_process_alive, list_segments, owner_pid
+    from services.worker.kv_cache import KV_SEGMENT_PREFIX
 
-    before = set(list_segments())
+    def segments() -> set[tuple[str, str]]:
+        return {(prefix, name) for prefix in ("reconfig-ws-", KV_SEGMENT_PREFIX) for name in list_segments(prefix)}
+
+    before = segments()
     yield
-    leaked = [s for s in set(list_segments()) - before
-              if (pid := owner_pid(s)) is not None and not is_process_alive(pid)]
+    leaked = [name for prefix, name in segments() - before
+              if (pid := owner_pid(name, prefix)) is not None and not is_process_alive(pid)]
     assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"
 
 

@@ -12,7 +12,7 @@ from services.launch.driver import Driver, StepError
 from services.model.tokenizer import Tokenizer
 from services.router.block_manager import BlockManager
 from services.router.config import SchedulerConfig
-from services.router.contracts import EngineStats, GenerationDelta, GenerationRequest
+from services.router.contracts import EngineStats, GenerationDelta, GenerationRequest, RequestError
 from services.router.output import RequestStream
 from services.router.scheduler import ScheduledBatch, Scheduler
 from services.router.sequence import Sequence, SequenceStatus
@@ -31,8 +31,9 @@ class Engine:
     """Owns the scheduler and the driver; front ends call generate() and read deltas."""
 
     def __init__(self, driver: Driver, tokenizer: Tokenizer, model_name: str, max_model_len: int,
-                 scheduler_config: SchedulerConfig | None = None) -> None:
+                 scheduler_config: SchedulerConfig | None = None, vocab_size: int | None = None) -> None:
         self.driver = driver
+        self.vocab_size = vocab_size  # the model's (may differ from the tokenizer's); ids past it would fail a step
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -78,6 +79,10 @@ class Engine:
     # ---- front-end API ---------------------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         """Admit the request (QueueFullError / RequestError raise here) and stream its deltas."""
+        if self.vocab_size is not None:
+            bad = next((t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise RequestError(f"token id {bad} is outside the model's vocabulary [0, {self.vocab_size})")
         seq = Sequence.from_request(request)
         stream = RequestStream(request, self.tokenizer)
         self.scheduler.add(seq)

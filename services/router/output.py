@@ -35,8 +35,11 @@ class RequestStream:
         if self.finished:
             return False
         self._num_generated = len(seq.output_token_ids)
-        self._pending += "".join(self._decoder.push(t) for t in new_token_ids)
         done = seq.status.is_finished
+        texted = new_token_ids
+        if done and new_token_ids and new_token_ids[-1] in self.request.stop_token_ids:
+            texted = new_token_ids[:-1]  # a stop token ends the text; it is not part of it (as OpenAI does)
+        self._pending += "".join(self._decoder.push(t) for t in texted)
         if done:
             self._pending += self._decoder.flush()
         cut = self._first_stop()

@@ -1,30 +1,109 @@
-"""The worker-side paged KV cache: one tensor per local layer, sized from a memory budget."""
+"""The worker-side paged KV cache: one tensor per local layer, sized from a memory budget.
+
+On CPU every layer lives in its own POSIX shared-memory segment, so a peer worker can copy a layer's blocks
+straight out of it during a live reconfiguration (one memcpy, no staging, no RPC).
+"""
 
 from __future__ import annotations
 
+import itertools
+import os
+
 import torch
+
+from services.weightstore.shm import ShmSegment, cleanup_stale_segments, segment_name
+
+KV_SEGMENT_PREFIX = "reconfig-kv-"
+_serial = itertools.count()
+
+
+def cleanup_stale_kv_segments() -> list[str]:
+    """Remove KV segments of workers that died without cleaning up (kill -9)."""
+    return cleanup_stale_segments(prefix=KV_SEGMENT_PREFIX)
+
+
+def num_blocks_for_budget(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                          budget_bytes: int) -> int:
+    """How many blocks fit in the budget when every local layer holds them."""
+    bytes_per_block = 2 * block_size * num_kv_heads * head_dim * dtype.itemsize * max(num_layers, 1)
+    return budget_bytes // bytes_per_block
+
+
+class KVLayer:
+    """One layer's cache tensor [2, num_blocks, block_size, kv_heads, head_dim], shared-memory backed on CPU."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.segment: ShmSegment | None = None
+        if device.type == "cpu":
+            num_bytes = max(1, int(torch.Size(shape).numel()) * dtype.itemsize)
+            self.segment = ShmSegment.create(segment_name(os.getpid(), next(_serial), KV_SEGMENT_PREFIX), num_bytes)
+            self.tensor = torch.frombuffer(self.segment.buffer, dtype=dtype, count=torch.Size(shape).numel())
+            self.tensor = self.tensor.view(shape)  # zero-filled: a new segment reads as zeros
+        else:
+            self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def segment_name(self) -> str:
+        return self.segment.name if self.segment is not None else ""
+
+    def free(self) -> None:
+        """Release the storage (the tensor must not be used afterwards)."""
+        self.tensor = None
+        if self.segment is not None:
+            self.segment.unlink()
+            self.segment.close()
+            self.segment = None
 
 
 class KVCache:
     """KV blocks of this worker's layers and KV heads. Block ids are global (the scheduler owns them)."""
 
     def __init__(self, layers: range, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, budget_bytes: int) -> None:
+                 device: torch.device, budget_bytes: int | None = None, num_blocks: int | None = None) -> None:
         self.layer_ids = layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
         self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
         self.bytes_per_block = 2 * block_size * num_kv_heads * head_dim * dtype.itemsize * max(len(layers), 1)
-        self.num_blocks = budget_bytes // self.bytes_per_block
-        if self.num_blocks < 1:
-            raise ValueError(
-                f"KV budget of {budget_bytes} bytes is below one block ({self.bytes_per_block} bytes)"
-            )
-        # One tensor per layer, [2 (K, V), num_blocks, block_size, kv_heads, head_dim]: a migration can move and
-        # free a layer at a time.
-        self.layers: list[torch.Tensor] = [
-            torch.zeros(2, self.num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-            for _ in layers
-        ]
+        if num_blocks is None:
+            num_blocks = num_blocks_for_budget(len(layers), num_kv_heads, head_dim, block_size, dtype,
+                                               budget_bytes or 0)
+        if num_blocks < 1:
+            raise ValueError(f"KV budget of {budget_bytes} bytes is below one block ({self.bytes_per_block} bytes)")
+        self.num_blocks = num_blocks
+        self._layers: dict[int, KVLayer] = {layer: self.new_layer() for layer in layers}
+
+    def new_layer(self) -> KVLayer:
+        """Allocate a zeroed layer tensor of this cache's shape (a migration fills it, then swaps it in)."""
+        shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return KVLayer(shape, self.dtype, self.device)
+
+    @property
+    def layers(self) -> list[torch.Tensor]:
+        """Per-layer tensors in layer order (what the model reads and writes)."""
+        return [self._layers[layer].tensor for layer in self.layer_ids]
+
+    def layer(self, layer: int) -> KVLayer:
+        return self._layers[layer]
+
+    def set_layer(self, layer: int, kv_layer: KVLayer) -> None:
+        self._layers[layer] = kv_layer
+
+    def pop_layer(self, layer: int) -> KVLayer:
+        return self._layers.pop(layer)
+
+    def segment_names(self) -> dict[int, str]:
+        """Global layer id -> shared-memory segment name (for peers mapping this cache)."""
+        return {layer: kv.segment_name for layer, kv in self._layers.items()}
 
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.layers)
+
+    def close(self) -> None:
+        """Unlink every segment (on worker exit)."""
+        for kv in self._layers.values():
+            kv.free()
+        self._layers.clear()

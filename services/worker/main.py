@@ -20,7 +20,7 @@ from services.model.spec import ModelSpec
 from services.topology import Topology, candidate_topologies, place
 from services.weightstore.client import MappedCheckpoint, fetch_manifest
 from services.worker.config import WorkerConfig
-from services.worker.kv_cache import KVCache
+from services.worker.kv_cache import KVCache, cleanup_stale_kv_segments
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel import ParallelState
 from services.worker.server import WorkerServicer, start_server
@@ -77,6 +77,7 @@ def _info(config: WorkerConfig, topology: Topology, runner: ModelRunner | None,
 async def serve_worker(config: WorkerConfig, ready: Connection | None = None) -> None:
     """Run one worker until Shutdown, SIGTERM or SIGINT."""
     started = time.perf_counter()
+    cleanup_stale_kv_segments()
     manifest = await fetch_manifest(config.weightstore_address)
     spec = ModelSpec.from_config(json.loads(manifest.config_json))
     topology = Topology.parse(config.topology)
@@ -108,7 +109,9 @@ async def serve_worker(config: WorkerConfig, ready: Connection | None = None) ->
         await servicer.stopped.wait()
     finally:
         await server.stop(grace=1.0)
-        servicer.model_thread.shutdown(wait=False, cancel_futures=True)
+        servicer.model_thread.shutdown(wait=True, cancel_futures=True)
+        if runner is not None:
+            runner.kv_cache.close()
         parallel.close()
         log.info("worker.stopped", rank=config.rank)
 

@@ -86,3 +86,9 @@ async def test_preemption_under_a_small_cache_keeps_outputs_exact(serving_engine
     ))
     assert [r[0] for r in results] == expected
     assert serving_engine.stats().num_preemptions > 0
+
+
+async def test_token_ids_outside_the_model_vocabulary_are_refused(serving_engine):
+    with pytest.raises(RequestError, match="token id 264 is outside the model's vocabulary"):
+        await _collect(serving_engine, GenerationRequest("oov", (5, 264), 3))
+    assert serving_engine.stats().num_waiting == 0

@@ -1,0 +1,70 @@
+"""`python -m services.controller --workers A,B,... --topology tpXppY --token-file F`: run the controller."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from services.controller.server import serve_controller
+from services.controller.state import ControllerConfig
+from services.launch.process import run_service
+from services.rpc.auth import read_token_file
+
+
+def _addresses(text: str) -> tuple[str, ...]:
+    addresses = tuple(a.strip() for a in text.split(",") if a.strip())
+    if not addresses or any(":" not in a for a in addresses):
+        raise argparse.ArgumentTypeError(f"expected host:port[,host:port...], got {text!r}")
+    return addresses
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line flags."""
+    parser = argparse.ArgumentParser(prog="python -m services.controller", description=__doc__)
+    parser.add_argument("--workers", type=_addresses, required=True, help="worker gRPC addresses, by rank")
+    parser.add_argument("--topology", required=True, help="live topology at start, e.g. tp2pp2")
+    parser.add_argument("--token-file", type=Path, required=True, help="file holding the control-plane token")
+    parser.add_argument("--router-grpc", default=None, help="router gRPC address (host:port)")
+    parser.add_argument("--model", default="", help="served model name (display only)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
+    parser.add_argument("--port", type=int, default=50051, help="port to listen on (0: any free port)")
+    parser.add_argument("--port-file", type=Path, help="write the bound port here once ready")
+    parser.add_argument("--interval", type=float, default=1.0, help="refresh interval in seconds")
+    parser.add_argument("--rpc-timeout", type=float, default=2.0, help="deadline of each worker/router call (s)")
+    return parser
+
+
+def write_port_file(path: Path, port: int) -> None:
+    """Write `port` atomically: readers see no file or the whole number."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as file:
+        file.write(f"{port}\n")
+    os.replace(temporary, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the controller until SIGTERM/SIGINT; exit 2 on bad flags, 1 when it cannot start."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = ControllerConfig(
+            token=read_token_file(args.token_file), worker_addresses=args.workers, topology=args.topology,
+            router_grpc_address=args.router_grpc, model=args.model, host=args.host, port=args.port,
+            refresh_interval_s=args.interval, rpc_timeout_s=args.rpc_timeout,
+        )
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
+    on_ready = (lambda port: write_port_file(args.port_file, port)) if args.port_file else None
+    try:
+        run_service("controller", serve_controller(config, on_ready), None)
+    except SystemExit as exc:  # run_service logged the failure
+        return int(exc.code or 0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

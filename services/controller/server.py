@@ -1,0 +1,88 @@
+"""The controller's gRPC server and lifecycle: serve until cancelled or SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+import grpc
+import structlog
+
+from services.controller.servicer import ControllerServicer
+from services.controller.state import ControllerConfig, ControllerState
+
+__all__ = ["ControllerConfig", "run_controller", "serve_controller", "start_controller_grpc"]
+from services.rpc.auth import TokenAuthInterceptor, protect_all
+from services.rpc.errors import ErrorInterceptor
+from services.rpc.reconfig.v1 import controller_pb2_grpc
+
+log = structlog.get_logger(__name__)
+_GRACE_S = 1.0  # open WatchStatus streams are cancelled after this
+
+
+async def start_controller_grpc(state: ControllerState, host: str, port: int,
+                                token: str) -> tuple[grpc.aio.Server, int]:
+    """Start the Controller service (every RPC needs the token); returns the server and the bound port."""
+    server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token, protect_all), ErrorInterceptor()])
+    controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(state), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind the controller gRPC server to {host}:{port}")
+    await server.start()
+    return server, bound
+
+
+def _stop_on_signals(stop: asyncio.Event) -> Callable[[], None]:
+    """SIGTERM/SIGINT set `stop` (main thread only); returns a function that removes the handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    def remove() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+    return remove
+
+
+async def serve_controller(config: ControllerConfig, on_ready: Callable[[int], None] | None = None,
+                           handle_signals: bool = True) -> None:
+    """Run the controller until cancelled (or SIGTERM/SIGINT when handle_signals); on_ready(bound_port) once up."""
+    state = ControllerState(config)
+    await state.open()
+    stop = asyncio.Event()
+    remove_handlers = _stop_on_signals(stop) if handle_signals else (lambda: None)
+    server: grpc.aio.Server | None = None
+    refresher: asyncio.Task | None = None
+    try:
+        server, port = await start_controller_grpc(state, config.host, config.port, config.token)
+        refresher = asyncio.create_task(state.run(), name="controller-refresh")
+        log.info("controller.ready", port=port, topology=config.topology, workers=len(config.worker_addresses),
+                 router=config.router_grpc_address)
+        if on_ready is not None:
+            on_ready(port)
+        await stop.wait()
+        log.info("controller.stopping")
+    finally:
+        remove_handlers()
+        if refresher is not None:
+            refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await refresher
+        if server is not None:
+            await server.stop(_GRACE_S)
+        await state.close()
+
+
+def run_controller(config: ControllerConfig, ready: Connection | None = None) -> None:
+    """Process target (LocalCluster.spawn_service): serve, and send {"port": bound_port} over `ready` once up."""
+    from services.launch.process import run_service
+
+    on_ready = (lambda port: ready.send({"port": port})) if ready is not None else None
+    run_service("controller", serve_controller(config, on_ready), ready)

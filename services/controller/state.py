@@ -1,0 +1,214 @@
+"""ControllerState: the live topology and the worker table, refreshed from the workers and the router."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, replace
+
+import grpc
+import structlog
+
+from services.controller.status import OperationStatus, StackState, StackStatus, WorkerState, WorkerStatus
+from services.router.contracts import EngineStats
+from services.router.grpc_server import stats_from_pb
+from services.rpc.auth import auth_metadata
+from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.topology import Topology
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    """Where the controller listens, what it watches, and how often."""
+
+    token: str                                 # control-plane token: clients must present it, the router wants it
+    worker_addresses: tuple[str, ...]          # host:port of each worker, by rank
+    topology: str                              # live topology at start, e.g. "tp2pp2"
+    router_grpc_address: str | None = None     # None: no router to watch (requests are not reported)
+    model: str = ""                            # served model name, for display
+    host: str = "127.0.0.1"
+    port: int = 50051                          # 0: any free port (reported through on_ready)
+    refresh_interval_s: float = 1.0            # how often the table is refreshed (and WatchStatus at least sends)
+    rpc_timeout_s: float = 2.0                 # deadline of each GetInfo / Stats call
+
+    def __post_init__(self) -> None:
+        if not self.token:
+            raise ValueError("the controller needs a control-plane token")
+        if not self.worker_addresses:
+            raise ValueError("the controller needs at least one worker address")
+        Topology.parse(self.topology)  # TopologyError (a ValueError) on bad text
+        if self.refresh_interval_s <= 0 or self.rpc_timeout_s <= 0:
+            raise ValueError("refresh_interval_s and rpc_timeout_s must be positive")
+
+
+def _rpc_error(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class ControllerState:
+    """Owns the live topology; refreshes the worker table (GetInfo) and the router's stats (Stats) on demand."""
+
+    def __init__(self, config: ControllerConfig) -> None:
+        self.config = config
+        self.topology = Topology.parse(config.topology)  # the controller is the only writer of the live layout
+        self.last_operation: OperationStatus | None = None
+        self._channels: list[grpc.aio.Channel] = []
+        self._worker_stubs: list[worker_pb2_grpc.WorkerStub] = []
+        self._router_stub: router_pb2_grpc.RouterStub | None = None
+        self._status = StackStatus(topology=str(self.topology), state=StackState.STARTING, model=config.model,
+                                   reason="waiting for the first refresh", router_address=self._router_address)
+        self._version = 0
+        self._changed = asyncio.Event()          # replaced on every change; watchers wait on the one they saw
+        self._refresh: asyncio.Future[StackStatus] | None = None
+
+    @property
+    def _router_address(self) -> str:
+        return self.config.router_grpc_address or ""
+
+    async def open(self) -> None:
+        """Open the channels to the workers and the router (they connect lazily)."""
+        for address in self.config.worker_addresses:
+            channel = grpc.aio.insecure_channel(address)
+            self._channels.append(channel)
+            self._worker_stubs.append(worker_pb2_grpc.WorkerStub(channel))
+        if self.config.router_grpc_address:
+            channel = grpc.aio.insecure_channel(self.config.router_grpc_address)
+            self._channels.append(channel)
+            self._router_stub = router_pb2_grpc.RouterStub(channel)
+
+    async def close(self) -> None:
+        """Stop a refresh in progress and close the channels."""
+        if self._refresh is not None and not self._refresh.done():
+            self._refresh.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresh
+        for channel in self._channels:
+            await channel.close()
+        self._channels.clear()
+
+    @property
+    def status(self) -> StackStatus:
+        """The latest snapshot (no RPC)."""
+        return self._status
+
+    @property
+    def version(self) -> int:
+        """Bumped on every change of the status (refresh times aside)."""
+        return self._version
+
+    async def refresh(self) -> StackStatus:
+        """Ask every worker and the router now; concurrent callers share one refresh."""
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.ensure_future(self._refresh_once())
+        return await asyncio.shield(self._refresh)  # a cancelled caller does not cancel the others' refresh
+
+    async def wait_for_change(self, version: int, timeout_s: float) -> StackStatus:
+        """The status once its version differs from `version`, or after `timeout_s` whatever it is."""
+        changed = self._changed
+        if self._version == version:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), timeout_s)
+        return self._status
+
+    def record_operation(self, operation: OperationStatus) -> None:
+        """Set the last operation (the reconfiguration transaction reports its progress here)."""
+        self.last_operation = operation
+        self._publish(self._with_operation(self._status))
+
+    async def run(self) -> None:
+        """Refresh every refresh_interval_s until cancelled."""
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # never let one bad refresh stop the loop
+                log.exception("controller.refresh_failed")
+            await asyncio.sleep(self.config.refresh_interval_s)
+
+    async def _refresh_once(self) -> StackStatus:
+        infos, router = await asyncio.gather(
+            asyncio.gather(*(self._worker_info(stub) for stub in self._worker_stubs)),
+            self._router_stats(),
+        )
+        status = self._build(infos, router)
+        self._publish(status)
+        return status
+
+    async def _worker_info(self, stub: worker_pb2_grpc.WorkerStub) -> worker_pb2.WorkerInfo | str:
+        try:
+            return await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=self.config.rpc_timeout_s)
+        except (grpc.aio.AioRpcError, OSError) as exc:
+            return _rpc_error(exc)
+
+    async def _router_stats(self) -> EngineStats | str | None:
+        if self._router_stub is None:
+            return None
+        try:
+            pb = await self._router_stub.Stats(router_pb2.StatsRequest(), timeout=self.config.rpc_timeout_s,
+                                               metadata=auth_metadata(self.config.token))
+        except (grpc.aio.AioRpcError, OSError) as exc:
+            return _rpc_error(exc)
+        return stats_from_pb(pb)
+
+    def _build(self, infos: list[worker_pb2.WorkerInfo | str], router: EngineStats | str | None) -> StackStatus:
+        """The status from one round of answers; every problem found becomes part of the reason."""
+        live = str(self.topology)
+        reasons: list[str] = []
+        if isinstance(router, str):
+            reasons.append(f"router {self._router_address} unreachable: {router}")
+            router = None
+        elif router is not None and router.topology and router.topology != live:
+            reasons.append(f"router schedules for {router.topology}, the live topology is {live}")
+        used = router.num_kv_blocks_used if router is not None else 0
+        workers = []
+        for rank, (address, info) in enumerate(zip(self.config.worker_addresses, infos, strict=True)):
+            worker = self._worker_status(rank, address, info, live, used)
+            if worker.error:
+                reasons.append(f"worker {rank} ({address}) {worker.error}")
+            workers.append(worker)
+        if reasons:
+            state, reason = StackState.DEGRADED, "; ".join(reasons)
+        elif router is not None and router.is_frozen:
+            state, reason = StackState.FROZEN, "the router is frozen: no step is scheduled"
+        else:
+            state, reason = StackState.SERVING, ""
+        status = StackStatus(topology=live, state=state, model=self.config.model, reason=reason,
+                             workers=tuple(workers), router_address=self._router_address, router=router,
+                             updated_at=time.time())
+        return self._with_operation(status)
+
+    @staticmethod
+    def _worker_status(rank: int, address: str, info: worker_pb2.WorkerInfo | str, live: str,
+                       num_kv_blocks_used: int) -> WorkerStatus:
+        if isinstance(info, str):
+            return WorkerStatus(rank=rank, address=address, state=WorkerState.UNREACHABLE,
+                                error=f"unreachable: {info}")
+        is_active = info.layer_end > info.layer_start  # a standby worker holds no layer
+        error = ""
+        if info.rank != rank:
+            error = f"reports rank {info.rank}"
+        elif info.topology != live:
+            error = f"runs {info.topology}, the live topology is {live}"
+        return WorkerStatus(
+            rank=rank, address=address, state=WorkerState.ACTIVE if is_active else WorkerState.STANDBY,
+            pid=info.pid, device=info.device, pp_rank=info.pp_rank, tp_rank=info.tp_rank,
+            layer_start=info.layer_start, layer_end=info.layer_end,
+            kv_head_start=info.kv_head_start, kv_head_end=info.kv_head_end,
+            num_kv_blocks_used=num_kv_blocks_used if is_active else 0, num_kv_blocks_total=info.num_kv_blocks,
+            param_bytes=info.param_bytes, kv_cache_bytes=info.kv_cache_bytes, error=error,
+        )
+
+    def _with_operation(self, status: StackStatus) -> StackStatus:
+        return replace(status, last_operation=self.last_operation)
+
+    def _publish(self, status: StackStatus) -> None:
+        changed = not status.same_as(self._status)
+        self._status = status
+        if changed:
+            self._version += 1
+            event, self._changed = self._changed, asyncio.Event()
+            event.set()

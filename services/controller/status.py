@@ -1,0 +1,160 @@
+"""The status of the stack as the controller reports it: plain dataclasses, converted to protobuf at the edge."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.router.contracts import EngineStats
+from services.router.grpc_server import stats_from_pb, stats_to_pb
+from services.rpc.reconfig.v1 import controller_pb2
+
+
+class StackState(enum.Enum):
+    """State of the whole stack (controller.proto StackState)."""
+
+    STARTING = controller_pb2.STACK_STATE_STARTING
+    SERVING = controller_pb2.STACK_STATE_SERVING
+    FROZEN = controller_pb2.STACK_STATE_FROZEN
+    DEGRADED = controller_pb2.STACK_STATE_DEGRADED
+
+
+class WorkerState(enum.Enum):
+    """Role of a worker in the live topology (controller.proto WorkerState)."""
+
+    ACTIVE = controller_pb2.WORKER_STATE_ACTIVE
+    STANDBY = controller_pb2.WORKER_STATE_STANDBY
+    UNREACHABLE = controller_pb2.WORKER_STATE_UNREACHABLE
+
+
+class OperationState(enum.Enum):
+    """Progress of an operation (controller.proto OperationState)."""
+
+    RUNNING = controller_pb2.OPERATION_STATE_RUNNING
+    SUCCEEDED = controller_pb2.OPERATION_STATE_SUCCEEDED
+    FAILED = controller_pb2.OPERATION_STATE_FAILED
+    ROLLED_BACK = controller_pb2.OPERATION_STATE_ROLLED_BACK
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """One row of the worker table."""
+
+    rank: int
+    address: str
+    state: WorkerState
+    pid: int = 0
+    device: str = ""
+    pp_rank: int = 0
+    tp_rank: int = 0
+    layer_start: int = 0               # layers held: [layer_start, layer_end)
+    layer_end: int = 0
+    kv_head_start: int = 0             # KV heads held: [kv_head_start, kv_head_end)
+    kv_head_end: int = 0
+    num_kv_blocks_used: int = 0        # global block ids: the same on every active worker
+    num_kv_blocks_total: int = 0
+    param_bytes: int = 0
+    kv_cache_bytes: int = 0
+    error: str = ""                    # why UNREACHABLE, or a topology mismatch
+
+    def to_pb(self) -> controller_pb2.WorkerStatus:
+        """The wire form."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values["state"] = self.state.value
+        return controller_pb2.WorkerStatus(**values)
+
+    @classmethod
+    def from_pb(cls, pb: controller_pb2.WorkerStatus) -> WorkerStatus:
+        """From the wire form."""
+        values = {f.name: getattr(pb, f.name) for f in dataclasses.fields(cls)}
+        values["state"] = WorkerState(pb.state)
+        return cls(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class OperationStatus:
+    """The last operation the controller ran (a reconfiguration transaction, from the next issue on)."""
+
+    operation_id: str
+    kind: str
+    state: OperationState
+    started_at: float                  # unix seconds
+    ended_at: float = 0.0              # 0 while running
+    error: str = ""
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # in phase order
+    from_topology: str = ""
+    to_topology: str = ""
+
+    def to_pb(self) -> controller_pb2.OperationStatus:
+        """The wire form."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values["state"] = self.state.value
+        return controller_pb2.OperationStatus(**values)
+
+    @classmethod
+    def from_pb(cls, pb: controller_pb2.OperationStatus) -> OperationStatus:
+        """From the wire form."""
+        values = {f.name: getattr(pb, f.name) for f in dataclasses.fields(cls)}
+        values["state"] = OperationState(pb.state)
+        values["phase_seconds"] = dict(pb.phase_seconds)
+        return cls(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class StackStatus:
+    """A snapshot of the stack: topology, state, workers, the router's scheduler, the last operation."""
+
+    topology: str
+    state: StackState
+    model: str = ""
+    reason: str = ""                   # why not SERVING
+    workers: tuple[WorkerStatus, ...] = ()
+    router_address: str = ""
+    router: EngineStats | None = None  # None: no router, or it did not answer
+    last_operation: OperationStatus | None = None
+    updated_at: float = 0.0            # unix seconds of the refresh behind this snapshot
+
+    def same_as(self, other: StackStatus | None) -> bool:
+        """Equal apart from the refresh time (what WatchStatus calls a change)."""
+        return other is not None and dataclasses.replace(self, updated_at=0.0) == dataclasses.replace(
+            other, updated_at=0.0)
+
+    def to_pb(self) -> controller_pb2.StackStatus:
+        """The wire form."""
+        pb = controller_pb2.StackStatus(
+            topology=self.topology, state=self.state.value, reason=self.reason, model=self.model,
+            workers=[w.to_pb() for w in self.workers], router_address=self.router_address,
+            updated_at=self.updated_at,
+        )
+        if self.router is not None:
+            pb.router.CopyFrom(stats_to_pb(self.router))
+        if self.last_operation is not None:
+            pb.last_operation.CopyFrom(self.last_operation.to_pb())
+        return pb
+
+    @classmethod
+    def from_pb(cls, pb: controller_pb2.StackStatus) -> StackStatus:
+        """From the wire form."""
+        return cls(
+            topology=pb.topology, state=StackState(pb.state), model=pb.model, reason=pb.reason,
+            workers=tuple(WorkerStatus.from_pb(w) for w in pb.workers), router_address=pb.router_address,
+            router=stats_from_pb(pb.router) if pb.HasField("router") else None,
+            last_operation=OperationStatus.from_pb(pb.last_operation) if pb.HasField("last_operation") else None,
+            updated_at=pb.updated_at,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready form (enums by name) for `reconfigctl status --json`."""
+
+        def convert(value: Any) -> Any:
+            if isinstance(value, enum.Enum):
+                return value.name
+            if isinstance(value, dict):
+                return {k: convert(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [convert(v) for v in value]
+            return value
+
+        return convert(dataclasses.asdict(self))

@@ -1,0 +1,152 @@
+"""`reconfig up`: the whole stack (weightstore, workers, router, controller) as local processes on loopback."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from services.launch.cluster import ClusterConfig, ClusterError, LocalCluster
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class UpConfig:
+    """The stack's settings: defaults < TOML file (--config) < flags."""
+
+    model: str = "tiny-llama"
+    workers: int = 4
+    topology: str = "tp2pp2"
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50052
+    controller_port: int = 50051
+    kv_cache_mb: int = 64
+    block_size: int = 16
+    api_key: str | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, not {self.workers}")
+        for name in ("http_port", "grpc_port", "controller_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be a port number, not {getattr(self, name)}")
+
+    @classmethod
+    def load(cls, path: Path | None, overrides: dict) -> UpConfig:
+        values: dict = {}
+        if path is not None:
+            data = tomllib.loads(path.read_text())
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(data) - known)
+            if unknown:
+                raise ValueError(f"{path}: unknown setting(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+            values.update(data)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="TOML file with any of the settings below")
+    parser.add_argument("--model", help="preset name (tiny-llama, llama-135m) or checkpoint dir [tiny-llama]")
+    parser.add_argument("--workers", type=int, help="worker processes [4]")
+    parser.add_argument("--topology", help="initial layout [tp2pp2]")
+    parser.add_argument("--device", choices=("cpu", "cuda"), help="[cpu]")
+    parser.add_argument("--host", help="bind address of every service [127.0.0.1]")
+    parser.add_argument("--http-port", type=int, help="OpenAI API [8000]")
+    parser.add_argument("--grpc-port", type=int, help="router gRPC [50052]")
+    parser.add_argument("--controller-port", type=int, help="controller gRPC [50051]")
+    parser.add_argument("--kv-cache-mb", type=int, help="KV cache per worker, MiB [64]")
+    parser.add_argument("--block-size", type=int, help="tokens per KV block [16]")
+    parser.add_argument("--api-key", help="require this bearer key on /v1/* (default: none)")
+    parser.add_argument("--verbose", action="store_true", help="show the services' structured logs")
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum, frame) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+def up(config: UpConfig) -> int:
+    """Start the stack and supervise it. 0 after Ctrl-C/SIGTERM; 1 if a process died (named on stderr)."""
+    from services.controller.server import ControllerConfig, run_controller
+    from services.launch.stackfile import StackFile, run_dir
+    from services.router.main import RouterConfig, run_router
+    from services.rpc.auth import generate_token, write_token_file
+
+    token = generate_token()
+    token_file = run_dir() / "token"
+    write_token_file(token_file, token)
+    cluster = LocalCluster(ClusterConfig(
+        model=config.model, num_workers=config.workers, topology=config.topology, device=config.device,
+        kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size, host=config.host,
+    ))
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stack_file = None
+    started = time.perf_counter()
+    try:
+        cluster.start()
+        router = cluster.spawn_service("router", run_router, RouterConfig(
+            worker_addresses=tuple(cluster.worker_addresses), model_dir=str(cluster.model_dir),
+            model_name=config.model if not os.path.isdir(config.model) else cluster.model_dir.name,
+            host=config.host, http_port=config.http_port, grpc_port=config.grpc_port, token=token,
+            api_key=config.api_key, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting,
+        ))
+        router_grpc = f"{config.host}:{router['grpc_port']}"
+        controller = cluster.spawn_service("controller", run_controller, ControllerConfig(
+            host=config.host, port=config.controller_port, token=token,
+            worker_addresses=tuple(cluster.worker_addresses), router_grpc_address=router_grpc,
+            topology=config.topology, model=config.model,
+        ))
+        http = f"http://{config.host}:{router['http_port']}"
+        stack_file = StackFile(
+            controller_address=f"{config.host}:{controller['port']}", router_http_address=http,
+            router_grpc_address=router_grpc, token_file=str(token_file), pids={"launcher": os.getpid(),
+                                                                                 **cluster.pids},
+            model=config.model, topology=config.topology, started_at=time.time(),
+        )
+        stack_file.write()
+        print(f"reconfig is up in {time.perf_counter() - started:.1f}s: {config.model} on {config.workers} "
+              f"{config.device} workers in {config.topology}\n"
+              f"  OpenAI API   {http}/v1   (health {http}/health, ready {http}/ready, metrics {http}/metrics)\n"
+              f"  router gRPC  {router_grpc}\n"
+              f"  controller   {config.host}:{controller['port']}   (reconfigctl status)\n"
+              f"Ctrl-C stops the stack.", flush=True)
+        while True:
+            dead = cluster.dead_processes()
+            if dead:
+                print(f"reconfig up: {', '.join(dead)} exited; stopping the stack", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(0.25)
+    except _Stop as stop:
+        print(f"reconfig up: {stop} received; stopping the stack", file=sys.stderr, flush=True)
+        return 0
+    except ClusterError as exc:
+        print(f"reconfig up: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the cleanup
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        cluster.stop()
+        if stack_file is not None:
+            stack_file.remove()
+        token_file.unlink(missing_ok=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

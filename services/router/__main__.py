@@ -1,0 +1,40 @@
+"""`python -m services.router`: the router as its own process (compose, multi-host)."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.launch.process import run_service
+from services.router.main import RouterConfig, serve_router
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m services.router", description=__doc__)
+    parser.add_argument("--workers", required=True, help="comma-separated worker gRPC addresses, rank order")
+    parser.add_argument("--model", required=True, help="checkpoint directory (tokenizer, config.json)")
+    parser.add_argument("--model-name", default="", help="served model id [directory name]")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=50052)
+    parser.add_argument("--token-file", help="control-plane token protecting the admin RPCs")
+    parser.add_argument("--api-key", help="require this bearer key on /v1/*")
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-waiting", type=int, default=1024)
+    args = parser.parse_args()
+    token = None
+    if args.token_file:
+        from services.rpc.auth import read_token_file
+
+        token = read_token_file(args.token_file)
+    config = RouterConfig(
+        worker_addresses=tuple(a for a in args.workers.split(",") if a), model_dir=args.model,
+        model_name=args.model_name, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+        token=token, api_key=args.api_key, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
+    )
+    run_service("router", serve_router(config), None)
+
+
+if __name__ == "__main__":
+    main()

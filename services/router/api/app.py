@@ -1,0 +1,260 @@
+"""The OpenAI-compatible HTTP front end of the router: completions, chat, models, health, readiness, metrics."""
+
+from __future__ import annotations
+
+import hmac
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from services.router.api.chat import chat_prompt_token_ids
+from services.router.api.errors import ApiError, error_response, install_error_handlers
+from services.router.api.metrics import ApiMetrics
+from services.router.api.protocol import (
+    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+    ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse,
+    ErrorResponse, ModelCard, ModelList,
+)
+from services.router.api.streaming import (
+    GenerationRun, guarded_events, sse_event, start_generation, unless_disconnected,
+)
+from services.router.contracts import EngineProtocol, GenerationRequest
+from services.worker.step import SamplingParams
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in (
+        (400, "Malformed JSON, bad parameter values, unknown model, prompt longer than the context"),
+        (401, "Missing or wrong API key"),
+        (429, "Queue full (see Retry-After)"),
+        (500, "Unexpected server error"),
+        (503, "Request aborted by the engine"),
+    )
+}
+STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "JSON, or SSE when stream"}
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ApiConfig:
+    """Settings of the HTTP front end."""
+
+    model_name: str = ""                  # the served model id; "" = engine.model_name
+    model_aliases: tuple[str, ...] = ()  # more ids clients may name the served model by
+    api_key: str | None = None            # when set, /v1/* needs `Authorization: Bearer <api_key>`
+    default_max_tokens: int = 16          # completions without max_tokens (OpenAI's default); chat: rest of the context
+    default_temperature: float = 1.0      # OpenAI's default when a request names none
+    request_id_prefix: str = ""           # prepended to the "cmpl-..." / "chatcmpl-..." ids
+
+    def __post_init__(self) -> None:
+        if self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be >= 1")
+        if not 0.0 <= self.default_temperature <= 2.0:
+            raise ValueError("default_temperature must be in [0, 2]")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be non-empty (or None to disable authentication)")
+
+
+class BearerAuthMiddleware:
+    """Refuses /v1/* requests without `Authorization: Bearer <api_key>` (401, OpenAI-shaped)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            authorization = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(authorization, self._expected):
+                error = ApiError(401, "missing or incorrect API key", code="invalid_api_key",
+                                 headers={"WWW-Authenticate": "Bearer"})
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class OpenAIServing:
+    """Turns validated OpenAI requests into engine requests and engine deltas into OpenAI responses."""
+
+    def __init__(self, engine: EngineProtocol, config: ApiConfig, metrics: ApiMetrics) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.model_ids = tuple(dict.fromkeys((config.model_name or engine.model_name, *config.model_aliases)))
+        self.created = int(time.time())
+
+    def _check_model(self, model: str) -> None:
+        if model not in self.model_ids:
+            raise ApiError(400, f"the model '{model}' does not exist; served: {', '.join(self.model_ids)}",
+                           param="model", code="model_not_found")
+
+    def _prompt_ids(self, prompt: str | Sequence[Any]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.engine.tokenizer.encode(prompt)
+        if prompt and isinstance(prompt[0], str | list):  # a batch of prompts
+            if len(prompt) != 1:
+                raise ApiError(400, "only one prompt per request is supported", param="prompt")
+            return self._prompt_ids(prompt[0])
+        return list(prompt)
+
+    def _generation_request(
+        self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int], default_max_tokens: int | None,
+        kind: str,
+    ) -> GenerationRequest:
+        if not prompt_ids:
+            raise ApiError(400, "the prompt is empty", param=body.prompt_param)
+        vocab_size = self.engine.tokenizer.vocab_size
+        if any(token_id >= vocab_size for token_id in prompt_ids):
+            raise ApiError(400, f"prompt token ids must be below the vocabulary size {vocab_size}",
+                           param=body.prompt_param)
+        num_prompt_tokens, max_model_len = len(prompt_ids), self.engine.max_model_len
+        room = max_model_len - num_prompt_tokens
+        max_tokens = body.requested_max_tokens
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            wanted = f"; {max_tokens} for the completion" if max_tokens is not None else ""
+            raise ApiError(
+                400, f"this model's maximum context length is {max_model_len} tokens, however you requested "
+                f"{num_prompt_tokens} tokens in the prompt{wanted}; reduce the prompt or the completion length",
+                param=body.prompt_param if room < 1 else body.max_tokens_param, code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+        temperature = body.temperature if body.temperature is not None else self.config.default_temperature
+        sampling = SamplingParams(
+            temperature=temperature, top_p=body.top_p if body.top_p is not None else 1.0,
+            top_k=max(body.top_k or 0, 0), seed=body.seed,
+        )
+        return GenerationRequest(
+            request_id=f"{self.config.request_id_prefix}{kind}-{uuid.uuid4().hex}",
+            prompt_token_ids=tuple(prompt_ids),
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop_token_ids=frozenset() if body.ignore_eos else self.engine.tokenizer.eos_token_ids,
+            stop_strings=body.stop_strings,
+        )
+
+    async def completion(self, body: CompletionRequest, request: Request) -> Response:
+        """POST /v1/completions."""
+        self._check_model(body.model)
+        prompt_ids = self._prompt_ids(body.prompt)
+        generation = self._generation_request(body, prompt_ids, self.config.default_max_tokens, "cmpl")
+        run = await start_generation(self.engine, generation, self.metrics.request_timer(), request)
+        header = {"id": generation.request_id, "created": int(time.time()), "model": body.model}
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return _event_stream(self._completion_events(run, header, include_usage))
+        text, usage, finish_reason = await unless_disconnected(request, run.collect())
+        choice = CompletionChoice(text=text, finish_reason=finish_reason)
+        return JSONResponse(CompletionResponse(**header, choices=[choice], usage=usage).model_dump())
+
+    async def _completion_events(
+        self, run: GenerationRun, header: dict[str, Any], include_usage: bool
+    ) -> AsyncIterator[str]:
+        async for delta in run.deltas():
+            if delta.text or delta.finish_reason:
+                choice = CompletionChoice(text=delta.text, finish_reason=delta.finish_reason)
+                yield sse_event(CompletionChunk(**header, choices=[choice]), include_usage)
+        if include_usage:
+            yield sse_event(CompletionChunk(**header, choices=[], usage=run.usage), include_usage)
+
+    async def chat_completion(self, body: ChatCompletionRequest, request: Request) -> Response:
+        """POST /v1/chat/completions."""
+        self._check_model(body.model)
+        prompt_ids = chat_prompt_token_ids(self.engine.tokenizer, body.messages)
+        generation = self._generation_request(body, prompt_ids, None, "chatcmpl")  # default: the rest of the context
+        run = await start_generation(self.engine, generation, self.metrics.request_timer(), request)
+        header = {"id": generation.request_id, "created": int(time.time()), "model": body.model}
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return _event_stream(self._chat_events(run, header, include_usage))
+        text, usage, finish_reason = await unless_disconnected(request, run.collect())
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
+        return JSONResponse(ChatCompletionResponse(**header, choices=[choice], usage=usage).model_dump())
+
+    async def _chat_events(
+        self, run: GenerationRun, header: dict[str, Any], include_usage: bool
+    ) -> AsyncIterator[str]:
+        def chunk(delta: ChatDelta, finish_reason: str | None = None) -> str:
+            choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+            return sse_event(ChatCompletionChunk(**header, choices=[choice]), include_usage)
+
+        yield chunk(ChatDelta(role="assistant", content=""))  # as OpenAI: the role first, before any text
+        async for delta in run.deltas():
+            if delta.text:
+                yield chunk(ChatDelta(content=delta.text))
+        yield chunk(ChatDelta(), run.finish_reason)
+        if include_usage:
+            yield sse_event(ChatCompletionChunk(**header, choices=[], usage=run.usage), include_usage)
+
+    def models(self) -> ModelList:
+        """GET /v1/models."""
+        return ModelList(data=[
+            ModelCard(id=model_id, created=self.created, max_model_len=self.engine.max_model_len)
+            for model_id in self.model_ids
+        ])
+
+
+def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(guarded_events(events), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def create_app(engine: EngineProtocol, config: ApiConfig = ApiConfig()) -> FastAPI:
+    """The router's HTTP app over `engine`."""
+    app = FastAPI(title="reconfig router", version="1", summary="OpenAI-compatible LLM serving API")
+    metrics = ApiMetrics(engine, config.model_name or engine.model_name)
+    serving = OpenAIServing(engine, config, metrics)
+    app.state.serving = serving
+    install_error_handlers(app)
+    if config.api_key is not None:
+        app.add_middleware(BearerAuthMiddleware, api_key=config.api_key)
+
+    v1 = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
+    v1.add_api_route("/completions", serving.completion, methods=["POST"], response_model=CompletionResponse,
+                     responses=STREAM_RESPONSE, summary="Create a completion")
+    v1.add_api_route("/chat/completions", serving.chat_completion, methods=["POST"],
+                     response_model=ChatCompletionResponse, responses=STREAM_RESPONSE,
+                     summary="Create a chat completion")
+    v1.add_api_route("/models", serving.models, methods=["GET"], response_model=ModelList, summary="List models")
+    app.include_router(v1)
+
+    @app.get("/health", summary="Liveness: 200 while the process serves HTTP")
+    async def health() -> dict[str, str]:
+        return {"status": "alive"}
+
+    @app.get("/ready", summary="Readiness: 200 when workers are up and weights loaded",
+             responses={503: {"model": ErrorResponse, "description": "Not ready"}})
+    async def ready() -> dict[str, str]:
+        if not engine.is_ready:
+            raise ApiError(503, "the engine is not ready", "server_error", code="not_ready")
+        return {"status": "ready"}
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+    async def prometheus_metrics() -> Response:
+        content, content_type = metrics.render()
+        return Response(content, media_type=content_type)
+
+    app.openapi = lambda: _openapi_without_422(app)  # type: ignore[method-assign]
+    return app
+
+
+def _openapi_without_422(app: FastAPI) -> dict[str, Any]:
+    """The OpenAPI schema without FastAPI's 422 responses: validation errors are 400 here."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema

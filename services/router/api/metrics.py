@@ -1,0 +1,117 @@
+"""Prometheus metrics with vLLM-style names: engine gauges read at scrape time, latencies observed per request."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.registry import Collector
+
+from services.router.contracts import EngineProtocol
+
+PREFIX = "reconfig:"
+LABELS = ("model_name",)
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+
+
+class EngineStatsCollector(Collector):
+    """Gauges and counters read from `engine.stats()` on every scrape, so they are never stale."""
+
+    def __init__(self, engine: EngineProtocol, model_name: str) -> None:
+        self._engine = engine
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._engine.stats()
+        labels = [self._model_name]
+
+        def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(PREFIX + name, documentation, labels=LABELS)
+            family.add_metric(labels, value)
+            return family
+
+        def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(PREFIX + name, documentation, labels=LABELS)
+            family.add_metric(labels, value)
+            return family
+
+        yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
+        usage = stats.num_kv_blocks_used / stats.num_kv_blocks_total if stats.num_kv_blocks_total else 0.0
+        yield gauge("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", usage)
+        yield gauge("num_kv_blocks_total", "KV blocks the workers hold.", stats.num_kv_blocks_total)
+        yield counter("prompt_tokens", "Prefilled prompt tokens.", stats.num_prompt_tokens)
+        yield counter("generation_tokens", "Generated tokens.", stats.num_generation_tokens)
+        yield counter("num_preemptions", "Requests preempted (re-prefilled later).", stats.num_preemptions)
+        topology = GaugeMetricFamily(
+            PREFIX + "topology_info", "The live parallel layout (value is always 1).", labels=(*LABELS, "topology")
+        )
+        topology.add_metric([*labels, stats.topology], 1.0)
+        yield topology
+        yield gauge("is_frozen", "1 while a reconfiguration has scheduling paused.", float(stats.is_frozen))
+
+
+class RequestTimer:
+    """Observes one request's time to first token, inter-token latencies and end-to-end latency."""
+
+    def __init__(self, metrics: ApiMetrics) -> None:
+        self._metrics = metrics
+        self._start = time.perf_counter()
+        self._last_token_time: float | None = None
+
+    def on_tokens(self, num_new_tokens: int) -> None:
+        """Record that `num_new_tokens` arrived now (a delta may carry several: their gap is shared)."""
+        if num_new_tokens <= 0:
+            return
+        now = time.perf_counter()
+        if self._last_token_time is None:
+            self._metrics.time_to_first_token.observe(now - self._start)
+            num_new_tokens -= 1
+        else:
+            gap = (now - self._last_token_time) / num_new_tokens
+            for _ in range(num_new_tokens):
+                self._metrics.inter_token_latency.observe(gap)
+            num_new_tokens = 0
+        for _ in range(num_new_tokens):  # tokens after the first in the first delta came with it
+            self._metrics.inter_token_latency.observe(0.0)
+        self._last_token_time = now
+
+    def finish(self, finish_reason: str) -> None:
+        """Record the end of the request."""
+        self._metrics.e2e_request_latency.observe(time.perf_counter() - self._start)
+        self._metrics.request_finished.labels(self._metrics.model_name, finish_reason).inc()
+
+
+class ApiMetrics:
+    """The API's Prometheus registry (one per app, so several apps never share series)."""
+
+    def __init__(self, engine: EngineProtocol, model_name: str) -> None:
+        disable_created_metrics()  # process-wide: no `*_created` series (vLLM does the same)
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineStatsCollector(engine, model_name))
+
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            family = Histogram(PREFIX + name, documentation, LABELS, buckets=buckets, registry=self.registry)
+            return family.labels(self.model_name)
+
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "End-to-end latency.", E2E_BUCKETS)
+        self.request_finished = Counter(
+            PREFIX + "request_success", "Finished requests by finish reason.", (*LABELS, "finished_reason"),
+            registry=self.registry,
+        )
+
+    def request_timer(self) -> RequestTimer:
+        """A timer for one request, started now."""
+        return RequestTimer(self)
+
+    def render(self) -> tuple[bytes, str]:
+        """The text exposition of every metric and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4

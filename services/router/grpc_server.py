@@ -1,0 +1,166 @@
+"""The router's gRPC service: a thin servicer over the engine; conversion to and from protobuf happens here only."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import uuid
+from typing import Protocol
+
+import grpc
+import structlog
+
+from services.model.tokenizer import Tokenizer
+from services.router.contracts import EngineProtocol, EngineStats, GenerationDelta, GenerationRequest
+from services.rpc.auth import TokenAuthInterceptor, generate_token, protect_methods
+from services.rpc.errors import ErrorInterceptor
+from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc
+from services.worker.step import SamplingParams
+
+log = structlog.get_logger(__name__)
+
+_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name  # "reconfig.v1.Router"
+ADMIN_METHODS = tuple(f"/{_SERVICE}/{name}" for name in ("Freeze", "Rebind", "Resume", "Stats"))
+DEFAULT_FREEZE_TIMEOUT_S = 60.0
+
+
+class AdminEngine(EngineProtocol, Protocol):
+    """The engine as the controller drives it (services.router.engine.Engine implements it)."""
+
+    async def freeze(self, timeout_s: float = DEFAULT_FREEZE_TIMEOUT_S) -> None:
+        """Stop scheduling; return once the in-flight steps are done (TimeoutError past timeout_s)."""
+        ...
+
+    def rebind(self, num_kv_blocks: int) -> object:
+        """Take a new KV capacity (frozen only); may return an awaitable."""
+        ...
+
+    def resume(self) -> object:
+        """Schedule again; may return an awaitable."""
+        ...
+
+
+def sampling_from_pb(pb: router_pb2.GenerateRequest) -> SamplingParams:
+    """Sampling parameters of a request; ValueError on values out of range."""
+    if not pb.HasField("sampling"):
+        return SamplingParams()
+    s = pb.sampling
+    if s.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {s.temperature}")
+    if not 0 <= s.top_p <= 1:
+        raise ValueError(f"top_p must be in [0, 1], got {s.top_p}")
+    if s.top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {s.top_k}")
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+                          seed=s.seed if s.HasField("seed") else None)
+
+
+def request_from_pb(pb: router_pb2.GenerateRequest, tokenizer: Tokenizer) -> GenerationRequest:
+    """A GenerationRequest from the wire; ValueError on malformed input (the engine checks lengths)."""
+    if bool(pb.prompt_token_ids) == bool(pb.prompt):
+        raise ValueError("set exactly one of prompt_token_ids and prompt")
+    prompt_token_ids = tuple(pb.prompt_token_ids) if pb.prompt_token_ids else tuple(tokenizer.encode(pb.prompt))
+    bad = [t for t in prompt_token_ids if not 0 <= t < tokenizer.vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})")
+    if pb.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {pb.max_tokens}")
+    stop_token_ids = frozenset(pb.stop_token_ids) | (frozenset() if pb.ignore_eos else tokenizer.eos_token_ids)
+    return GenerationRequest(
+        request_id=pb.request_id or f"grpc-{uuid.uuid4().hex}",
+        prompt_token_ids=prompt_token_ids,
+        max_tokens=pb.max_tokens,
+        sampling=sampling_from_pb(pb),
+        stop_token_ids=stop_token_ids,
+        stop_strings=tuple(s for s in pb.stop if s),
+    )
+
+
+def delta_to_pb(request_id: str, delta: GenerationDelta) -> router_pb2.GenerateResponse:
+    """One streamed response."""
+    return router_pb2.GenerateResponse(
+        request_id=request_id, token_ids=delta.token_ids, text=delta.text,
+        finish_reason=delta.finish_reason or "",
+        usage=router_pb2.Usage(prompt_tokens=delta.num_prompt_tokens, completion_tokens=delta.num_generated_tokens),
+        error=delta.error or "",
+    )
+
+
+def stats_to_pb(stats: EngineStats) -> router_pb2.RouterStats:
+    """EngineStats → RouterStats."""
+    return router_pb2.RouterStats(
+        num_running=stats.num_running, num_waiting=stats.num_waiting,
+        num_kv_blocks_total=stats.num_kv_blocks_total, num_kv_blocks_used=stats.num_kv_blocks_used,
+        num_preemptions=stats.num_preemptions, num_prompt_tokens=stats.num_prompt_tokens,
+        num_generation_tokens=stats.num_generation_tokens, topology=stats.topology,
+        is_frozen=stats.is_frozen, extra=stats.extra,
+    )
+
+
+def stats_from_pb(pb: router_pb2.RouterStats) -> EngineStats:
+    """RouterStats → EngineStats (the controller's view of the router)."""
+    return EngineStats(
+        num_running=pb.num_running, num_waiting=pb.num_waiting,
+        num_kv_blocks_total=pb.num_kv_blocks_total, num_kv_blocks_used=pb.num_kv_blocks_used,
+        num_preemptions=pb.num_preemptions, num_prompt_tokens=pb.num_prompt_tokens,
+        num_generation_tokens=pb.num_generation_tokens, topology=pb.topology,
+        is_frozen=pb.is_frozen, extra=dict(pb.extra),
+    )
+
+
+async def _maybe_await(value: object) -> None:
+    if inspect.isawaitable(value):
+        await value
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """Generate for clients; Freeze/Rebind/Resume/Stats for the controller. Errors map in ErrorInterceptor."""
+
+    def __init__(self, engine: AdminEngine) -> None:
+        self.engine = engine
+
+    async def Generate(self, request, context):  # noqa: N802 (gRPC naming)
+        """Stream a request's deltas; a cancelled call closes the engine's stream, which frees the blocks."""
+        generation = request_from_pb(request, self.engine.tokenizer)
+        async with contextlib.aclosing(self.engine.generate(generation)) as deltas:
+            async for delta in deltas:
+                yield delta_to_pb(generation.request_id, delta)
+
+    async def Freeze(self, request, context):  # noqa: N802
+        """Stop scheduling; return once in-flight steps are done."""
+        timeout_s = request.timeout_seconds if request.timeout_seconds > 0 else DEFAULT_FREEZE_TIMEOUT_S
+        await self.engine.freeze(timeout_s)
+        return router_pb2.FreezeResponse(stats=stats_to_pb(self.engine.stats()))
+
+    async def Rebind(self, request, context):  # noqa: N802
+        """Take a new KV capacity; only while frozen."""
+        if not self.engine.stats().is_frozen:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Rebind needs a frozen router: call Freeze first")
+        await _maybe_await(self.engine.rebind(request.num_kv_blocks))
+        return router_pb2.RebindResponse(stats=stats_to_pb(self.engine.stats()))
+
+    async def Resume(self, request, context):  # noqa: N802
+        """Schedule again."""
+        await _maybe_await(self.engine.resume())
+        return router_pb2.ResumeResponse(stats=stats_to_pb(self.engine.stats()))
+
+    async def Stats(self, request, context):  # noqa: N802
+        """A snapshot of the engine."""
+        return stats_to_pb(self.engine.stats())
+
+
+async def start_router_grpc(engine: AdminEngine, host: str, port: int,
+                            token: str | None) -> tuple[grpc.aio.Server, int]:
+    """Start the Router service on host:port (0: any free port); returns the server and the bound port.
+    Without a token the admin RPCs are unreachable (they need a token nobody holds)."""
+    if not token:
+        log.warning("router.grpc_admin_disabled", reason="no control-plane token")
+        token = generate_token()
+    server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token, protect_methods(*ADMIN_METHODS)),
+                                           ErrorInterceptor()])
+    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(engine), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind the router gRPC server to {host}:{port}")
+    await server.start()
+    return server, bound

@@ -1,0 +1,99 @@
+"""One server interceptor that maps the exceptions of servicers and domain objects to gRPC status codes."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from collections.abc import Awaitable, Callable
+
+import grpc
+import structlog
+
+from services.router.contracts import QueueFullError
+
+log = structlog.get_logger(__name__)
+
+# Checked in order: the first matching type decides the code (RequestError is a ValueError).
+STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (KeyError, grpc.StatusCode.NOT_FOUND),
+    (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (NotImplementedError, grpc.StatusCode.UNIMPLEMENTED),
+)
+RETRY_AFTER_KEY = "retry-after"  # trailing metadata of RESOURCE_EXHAUSTED: whole seconds to wait
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a client sees for `exc`."""
+    for exc_type, code in STATUS_CODES:
+        if isinstance(exc, exc_type):
+            # KeyError's str() is the repr of its key; its first argument reads better.
+            message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+            return code, message or type(exc).__name__
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    """Abort the call with the status of `exc` (never returns)."""
+    code, message = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.error("rpc.internal_error", method=method, error=message, exc_info=exc)
+    trailing = ()
+    retry_after_s = getattr(exc, "retry_after_s", None)
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and retry_after_s is not None:
+        trailing = ((RETRY_AFTER_KEY, str(max(1, math.ceil(retry_after_s)))),)
+    await context.abort(code, message, trailing_metadata=trailing)
+
+
+def _wrap_unary_response(behavior, method: str):
+    async def wrapped(request_or_iterator, context):
+        try:
+            result = behavior(request_or_iterator, context)
+            return (await result) if inspect.isawaitable(result) else result
+        except grpc.aio.AbortError:  # the servicer chose its own status
+            raise
+        except Exception as exc:
+            await abort_with(context, exc, method)
+
+    return wrapped
+
+
+def _wrap_stream_response(behavior, method: str):
+    async def wrapped(request_or_iterator, context):
+        try:
+            result = behavior(request_or_iterator, context)
+            if inspect.isasyncgen(result):
+                async with contextlib.aclosing(result):  # a cancelled call closes the servicer's generator now
+                    async for response in result:
+                        yield response
+            else:  # a coroutine that writes with context.write()
+                await result
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await abort_with(context, exc, method)
+
+    return wrapped
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Turns exceptions escaping a method into status codes (STATUS_CODES; anything else INTERNAL)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=_wrap_unary_response(handler.unary_unary, method))
+        if handler.stream_unary is not None:
+            return handler._replace(stream_unary=_wrap_unary_response(handler.stream_unary, method))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=_wrap_stream_response(handler.unary_stream, method))
+        return handler._replace(stream_stream=_wrap_stream_response(handler.stream_stream, method))

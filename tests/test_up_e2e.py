@@ -1,0 +1,176 @@
+"""End to end: `reconfig up` (4 CPU workers, TP2PP2) served to the official openai client equals transformers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from tests.conftest import hf_greedy, make_checkpoint
+
+pytestmark = pytest.mark.multiprocess
+NUM_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("e2e") / "llama-e2e", "llama", seed=7)
+
+
+@pytest.fixture(scope="module")
+def stack(checkpoint, tmp_path_factory):
+    """A running `reconfig up` process and its stack file."""
+    run_dir = tmp_path_factory.mktemp("run")
+    env = {**os.environ, "RECONFIG_RUN_DIR": str(run_dir)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--model", str(checkpoint), "--workers", "4",
+         "--topology", "tp2pp2", "--http-port", "0", "--grpc-port", "0", "--controller-port", "0",
+         "--kv-cache-mb", "4", "--block-size", "4"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    stack_file = run_dir / "stack.json"
+    deadline = time.monotonic() + 120
+    while not stack_file.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"reconfig up did not start: {process.communicate()[1][-3000:]}")
+        time.sleep(0.2)
+    info = json.loads(stack_file.read_text())
+    _wait_ready(info["router_http_address"])
+    yield process, info, env
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+
+
+def _wait_ready(base: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{base}/ready", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    pytest.fail("router never became ready")
+
+
+def _client(info, cls=None):
+    import openai
+
+    cls = cls or openai.OpenAI
+    return cls(base_url=info["router_http_address"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _tokenizer(checkpoint):
+    from services.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(checkpoint)
+
+
+def test_completions_equal_transformers(stack, checkpoint):
+    _, info, _ = stack
+    client = _client(info)
+    tokenizer = _tokenizer(checkpoint)
+    prompt = [1, 17, 40, 2, 99, 64]
+    expected, _ = hf_greedy(checkpoint, [prompt], NUM_TOKENS)
+    expected_text = tokenizer.decode(expected[0])
+    model = client.models.list().data[0].id
+    response = client.completions.create(model=model, prompt=prompt, max_tokens=NUM_TOKENS, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert response.choices[0].text == expected_text
+    assert response.usage.completion_tokens == NUM_TOKENS and response.usage.prompt_tokens == len(prompt)
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=NUM_TOKENS, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected_text
+
+
+def test_chat_equals_transformers(stack, checkpoint):
+    import transformers
+
+    _, info, _ = stack
+    client = _client(info)
+    messages = [{"role": "user", "content": "Hi there"}]
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    prompt = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
+    expected, _ = hf_greedy(checkpoint, [prompt], NUM_TOKENS)
+    expected_text = _tokenizer(checkpoint).decode(expected[0])
+    model = client.models.list().data[0].id
+    response = client.chat.completions.create(model=model, messages=messages, max_tokens=NUM_TOKENS,
+                                              temperature=0, extra_body={"ignore_eos": True})
+    assert response.choices[0].message.content == expected_text
+    assert response.usage.prompt_tokens == len(prompt)
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=NUM_TOKENS, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected_text
+
+
+def test_32_concurrent_streams_are_all_correct(stack, checkpoint):
+    import openai
+
+    _, info, _ = stack
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 160) for _ in range(rng.randrange(1, 40))] for _ in range(32)]
+    lengths = [rng.randrange(1, 24) for _ in prompts]
+    expected, _ = hf_greedy(checkpoint, prompts, max(lengths))
+    tokenizer = _tokenizer(checkpoint)
+
+    model = _client(info).models.list().data[0].id
+
+    async def one(client, prompt, max_tokens):
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+        return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+    async def run_all():
+        async with _client(info, openai.AsyncOpenAI) as client:
+            return await asyncio.gather(*(one(client, p, n) for p, n in zip(prompts, lengths)))
+
+    texts = asyncio.run(run_all())
+    for i, text in enumerate(texts):
+        assert text == tokenizer.decode(expected[i][: lengths[i]]), f"request {i}"
+
+
+def test_reconfigctl_status_table_and_json(stack):
+    _, info, env = stack
+    result = subprocess.run([sys.executable, "-m", "services.controller.cli", "status", "--json"], env=env,
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    assert status["topology"] == "tp2pp2"
+    assert len(status["workers"]) == 4
+    table = subprocess.run([sys.executable, "-m", "services.controller.cli", "status"], env=env,
+                           capture_output=True, text=True, timeout=30)
+    assert table.returncode == 0 and "tp2pp2" in table.stdout
+
+
+def test_sigterm_stops_everything(stack):
+    process, info, _ = stack
+    pids = list(info["pids"].values())
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(30) == 0
+    time.sleep(0.5)
+    alive = [pid for pid in pids if pid != process.pid and _alive(pid)]
+    assert not alive, f"orphans left behind: {alive}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie awaiting its parent's wait() is not a running orphan
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
