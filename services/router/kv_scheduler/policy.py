@@ -1,0 +1,155 @@
+"""The interface the router calls per step, a base class that validates and batches, and the registry."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Protocol
+
+from services.router.kv_scheduler.cluster import Cluster, instance_name
+from services.router.kv_scheduler.types import (
+    InstanceState, KVSchedulerConfig, Migration, Placement, Request, SchedulerError, StepResult,
+)
+
+POLICY_NAMES = ("mell", "bf", "wf", "lb")
+
+
+class KVPlacementPolicy(Protocol):
+    """Online placement of requests' KV on instances, with live migration between them."""
+
+    def allocate(self, request_id: str, kv_tokens: int) -> str:
+        """Place a new request; return its instance id (a new instance may be opened)."""
+
+    def update(self, request_id: str, kv_tokens: int) -> None:
+        """A request's KV changed size (it grows by decoding)."""
+
+    def depart(self, request_id: str) -> None:
+        """A request finished; its KV is freed."""
+
+    def step(self, departs: Iterable[str], updates: Iterable[Request], allocates: Iterable[Request]) -> StepResult:
+        """A batch of operations: departs, then updates, then allocates; migrations coalesced."""
+
+    def drain_migrations(self) -> list[Migration]:
+        """Moves decided since the last call, redundant ones cancelled, at most one per request."""
+
+    def instances(self) -> Mapping[str, InstanceState]:
+        """Instances in use (idle ones are released at once)."""
+
+
+class BasePolicy:
+    """Validation, per-operation accounting and batching shared by every policy; subclasses decide moves."""
+
+    name = "base"
+
+    def __init__(self, config: KVSchedulerConfig) -> None:
+        self.config = config
+        self.cluster = Cluster(config)
+        self.max_operation_items = 0  # most item moves one operation ever made
+        self.num_operations = 0
+        self.in_step = False  # inside a batched step: work that can wait for its end waits
+
+    # -- the interface ---------------------------------------------------------------------
+    def allocate(self, request_id: str, kv_tokens: int) -> str:
+        """Place a new request; return its instance id (a new instance may be opened)."""
+        if request_id in self.cluster.location:
+            raise SchedulerError(f"request {request_id!r} is already placed")
+        self._check_size(request_id, kv_tokens)
+        self._run(self._allocate, request_id, kv_tokens)
+        self.cluster.forget_moves((request_id,))  # the caller learns the final place, not a path to it
+        return instance_name(self.cluster.location[request_id])
+
+    def update(self, request_id: str, kv_tokens: int) -> None:
+        """A request's KV changed size (it grows by decoding)."""
+        if request_id not in self.cluster.location:
+            raise SchedulerError(f"unknown request {request_id!r}")
+        self._check_size(request_id, kv_tokens)
+        self._run(self._update, request_id, kv_tokens)
+
+    def depart(self, request_id: str) -> None:
+        """A request finished; its KV is freed."""
+        if request_id not in self.cluster.location:
+            raise SchedulerError(f"unknown request {request_id!r}")
+        self._run(self._depart, request_id)
+
+    def step(self, departs: Iterable[str], updates: Iterable[Request], allocates: Iterable[Request]) -> StepResult:
+        """A batch of operations: departs, then updates, then allocates; migrations coalesced."""
+        self.in_step = True
+        try:
+            for request_id in departs:
+                self.depart(request_id)
+            for request in updates:
+                self.update(request.request_id, request.kv_tokens)
+            new_ids = []
+            for request in allocates:
+                self.allocate(request.request_id, request.kv_tokens)
+                new_ids.append(request.request_id)
+        finally:
+            self.in_step = False
+        self._run(self._end_step)
+        self.cluster.forget_moves(new_ids)  # placed after everything that moved them in this step
+        placements = tuple(
+            Placement(request_id, instance_name(self.cluster.location[request_id]))
+            for request_id in new_ids if request_id in self.cluster.location
+        )
+        return StepResult(placements, tuple(self.drain_migrations()))
+
+    def drain_migrations(self) -> list[Migration]:
+        """Moves decided since the last call, redundant ones cancelled, at most one per request."""
+        return self.cluster.drain()
+
+    def instances(self) -> Mapping[str, InstanceState]:
+        """Instances in use (idle ones are released at once)."""
+        return self.cluster.snapshot()
+
+    @property
+    def num_instances(self) -> int:
+        """How many instances are in use now (cheap)."""
+        return len(self.cluster.loads)
+
+    @property
+    def total_kv_tokens(self) -> int:
+        """KV tokens held by all live requests."""
+        return self.cluster.total_tokens
+
+    # -- for subclasses --------------------------------------------------------------------
+    def _allocate(self, request_id: str, kv_tokens: int) -> None:
+        raise NotImplementedError
+
+    def _update(self, request_id: str, kv_tokens: int) -> None:
+        raise NotImplementedError
+
+    def _depart(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def _end_step(self) -> None:
+        """Work deferred to the end of a batched step (an operation of its own)."""
+
+    def _run(self, operation, *args) -> None:
+        self.cluster.op_items = 0
+        operation(*args)
+        self.num_operations += 1
+        self.max_operation_items = max(self.max_operation_items, self.cluster.op_items)
+
+    def _check_size(self, request_id: str, kv_tokens: int) -> None:
+        if not 0 < kv_tokens <= self.config.capacity:
+            raise SchedulerError(
+                f"request {request_id!r}: {kv_tokens} KV tokens do not fit an instance of {self.config.capacity}")
+
+    def _overflow_victim(self, index: int) -> str:
+        """The request to move off an over-full instance: the smallest that alone ends the overflow."""
+        members = self.cluster.members[index]
+        overflow = self.cluster.loads[index] - self.config.capacity
+        enough = [(tokens, request_id) for request_id, tokens in members.items() if tokens >= overflow]
+        if enough:
+            return min(enough)[1]
+        return max((tokens, request_id) for request_id, tokens in members.items())[1]
+
+
+def make_policy(name: str, config: KVSchedulerConfig) -> BasePolicy:
+    """A policy by name: "mell", "bf" (Best-Fit), "wf" (Worst-Fit) or "lb" (Llumnix-style load balancing)."""
+    from services.router.kv_scheduler.baselines import BestFitPolicy, LoadBalancePolicy, WorstFitPolicy
+    from services.router.kv_scheduler.mell import MellPolicy
+
+    policies = {"mell": MellPolicy, "bf": BestFitPolicy, "wf": WorstFitPolicy, "lb": LoadBalancePolicy}
+    if name not in policies:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
+    return policies[name](config)

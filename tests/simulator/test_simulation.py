@@ -1,0 +1,130 @@
+"""The discrete-event engine: event generation, conservation, determinism, batching, the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from services.router.kv_scheduler import POLICY_NAMES
+from services.simulator import cli
+from services.simulator.engine import (
+    ALLOCATE, DEPART, UPDATE, InstanceProfile, SimulationConfig, build_events, simulate,
+)
+from services.simulator.trace import Workload, poisson_workload
+
+PROFILE = InstanceProfile(kv_capacity_tokens=4096, decode_tokens_per_s=50.0, prefill_tokens_per_s=2000.0,
+                          block_size=16)
+
+
+@pytest.fixture(scope="module")
+def events():
+    return build_events(poisson_workload(6.0, 600, 300, 120, seed=3), PROFILE)
+
+
+def test_each_request_allocates_grows_block_by_block_then_departs():
+    workload = Workload(np.array([0.0, 0.5, 1.0]), np.array([20, 16, 4000]), np.array([30, 1, 200]), "three")
+    events = build_events(workload, PROFILE)
+    assert events.num_rejected == 1  # 4,200 tokens exceed C = 4,096
+    per_request = defaultdict(list)
+    for t, kind, request, tokens in zip(events.time_s, events.kind, events.request, events.kv_tokens):
+        per_request[request].append((t, kind, tokens))
+    # 20 prompt tokens: 2 blocks at once; tokens 33 and 49 (generated tokens 13 and 29) open blocks 3
+    # and 4, 13/50 and 29/50 s after a 0.01 s prefill; the 30th generated token ends the request.
+    assert [(kind, tokens) for _, kind, tokens in per_request[0]] == [
+        (ALLOCATE, 32), (UPDATE, 48), (UPDATE, 64), (DEPART, 0)]
+    assert [t for t, _, _ in per_request[0]] == pytest.approx([0.0, 0.01 + 13 / 50, 0.01 + 29 / 50, 0.01 + 30 / 50])
+    assert [(kind, tokens) for _, kind, tokens in per_request[1]] == [(ALLOCATE, 16), (DEPART, 0)]
+    assert 2 not in per_request
+    assert events.time_s == sorted(events.time_s)
+
+
+def test_events_for_every_request_come_in_order(events):
+    seen = {}
+    for kind, request, tokens in zip(events.kind, events.request, events.kv_tokens):
+        if kind == ALLOCATE:
+            assert request not in seen
+            seen[request] = tokens
+        elif kind == UPDATE:
+            assert tokens == seen[request] + PROFILE.block_size <= PROFILE.kv_capacity_tokens
+            seen[request] = tokens
+        else:
+            assert seen.pop(request) > 0
+    assert not seen
+    assert events.num_admitted + events.num_rejected == 600
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_every_request_is_allocated_then_departs_and_all_instances_go_idle(events, name):
+    result = simulate(name, events, SimulationConfig(profile=PROFILE))
+    assert result.num_allocated == result.num_departed == events.num_admitted
+    assert result.final_instances == 0 and result.num_unplaced == 0
+    assert result.timeline[0][1] == 0 and result.timeline[-1][1] == 0
+    assert 0 < result.mean_instances_lower_bound <= result.mean_instances <= result.peak_instances
+    assert 0 < result.memory_utilization <= 1
+    assert result.max_items_per_operation <= 10
+    assert sum(result.migrations_by_reason.values()) == result.migrations
+
+
+@pytest.mark.parametrize("name", ["mell", "lb"])
+def test_a_run_is_deterministic(events, name):
+    config = SimulationConfig(profile=PROFILE)
+    first, second = simulate(name, events, config), simulate(name, events, config)
+    assert (first.timeline, first.migrations, first.migrated_bytes) == (
+        second.timeline, second.migrations, second.migrated_bytes)
+
+
+def test_batched_windows_conserve_requests(events):
+    result = simulate("mell", events, SimulationConfig(profile=PROFILE, batch_interval_s=0.25))
+    assert result.num_allocated == result.num_departed
+    assert result.num_allocated + result.num_unplaced == events.num_admitted
+    assert result.final_instances == 0
+
+
+def test_mell_needs_fewer_instances_than_the_baselines(events):
+    config = SimulationConfig(profile=PROFILE)
+    results = {name: simulate(name, events, config) for name in POLICY_NAMES}
+    for name in ("bf", "wf", "lb"):
+        assert results["mell"].mean_instances < results[name].mean_instances, name
+    assert results["wf"].migrations_by_reason.keys() <= {"overflow"}
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_cli_prints_json_and_writes_the_plot(tmp_path, capsys):
+    plot = tmp_path / "instances.png"
+    args = _parse(["--poisson-rate", "4", "--num-requests", "200", "--kv-capacity", "4096", "--json",
+                   "--plot", str(plot)])
+    assert cli.run(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["policies"]) == set(POLICY_NAMES)
+    assert report["policies"]["mell"]["final_instances"] == 0
+    assert set(report["mell_fewer_instances_pct"]) == {"bf", "wf", "lb"}
+    assert plot.stat().st_size > 10_000
+
+
+def test_cli_table_for_one_policy_over_a_trace(tmp_path, capsys):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     + "".join(f"2023-11-16 18:00:{i:02d}.5,{100 + 37 * i},{20 + i}\n" for i in range(40)))
+    assert cli.run(_parse(["--trace", str(trace), "--policy", "bf", "--kv-capacity", "2048"])) == 0
+    out = capsys.readouterr().out
+    assert "trace.csv" in out and "\nbf " in out and "mell" not in out
+    assert cli.run(_parse(["--trace", str(tmp_path / "missing.csv")])) == 2
+
+
+def test_slow_links_make_the_migration_choice_re_prefill(events):
+    slow = InstanceProfile(kv_capacity_tokens=4096, decode_tokens_per_s=50.0, prefill_tokens_per_s=2000.0,
+                           link_bytes_per_s=100 * PROFILE.kv_bytes_per_token)  # 100 tokens of KV a second
+    fast = simulate("mell", events, SimulationConfig(profile=PROFILE))
+    result = simulate("mell", events, SimulationConfig(profile=slow))
+    assert fast.migrations > 0 and fast.reprefill_tokens == 0
+    assert result.reprefill_tokens > 0
+    assert result.migrations == fast.migrations  # the choice changes how moves are made, not which
