@@ -14,6 +14,8 @@ import structlog
 
 from services.controller.servicer import ControllerServicer
 from services.controller.state import ControllerConfig, ControllerState
+from services.controller.transaction import Reconfigurer
+from services.model.spec import ModelSpec
 
 __all__ = ["ControllerConfig", "run_controller", "serve_controller", "start_controller_grpc"]
 from services.rpc.auth import TokenAuthInterceptor, protect_all
@@ -24,11 +26,21 @@ log = structlog.get_logger(__name__)
 _GRACE_S = 1.0  # open WatchStatus streams are cancelled after this
 
 
+def make_reconfigurer(state: ControllerState) -> Reconfigurer | None:
+    """The transaction runner, when the controller knows the model and has a router to drive."""
+    config = state.config
+    if not config.model_dir or state.router_stub is None:
+        return None
+    return Reconfigurer(state, ModelSpec.from_dir(config.model_dir), state.worker_stubs, state.router_stub,
+                        config.token, rpc_timeout_s=config.switch_rpc_timeout_s)
+
+
 async def start_controller_grpc(state: ControllerState, host: str, port: int,
                                 token: str) -> tuple[grpc.aio.Server, int]:
     """Start the Controller service (every RPC needs the token); returns the server and the bound port."""
     server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token, protect_all), ErrorInterceptor()])
-    controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(state), server)
+    servicer = ControllerServicer(state, make_reconfigurer(state))
+    controller_pb2_grpc.add_ControllerServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"cannot bind the controller gRPC server to {host}:{port}")

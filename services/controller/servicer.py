@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import time
+
+import grpc
+
 from services.controller.state import ControllerState
+from services.controller.status import OperationState, OperationStatus
+from services.controller.transaction import OperationBusy, Reconfigurer, plan_switch, status_code_for
+from services.topology import TopologyError
 from services.rpc.reconfig.v1 import controller_pb2_grpc
 
 MIN_WATCH_INTERVAL_S = 0.1  # a client cannot make the controller spin
 
 
 class ControllerServicer(controller_pb2_grpc.ControllerServicer):
-    """GetStatus and WatchStatus over ControllerState (Reconfigure and Plan come with live reconfiguration)."""
+    """GetStatus and WatchStatus over ControllerState; Reconfigure and Plan over the Reconfigurer."""
 
-    def __init__(self, state: ControllerState) -> None:
+    def __init__(self, state: ControllerState, reconfigurer: Reconfigurer | None = None) -> None:
         self.state = state
+        self.reconfigurer = reconfigurer
 
     async def GetStatus(self, request, context):  # noqa: N802 (gRPC naming)
         """The state of the stack, refreshed before answering."""
@@ -27,3 +35,38 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             version = self.state.version  # read before yielding: a change during the write is not missed
             yield status.to_pb()
             status = await self.state.wait_for_change(version, interval_s)
+
+    async def Reconfigure(self, request, context):  # noqa: N802
+        """Run (or join, by operation_id) a switch of the live layout."""
+        reconfigurer = await self._reconfigurer(context)
+        try:
+            if request.dry_run:
+                plan = await plan_switch(reconfigurer, request.topology, request.layer_partition)
+                return OperationStatus(
+                    request.operation_id, "plan", OperationState.SUCCEEDED, time.time(), time.time(),
+                    from_topology=plan.from_topology, to_topology=plan.to_topology,
+                    kv_bytes_moved=sum(w.kv_bytes_in for w in plan.workers),
+                    weight_bytes_loaded=sum(w.weight_bytes_load for w in plan.workers),
+                ).to_pb()
+            operation = await reconfigurer.reconfigure(
+                request.topology, request.operation_id, request.deadline_seconds, request.strategy,
+                request.layer_partition,
+            )
+        except (TopologyError, ValueError, OperationBusy) as exc:
+            await context.abort(status_code_for(exc), str(exc))
+        return operation.to_pb()
+
+    async def Plan(self, request, context):  # noqa: N802
+        """What a switch would move; changes nothing."""
+        reconfigurer = await self._reconfigurer(context)
+        try:
+            return await plan_switch(reconfigurer, request.topology, request.layer_partition)
+        except (TopologyError, ValueError) as exc:
+            await context.abort(status_code_for(exc), str(exc))
+
+    async def _reconfigurer(self, context) -> Reconfigurer:
+        if self.reconfigurer is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this controller cannot reconfigure: it was started without a model directory "
+                                "or a router")
+        return self.reconfigurer

@@ -33,6 +33,8 @@ class ControllerConfig:
     port: int = 50051                          # 0: any free port (reported through on_ready)
     refresh_interval_s: float = 1.0            # how often the table is refreshed (and WatchStatus at least sends)
     rpc_timeout_s: float = 2.0                 # deadline of each GetInfo / Stats call
+    model_dir: str = ""                        # checkpoint directory: Reconfigure validates targets against it
+    switch_rpc_timeout_s: float = 120.0        # deadline of each RPC of a Reconfigure transaction
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -56,6 +58,7 @@ class ControllerState:
     def __init__(self, config: ControllerConfig) -> None:
         self.config = config
         self.topology = Topology.parse(config.topology)  # the controller is the only writer of the live layout
+        self.layer_partition: tuple[int, ...] | None = None
         self.last_operation: OperationStatus | None = None
         self._channels: list[grpc.aio.Channel] = []
         self._worker_stubs: list[worker_pb2_grpc.WorkerStub] = []
@@ -114,6 +117,19 @@ class ControllerState:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), timeout_s)
         return self._status
+
+    @property
+    def worker_stubs(self) -> list[worker_pb2_grpc.WorkerStub]:
+        return self._worker_stubs
+
+    @property
+    def router_stub(self) -> router_pb2_grpc.RouterStub | None:
+        return self._router_stub
+
+    def set_topology(self, topology: Topology, layer_partition: tuple[int, ...] | None) -> None:
+        """Commit a new live layout (only the Reconfigure transaction calls this)."""
+        self.topology, self.layer_partition = topology, layer_partition
+        self._publish(replace(self._status, topology=str(topology)))
 
     def record_operation(self, operation: OperationStatus) -> None:
         """Set the last operation (the reconfiguration transaction reports its progress here)."""

@@ -86,6 +86,10 @@ class OperationStatus:
     phase_seconds: dict[str, float] = field(default_factory=dict)  # in phase order
     from_topology: str = ""
     to_topology: str = ""
+    phase: str = ""                    # the phase running now
+    kv_bytes_moved: int = 0
+    weight_bytes_loaded: int = 0
+    num_requests_preempted: int = 0
 
     def to_pb(self) -> controller_pb2.OperationStatus:
         """The wire form."""

@@ -113,7 +113,7 @@ def up(config: UpConfig) -> int:
         controller = cluster.spawn_service("controller", run_controller, ControllerConfig(
             host=config.host, port=config.controller_port, token=token,
             worker_addresses=tuple(cluster.worker_addresses), router_grpc_address=router_grpc,
-            topology=config.topology, model=config.model,
+            topology=config.topology, model=config.model, model_dir=str(cluster.model_dir),
         ))
         http = f"http://{config.host}:{router['http_port']}"
         stack_file = StackFile(

@@ -86,21 +86,42 @@ class DecoderLayer:
 class ShardedCausalLM:
     """This worker's part of the model: embedding (first stage), its layers, final norm + lm_head (last stage)."""
 
-    def __init__(self, spec: ModelSpec, wp: WorkerPlacement, loader: ShardLoader, group: TPGroup) -> None:
+    def __init__(self, spec: ModelSpec, wp: WorkerPlacement, loader: ShardLoader, group: TPGroup,
+                 previous: ShardedCausalLM | None = None) -> None:
+        """Build this worker's shard. With `previous` (a live reconfiguration), parts whose slice is unchanged —
+        a layer with the same heads and MLP columns, the same vocabulary rows — are kept, not copied again."""
         self.spec = spec
         self.placement = wp
         self.dtype = loader.dtype
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, loader.device)
+        old = previous.placement if previous is not None else None
+        same_vocab = old is not None and old.vocab_rows == wp.vocab_rows
         self.embed = None
         if wp.is_first_stage:
-            self.embed = VocabParallelEmbedding(loader.rows(EMBED, wp.vocab_rows), wp.vocab_rows, group)
-        self.layers = [DecoderLayer(spec, wp, layer_id, loader, group) for layer_id in wp.layers]
+            if same_vocab and previous.embed is not None:
+                self.embed = previous.embed
+                self.embed.group = group
+            else:
+                self.embed = VocabParallelEmbedding(loader.rows(EMBED, wp.vocab_rows), wp.vocab_rows, group)
+        kept = {}
+        if old is not None and (old.q_heads, old.kv_heads, old.intermediate) == (wp.q_heads, wp.kv_heads,
+                                                                                   wp.intermediate):
+            kept = dict(zip(old.layers, previous.layers))
+        self.layers = []
+        for layer_id in wp.layers:
+            layer = kept.get(layer_id)
+            if layer is None:
+                layer = DecoderLayer(spec, wp, layer_id, loader, group)
+            layer.o_proj.group = layer.down_proj.group = group
+            self.layers.append(layer)
         self.final_norm = self.lm_head = None
         if wp.is_last_stage:
             self.final_norm = loader.full(FINAL_NORM)
             tied = spec.tie_word_embeddings or not loader.has(LM_HEAD)
             if tied and self.embed is not None:
                 head = self.embed.weight  # tied and on this worker already: share, do not copy twice
+            elif same_vocab and previous.lm_head is not None:
+                head = previous.lm_head.weight
             else:
                 head = loader.rows(EMBED if tied else LM_HEAD, wp.vocab_rows)
             self.lm_head = ParallelLMHead(head, spec.vocab_size, group)
@@ -121,10 +142,14 @@ class ShardedCausalLM:
 
     def parameter_bytes(self) -> int:
         """Bytes of every parameter tensor this shard holds (a tensor shared by two layers counted once)."""
+        return sum(t.numel() * t.element_size() for t in self.parameter_tensors().values())
+
+    def parameter_tensors(self) -> dict[int, torch.Tensor]:
+        """Every parameter tensor, by id (shared tensors once)."""
         tensors: dict[int, torch.Tensor] = {}
         modules: list[object] = [self, self.embed, self.lm_head, *self.layers]
         for layer in self.layers:
             modules += [layer.o_proj, layer.down_proj]
         for module in filter(None, modules):
             tensors.update({id(v): v for v in vars(module).values() if isinstance(v, torch.Tensor)})
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return tensors

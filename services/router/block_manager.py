@@ -46,6 +46,10 @@ class BlockManager:
         """Fraction of blocks in use (the KV cache usage metric)."""
         return self.num_used / self._num_total
 
+    def used_block_ids(self) -> list[int]:
+        """Block ids in use, ascending (what a KV migration must move)."""
+        return sorted(self._owner)
+
     def owner(self, block_id: int) -> str | None:
         """The request_id holding `block_id`, None when it is free."""
         return self._owner.get(block_id)

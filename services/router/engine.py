@@ -50,6 +50,7 @@ class Engine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_step_errors = 0
+        self.num_full_prefills = 0  # prefills from position 0: once per request unless it was preempted
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -115,6 +116,7 @@ class Engine:
             topology=str(self.topology),
             is_frozen=self.scheduler.is_frozen,
             extra={"num_step_errors": float(self.num_step_errors),
+                   "num_full_prefills": float(self.num_full_prefills),
                    "num_inflight_batches": float(len(self._inflight))},
         )
 
@@ -124,9 +126,21 @@ class Engine:
         self.scheduler.freeze()
         await asyncio.wait_for(self._idle.wait(), timeout_s)
 
-    def rebind(self, num_kv_blocks: int) -> None:
-        """Take a new KV capacity (frozen only); newest requests are preempted if live blocks exceed it."""
+    async def rebind(self, num_kv_blocks: int, worker_addresses: tuple[str, ...] | None = None) -> None:
+        """Frozen only. Take a new KV capacity (the newest requests are preempted if live blocks exceed it) and,
+        with worker_addresses, re-open the step streams to the active workers of the new layout."""
+        if worker_addresses is not None:
+            if self._inflight:
+                raise RuntimeError("rebind with steps in flight: freeze first")
+            await self.driver.close()
+            self.driver = Driver(list(worker_addresses), self.driver.step_timeout_s)
+            await self.driver.connect()
+            self.topology = Topology.parse(self.driver.infos[0].topology)
+            self.num_inflight_batches = max(self.scheduler.config.num_inflight_batches, self.topology.pp)
         self.scheduler.rebind(num_kv_blocks)
+
+    def used_block_ids(self) -> list[int]:
+        return self.scheduler.block_manager.used_block_ids()
 
     def resume(self) -> None:
         self.scheduler.unfreeze()
@@ -155,6 +169,7 @@ class Engine:
             if batch is None:
                 return
             self._idle.clear()
+            self.num_full_prefills += sum(1 for item in batch.items if item.step.start_position == 0)
             future = await self.driver.submit([item.step for item in batch.items])
             self._inflight.append(_InFlight(batch, future))
 

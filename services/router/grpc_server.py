@@ -136,8 +136,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Take a new KV capacity; only while frozen."""
         if not self.engine.stats().is_frozen:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Rebind needs a frozen router: call Freeze first")
-        await _maybe_await(self.engine.rebind(request.num_kv_blocks))
-        return router_pb2.RebindResponse(stats=stats_to_pb(self.engine.stats()))
+        await _maybe_await(self.engine.rebind(request.num_kv_blocks, tuple(request.worker_addresses) or None))
+        return router_pb2.RebindResponse(stats=stats_to_pb(self.engine.stats()),
+                                         used_block_ids=self.engine.used_block_ids())
 
     async def Resume(self, request, context):  # noqa: N802
         """Schedule again."""

@@ -1,5 +1,11 @@
-"""Topologies (tp × pp), their validation for a model, and the placement of a model on workers."""
+"""Topologies (tp × pp), their validation for a model, the placement of a model on workers, migration plans."""
 
+from services.topology.migration_plan import (
+    KVMigrationPlan,
+    KVTransfer,
+    plan_kv_migration,
+    workers_by_rank,
+)
 from services.topology.placement import (
     Placement,
     WorkerPlacement,
@@ -14,16 +20,32 @@ from services.topology.topology import (
     candidate_topologies,
     validate,
 )
+from services.topology.weight_plan import (
+    WeightFlags,
+    WeightReload,
+    WeightSlice,
+    plan_weight_reload,
+    shard_slices,
+)
 
 __all__ = [
+    "KVMigrationPlan",
+    "KVTransfer",
     "ModelShape",
     "Placement",
     "Topology",
     "TopologyError",
+    "WeightFlags",
+    "WeightReload",
+    "WeightSlice",
     "WorkerPlacement",
     "candidate_topologies",
     "layer_partition",
     "padded_vocab_size",
     "place",
+    "plan_kv_migration",
+    "plan_weight_reload",
+    "shard_slices",
     "validate",
+    "workers_by_rank",
 ]

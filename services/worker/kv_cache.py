@@ -59,7 +59,8 @@ class KVCache:
     """KV blocks of this worker's layers and KV heads. Block ids are global (the scheduler owns them)."""
 
     def __init__(self, layers: range, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, budget_bytes: int | None = None, num_blocks: int | None = None) -> None:
+                 device: torch.device, budget_bytes: int | None = None, num_blocks: int | None = None,
+                 allocate: bool = True) -> None:
         self.layer_ids = layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -73,7 +74,8 @@ class KVCache:
         if num_blocks < 1:
             raise ValueError(f"KV budget of {budget_bytes} bytes is below one block ({self.bytes_per_block} bytes)")
         self.num_blocks = num_blocks
-        self._layers: dict[int, KVLayer] = {layer: self.new_layer() for layer in layers}
+        # allocate=False: a migration target, filled layer by layer with set_layer().
+        self._layers: dict[int, KVLayer] = {layer: self.new_layer() for layer in layers} if allocate else {}
 
     def new_layer(self) -> KVLayer:
         """Allocate a zeroed layer tensor of this cache's shape (a migration fills it, then swaps it in)."""
@@ -87,6 +89,9 @@ class KVCache:
 
     def layer(self, layer: int) -> KVLayer:
         return self._layers[layer]
+
+    def has_layer(self, layer: int) -> bool:
+        return layer in self._layers
 
     def set_layer(self, layer: int, kv_layer: KVLayer) -> None:
         self._layers[layer] = kv_layer

@@ -10,7 +10,7 @@ import grpc
 import structlog
 
 from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
-from services.worker.model_runner import ModelRunner
+from services.worker.shard import WorkerShard
 from services.worker.step import StepBatch, StepOutput
 
 log = structlog.get_logger(__name__)
@@ -25,19 +25,19 @@ def rss_bytes() -> int:
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serves the step stream; model work runs on one dedicated thread, never on the event loop."""
 
-    def __init__(self, runner: ModelRunner | None, info: worker_pb2.WorkerInfo, rank: int) -> None:
-        self.runner = runner
-        self.info = info
+    def __init__(self, shard: WorkerShard, rank: int) -> None:
+        self.shard = shard
         self.rank = rank
         # One thread: steps run strictly in arrival order, so every worker issues collectives in the same order.
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.stopped = asyncio.Event()
 
     def _run_step(self, batch: StepBatch) -> StepOutput:
-        if self.runner is None:
+        runner = self.shard.runner
+        if runner is None:
             return StepOutput(batch.step_id, self.rank, error=f"worker {self.rank} is on standby: it holds no shard")
         try:
-            return self.runner.execute(batch, self.rank)
+            return runner.execute(batch, self.rank)
         except Exception as exc:  # a failed step answers with an error; the stream stays open
             log.exception("worker.step_failed", step_id=batch.step_id)
             return StepOutput(batch.step_id, self.rank, error=f"{type(exc).__name__}: {exc}")
@@ -63,10 +63,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             reader.cancel()
 
     async def GetInfo(self, request, context):  # noqa: N802
-        info = worker_pb2.WorkerInfo()
-        info.CopyFrom(self.info)
+        info = await self._on_model_thread(self.shard.info)
         info.rss_bytes = rss_bytes()
         return info
+
+    async def PrepareSwitch(self, request, context):  # noqa: N802
+        """What this worker would hold in a target layout; changes nothing."""
+        try:
+            return await self._on_model_thread(self.shard.prepare_switch, request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def ApplySwitch(self, request, context):  # noqa: N802
+        """Switch layout: groups, KV migration, shard reload. Runs on the model thread, between steps."""
+        log.info("worker.switch_start", rank=self.rank, operation_id=request.operation_id, topology=request.topology)
+        try:
+            return await self._on_model_thread(self.shard.apply_switch, request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:
+            log.exception("worker.switch_failed", rank=self.rank, operation_id=request.operation_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"switch failed on rank {self.rank}: {exc}")
+
+    async def _on_model_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.model_thread, fn, *args)
 
     async def Shutdown(self, request, context):  # noqa: N802
         log.info("worker.shutdown_requested", rank=self.rank)

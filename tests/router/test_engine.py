@@ -77,7 +77,7 @@ async def test_admission_errors(serving_engine):
 
 async def test_preemption_under_a_small_cache_keeps_outputs_exact(serving_engine, serving_checkpoint):
     await serving_engine.freeze()
-    serving_engine.rebind(24)  # 24 blocks of 4 tokens for 8 requests of up to 45 tokens: some must be preempted
+    await serving_engine.rebind(24)  # 24 blocks of 4 tokens for 8 requests of up to 45 tokens: some must be preempted
     serving_engine.resume()
     prompts = _prompts(8, seed=2)
     expected, _ = hf_greedy(serving_checkpoint, prompts, 16)

@@ -45,6 +45,72 @@ OPERATION_STATE_SUCCEEDED: OperationState
 OPERATION_STATE_FAILED: OperationState
 OPERATION_STATE_ROLLED_BACK: OperationState
 
+class ReconfigureRequest(_message.Message):
+    __slots__ = ("topology", "operation_id", "deadline_seconds", "strategy", "dry_run", "layer_partition")
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    LAYER_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    topology: str
+    operation_id: str
+    deadline_seconds: float
+    strategy: str
+    dry_run: bool
+    layer_partition: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, topology: _Optional[str] = ..., operation_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., strategy: _Optional[str] = ..., dry_run: _Optional[bool] = ..., layer_partition: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PlanRequest(_message.Message):
+    __slots__ = ("topology", "layer_partition")
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    LAYER_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    topology: str
+    layer_partition: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class WorkerPlan(_message.Message):
+    __slots__ = ("rank", "state_before", "state_after", "kv_bytes_in", "kv_bytes_local", "weight_bytes_load", "weight_bytes_keep", "peak_extra_bytes", "num_kv_blocks_after")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STATE_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    STATE_AFTER_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_LOAD_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_KEEP_FIELD_NUMBER: _ClassVar[int]
+    PEAK_EXTRA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_AFTER_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    state_before: str
+    state_after: str
+    kv_bytes_in: int
+    kv_bytes_local: int
+    weight_bytes_load: int
+    weight_bytes_keep: int
+    peak_extra_bytes: int
+    num_kv_blocks_after: int
+    def __init__(self, rank: _Optional[int] = ..., state_before: _Optional[str] = ..., state_after: _Optional[str] = ..., kv_bytes_in: _Optional[int] = ..., kv_bytes_local: _Optional[int] = ..., weight_bytes_load: _Optional[int] = ..., weight_bytes_keep: _Optional[int] = ..., peak_extra_bytes: _Optional[int] = ..., num_kv_blocks_after: _Optional[int] = ...) -> None: ...
+
+class PlanResponse(_message.Message):
+    __slots__ = ("from_topology", "to_topology", "workers", "num_used_blocks", "num_kv_blocks_after", "num_requests_preempted", "fits", "is_candidate")
+    FROM_TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    TO_TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_AFTER_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    FITS_FIELD_NUMBER: _ClassVar[int]
+    IS_CANDIDATE_FIELD_NUMBER: _ClassVar[int]
+    from_topology: str
+    to_topology: str
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerPlan]
+    num_used_blocks: int
+    num_kv_blocks_after: int
+    num_requests_preempted: int
+    fits: bool
+    is_candidate: bool
+    def __init__(self, from_topology: _Optional[str] = ..., to_topology: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerPlan, _Mapping]]] = ..., num_used_blocks: _Optional[int] = ..., num_kv_blocks_after: _Optional[int] = ..., num_requests_preempted: _Optional[int] = ..., fits: _Optional[bool] = ..., is_candidate: _Optional[bool] = ...) -> None: ...
+
 class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -92,7 +158,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., device: _Optional[str] = ..., address: _Optional[str] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., param_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class OperationStatus(_message.Message):
-    __slots__ = ("operation_id", "kind", "state", "started_at", "ended_at", "error", "phase_seconds", "from_topology", "to_topology")
+    __slots__ = ("operation_id", "kind", "state", "started_at", "ended_at", "error", "phase_seconds", "from_topology", "to_topology", "phase", "kv_bytes_moved", "weight_bytes_loaded", "num_requests_preempted")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +175,10 @@ class OperationStatus(_message.Message):
     PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FROM_TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     TO_TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     operation_id: str
     kind: str
     state: OperationState
@@ -118,7 +188,11 @@ class OperationStatus(_message.Message):
     phase_seconds: _containers.ScalarMap[str, float]
     from_topology: str
     to_topology: str
-    def __init__(self, operation_id: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[_Union[OperationState, str]] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., error: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., from_topology: _Optional[str] = ..., to_topology: _Optional[str] = ...) -> None: ...
+    phase: str
+    kv_bytes_moved: int
+    weight_bytes_loaded: int
+    num_requests_preempted: int
+    def __init__(self, operation_id: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[_Union[OperationState, str]] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., error: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., from_topology: _Optional[str] = ..., to_topology: _Optional[str] = ..., phase: _Optional[str] = ..., kv_bytes_moved: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., num_requests_preempted: _Optional[int] = ...) -> None: ...
 
 class StackStatus(_message.Message):
     __slots__ = ("topology", "state", "reason", "model", "workers", "router_address", "router", "last_operation", "updated_at")

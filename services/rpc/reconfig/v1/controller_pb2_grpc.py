@@ -28,8 +28,6 @@ if _version_not_supported:
 class ControllerStub:
     """The controller: the only writer of the live topology; holds the worker table and reports the
     state of the stack. Every RPC needs the control-plane token (`authorization: Bearer <token>`).
-    Reserved for the next issue: Reconfigure (target topology, operation_id, deadline, strategy,
-    dry_run; streams transaction events) and Plan (the migration a Reconfigure would run).
     """
 
     def __init__(self, channel):
@@ -48,13 +46,21 @@ class ControllerStub:
                 request_serializer=reconfig_dot_v1_dot_controller__pb2.WatchStatusRequest.SerializeToString,
                 response_deserializer=reconfig_dot_v1_dot_controller__pb2.StackStatus.FromString,
                 _registered_method=True)
+        self.Reconfigure = channel.unary_unary(
+                '/reconfig.v1.Controller/Reconfigure',
+                request_serializer=reconfig_dot_v1_dot_controller__pb2.ReconfigureRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_controller__pb2.OperationStatus.FromString,
+                _registered_method=True)
+        self.Plan = channel.unary_unary(
+                '/reconfig.v1.Controller/Plan',
+                request_serializer=reconfig_dot_v1_dot_controller__pb2.PlanRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_controller__pb2.PlanResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
     """The controller: the only writer of the live topology; holds the worker table and reports the
     state of the stack. Every RPC needs the control-plane token (`authorization: Bearer <token>`).
-    Reserved for the next issue: Reconfigure (target topology, operation_id, deadline, strategy,
-    dry_run; streams transaction events) and Plan (the migration a Reconfigure would run).
     """
 
     def GetStatus(self, request, context):
@@ -66,7 +72,27 @@ class ControllerServicer:
 
     def WatchStatus(self, request, context):
         """The current status, then a new one whenever it changes, and at least every interval,
-        until the client cancels.
+        until the client cancels. During a Reconfigure every phase change is a new status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reconfigure(self, request, context):
+        """Switches the live layout in place (the ReMP transaction: QUIESCING, PREPARING_WORKERS,
+        APPLYING_TOPOLOGY, MIGRATING, REBINDING, then SERVING in the target). Returns when the
+        operation ended. Idempotent by operation_id: a retry returns the same operation.
+        INVALID_ARGUMENT: the target cannot run this model on these workers (the message says why).
+        FAILED_PRECONDITION: another operation is running (named in the message).
+        A target equal to the live layout succeeds at once without touching anything.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Plan(self, request, context):
+        """What a Reconfigure to the target would move: per worker, KV and weight bytes, the peak
+        extra memory, and whether it fits. Changes nothing (same as Reconfigure with dry_run).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -85,6 +111,16 @@ def add_ControllerServicer_to_server(servicer, server):
                     request_deserializer=reconfig_dot_v1_dot_controller__pb2.WatchStatusRequest.FromString,
                     response_serializer=reconfig_dot_v1_dot_controller__pb2.StackStatus.SerializeToString,
             ),
+            'Reconfigure': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reconfigure,
+                    request_deserializer=reconfig_dot_v1_dot_controller__pb2.ReconfigureRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_controller__pb2.OperationStatus.SerializeToString,
+            ),
+            'Plan': grpc.unary_unary_rpc_method_handler(
+                    servicer.Plan,
+                    request_deserializer=reconfig_dot_v1_dot_controller__pb2.PlanRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_controller__pb2.PlanResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'reconfig.v1.Controller', rpc_method_handlers)
@@ -96,8 +132,6 @@ def add_ControllerServicer_to_server(servicer, server):
 class Controller:
     """The controller: the only writer of the live topology; holds the worker table and reports the
     state of the stack. Every RPC needs the control-plane token (`authorization: Bearer <token>`).
-    Reserved for the next issue: Reconfigure (target topology, operation_id, deadline, strategy,
-    dry_run; streams transaction events) and Plan (the migration a Reconfigure would run).
     """
 
     @staticmethod
@@ -144,6 +178,60 @@ class Controller:
             '/reconfig.v1.Controller/WatchStatus',
             reconfig_dot_v1_dot_controller__pb2.WatchStatusRequest.SerializeToString,
             reconfig_dot_v1_dot_controller__pb2.StackStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reconfigure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Controller/Reconfigure',
+            reconfig_dot_v1_dot_controller__pb2.ReconfigureRequest.SerializeToString,
+            reconfig_dot_v1_dot_controller__pb2.OperationStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Plan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Controller/Plan',
+            reconfig_dot_v1_dot_controller__pb2.PlanRequest.SerializeToString,
+            reconfig_dot_v1_dot_controller__pb2.PlanResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.rpc.reconfig.v1 import worker_pb2 as reconfig_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18reconfig/v1/router.proto\x12\x0breconfig.v1\x1a\x18reconfig/v1/worker.proto\"\xcc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.reconfig.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\x90\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.reconfig.v1.Usage\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"(\n\rFreezeRequest\x12\x17\n\x0ftimeout_seconds\x18\x01 \x01(\x01\"9\n\x0e\x46reezeResponse\x12\'\n\x05stats\x18\x01 \x01(\x0b\x32\x18.reconfig.v1.RouterStats\">\n\rRebindRequest\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\x05J\x04\x08\x02\x10\x03R\x10worker_addresses\"9\n\x0eRebindResponse\x12\'\n\x05stats\x18\x01 \x01(\x0b\x32\x18.reconfig.v1.RouterStats\"\x0f\n\rResumeRequest\"9\n\x0eResumeResponse\x12\'\n\x05stats\x18\x01 \x01(\x0b\x32\x18.reconfig.v1.RouterStats\"\x0e\n\x0cStatsRequest\"\xca\x02\n\x0bRouterStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x1b\n\x13num_kv_blocks_total\x18\x03 \x01(\x05\x12\x1a\n\x12num_kv_blocks_used\x18\x04 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\x04\x12\x1d\n\x15num_generation_tokens\x18\x07 \x01(\x04\x12\x10\n\x08topology\x18\x08 \x01(\t\x12\x11\n\tis_frozen\x18\t \x01(\x08\x12\x32\n\x05\x65xtra\x18\n \x03(\x0b\x32#.reconfig.v1.RouterStats.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xda\x02\n\x06Router\x12I\n\x08Generate\x12\x1c.reconfig.v1.GenerateRequest\x1a\x1d.reconfig.v1.GenerateResponse0\x01\x12\x41\n\x06\x46reeze\x12\x1a.reconfig.v1.FreezeRequest\x1a\x1b.reconfig.v1.FreezeResponse\x12\x41\n\x06Rebind\x12\x1a.reconfig.v1.RebindRequest\x1a\x1b.reconfig.v1.RebindResponse\x12\x41\n\x06Resume\x12\x1a.reconfig.v1.ResumeRequest\x1a\x1b.reconfig.v1.ResumeResponse\x12<\n\x05Stats\x12\x19.reconfig.v1.StatsRequest\x1a\x18.reconfig.v1.RouterStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18reconfig/v1/router.proto\x12\x0breconfig.v1\x1a\x18reconfig/v1/worker.proto\"\xcc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.reconfig.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\x90\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.reconfig.v1.Usage\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"(\n\rFreezeRequest\x12\x17\n\x0ftimeout_seconds\x18\x01 \x01(\x01\"9\n\x0e\x46reezeResponse\x12\'\n\x05stats\x18\x01 \x01(\x0b\x32\x18.reconfig.v1.RouterStats\"@\n\rRebindRequest\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\x05\x12\x18\n\x10worker_addresses\x18\x02 \x03(\t\"Q\n\x0eRebindResponse\x12\'\n\x05stats\x18\x01 \x01(\x0b\x32\x18.reconfig.v1.RouterStats\x12\x16\n\x0eused_block_ids\x18\x02 \x03(\x05\"\x0f\n\rResumeRequest\"9\n\x0eResumeResponse\x12\'\n\x05stats\x18\x01 \x01(\x0b\x32\x18.reconfig.v1.RouterStats\"\x0e\n\x0cStatsRequest\"\xca\x02\n\x0bRouterStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x1b\n\x13num_kv_blocks_total\x18\x03 \x01(\x05\x12\x1a\n\x12num_kv_blocks_used\x18\x04 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\x04\x12\x1d\n\x15num_generation_tokens\x18\x07 \x01(\x04\x12\x10\n\x08topology\x18\x08 \x01(\t\x12\x11\n\tis_frozen\x18\t \x01(\x08\x12\x32\n\x05\x65xtra\x18\n \x03(\x0b\x32#.reconfig.v1.RouterStats.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xda\x02\n\x06Router\x12I\n\x08Generate\x12\x1c.reconfig.v1.GenerateRequest\x1a\x1d.reconfig.v1.GenerateResponse0\x01\x12\x41\n\x06\x46reeze\x12\x1a.reconfig.v1.FreezeRequest\x1a\x1b.reconfig.v1.FreezeResponse\x12\x41\n\x06Rebind\x12\x1a.reconfig.v1.RebindRequest\x1a\x1b.reconfig.v1.RebindResponse\x12\x41\n\x06Resume\x12\x1a.reconfig.v1.ResumeRequest\x1a\x1b.reconfig.v1.ResumeResponse\x12<\n\x05Stats\x12\x19.reconfig.v1.StatsRequest\x1a\x18.reconfig.v1.RouterStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,19 +45,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FREEZERESPONSE']._serialized_start=522
   _globals['_FREEZERESPONSE']._serialized_end=579
   _globals['_REBINDREQUEST']._serialized_start=581
-  _globals['_REBINDREQUEST']._serialized_end=643
-  _globals['_REBINDRESPONSE']._serialized_start=645
-  _globals['_REBINDRESPONSE']._serialized_end=702
-  _globals['_RESUMEREQUEST']._serialized_start=704
-  _globals['_RESUMEREQUEST']._serialized_end=719
-  _globals['_RESUMERESPONSE']._serialized_start=721
-  _globals['_RESUMERESPONSE']._serialized_end=778
-  _globals['_STATSREQUEST']._serialized_start=780
-  _globals['_STATSREQUEST']._serialized_end=794
-  _globals['_ROUTERSTATS']._serialized_start=797
-  _globals['_ROUTERSTATS']._serialized_end=1127
-  _globals['_ROUTERSTATS_EXTRAENTRY']._serialized_start=1083
-  _globals['_ROUTERSTATS_EXTRAENTRY']._serialized_end=1127
-  _globals['_ROUTER']._serialized_start=1130
-  _globals['_ROUTER']._serialized_end=1476
+  _globals['_REBINDREQUEST']._serialized_end=645
+  _globals['_REBINDRESPONSE']._serialized_start=647
+  _globals['_REBINDRESPONSE']._serialized_end=728
+  _globals['_RESUMEREQUEST']._serialized_start=730
+  _globals['_RESUMEREQUEST']._serialized_end=745
+  _globals['_RESUMERESPONSE']._serialized_start=747
+  _globals['_RESUMERESPONSE']._serialized_end=804
+  _globals['_STATSREQUEST']._serialized_start=806
+  _globals['_STATSREQUEST']._serialized_end=820
+  _globals['_ROUTERSTATS']._serialized_start=823
+  _globals['_ROUTERSTATS']._serialized_end=1153
+  _globals['_ROUTERSTATS_EXTRAENTRY']._serialized_start=1109
+  _globals['_ROUTERSTATS_EXTRAENTRY']._serialized_end=1153
+  _globals['_ROUTER']._serialized_start=1156
+  _globals['_ROUTER']._serialized_end=1502
 # @@protoc_insertion_point(module_scope)

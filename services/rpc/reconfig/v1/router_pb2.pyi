@@ -64,16 +64,20 @@ class FreezeResponse(_message.Message):
     def __init__(self, stats: _Optional[_Union[RouterStats, _Mapping]] = ...) -> None: ...
 
 class RebindRequest(_message.Message):
-    __slots__ = ("num_kv_blocks",)
+    __slots__ = ("num_kv_blocks", "worker_addresses")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ...) -> None: ...
+    worker_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., worker_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RebindResponse(_message.Message):
-    __slots__ = ("stats",)
+    __slots__ = ("stats", "used_block_ids")
     STATS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     stats: RouterStats
-    def __init__(self, stats: _Optional[_Union[RouterStats, _Mapping]] = ...) -> None: ...
+    used_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stats: _Optional[_Union[RouterStats, _Mapping]] = ..., used_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ()

@@ -6,6 +6,93 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PrepareSwitchRequest(_message.Message):
+    __slots__ = ("topology", "layer_partition")
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    LAYER_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    topology: str
+    layer_partition: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrepareSwitchResponse(_message.Message):
+    __slots__ = ("num_kv_blocks", "kv_segments", "is_candidate", "block_size", "kv_dtype_bytes")
+    class KvSegmentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    IS_CANDIDATE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_kv_blocks: int
+    kv_segments: _containers.ScalarMap[int, str]
+    is_candidate: bool
+    block_size: int
+    kv_dtype_bytes: int
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., kv_segments: _Optional[_Mapping[int, str]] = ..., is_candidate: _Optional[bool] = ..., block_size: _Optional[int] = ..., kv_dtype_bytes: _Optional[int] = ...) -> None: ...
+
+class PeerPool(_message.Message):
+    __slots__ = ("kv_segments",)
+    class KvSegmentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    KV_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    kv_segments: _containers.ScalarMap[int, str]
+    def __init__(self, kv_segments: _Optional[_Mapping[int, str]] = ...) -> None: ...
+
+class ApplySwitchRequest(_message.Message):
+    __slots__ = ("operation_id", "topology", "layer_partition", "num_kv_blocks", "used_block_ids", "peers")
+    class PeersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: PeerPool
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[PeerPool, _Mapping]] = ...) -> None: ...
+    OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    LAYER_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    operation_id: str
+    topology: str
+    layer_partition: _containers.RepeatedScalarFieldContainer[int]
+    num_kv_blocks: int
+    used_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    peers: _containers.MessageMap[int, PeerPool]
+    def __init__(self, operation_id: _Optional[str] = ..., topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., used_block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[_Mapping[int, PeerPool]] = ...) -> None: ...
+
+class ApplySwitchResponse(_message.Message):
+    __slots__ = ("kv_bytes_received", "kv_bytes_local", "weight_bytes_loaded", "weight_bytes_reused", "migrate_seconds", "reload_seconds", "peak_extra_bytes", "built_groups", "info")
+    KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_REUSED_FIELD_NUMBER: _ClassVar[int]
+    MIGRATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RELOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_EXTRA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUILT_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    kv_bytes_received: int
+    kv_bytes_local: int
+    weight_bytes_loaded: int
+    weight_bytes_reused: int
+    migrate_seconds: float
+    reload_seconds: float
+    peak_extra_bytes: int
+    built_groups: bool
+    info: WorkerInfo
+    def __init__(self, kv_bytes_received: _Optional[int] = ..., kv_bytes_local: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., weight_bytes_reused: _Optional[int] = ..., migrate_seconds: _Optional[float] = ..., reload_seconds: _Optional[float] = ..., peak_extra_bytes: _Optional[int] = ..., built_groups: _Optional[bool] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]

@@ -51,6 +51,16 @@ class WorkerStub:
                 request_serializer=reconfig_dot_v1_dot_worker__pb2.ShutdownRequest.SerializeToString,
                 response_deserializer=reconfig_dot_v1_dot_worker__pb2.ShutdownResponse.FromString,
                 _registered_method=True)
+        self.PrepareSwitch = channel.unary_unary(
+                '/reconfig.v1.Worker/PrepareSwitch',
+                request_serializer=reconfig_dot_v1_dot_worker__pb2.PrepareSwitchRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_worker__pb2.PrepareSwitchResponse.FromString,
+                _registered_method=True)
+        self.ApplySwitch = channel.unary_unary(
+                '/reconfig.v1.Worker/ApplySwitch',
+                request_serializer=reconfig_dot_v1_dot_worker__pb2.ApplySwitchRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_worker__pb2.ApplySwitchResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -80,6 +90,24 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareSwitch(self, request, context):
+        """PREPARING_WORKERS: what this worker would hold in a target layout (its KV capacity there) and
+        where its current KV pool lives, so peers can copy from it. Changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ApplySwitch(self, request, context):
+        """APPLYING_TOPOLOGY + MIGRATING: switch to the target layout — select its process groups, move
+        KV layer by layer (copying straight from the peers' shared-memory pools, then freeing each
+        old layer), and reload the weight slices that changed, concurrently. Collective: every
+        worker of the world must receive the same request; the router must be frozen.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +125,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Shutdown,
                     request_deserializer=reconfig_dot_v1_dot_worker__pb2.ShutdownRequest.FromString,
                     response_serializer=reconfig_dot_v1_dot_worker__pb2.ShutdownResponse.SerializeToString,
+            ),
+            'PrepareSwitch': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareSwitch,
+                    request_deserializer=reconfig_dot_v1_dot_worker__pb2.PrepareSwitchRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_worker__pb2.PrepareSwitchResponse.SerializeToString,
+            ),
+            'ApplySwitch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplySwitch,
+                    request_deserializer=reconfig_dot_v1_dot_worker__pb2.ApplySwitchRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_worker__pb2.ApplySwitchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +220,60 @@ class Worker:
             '/reconfig.v1.Worker/Shutdown',
             reconfig_dot_v1_dot_worker__pb2.ShutdownRequest.SerializeToString,
             reconfig_dot_v1_dot_worker__pb2.ShutdownResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareSwitch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Worker/PrepareSwitch',
+            reconfig_dot_v1_dot_worker__pb2.PrepareSwitchRequest.SerializeToString,
+            reconfig_dot_v1_dot_worker__pb2.PrepareSwitchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApplySwitch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Worker/ApplySwitch',
+            reconfig_dot_v1_dot_worker__pb2.ApplySwitchRequest.SerializeToString,
+            reconfig_dot_v1_dot_worker__pb2.ApplySwitchResponse.FromString,
             options,
             channel_credentials,
             insecure,

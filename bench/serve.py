@@ -1,0 +1,496 @@
+"""Replay a slice of the Azure LLM conversation trace against `reconfig up`, next to Hugging Face `generate`.
+
+    python bench/serve.py [--configs tp2pp2:4,tp1pp1:1] [--num-requests 64] [--model tiny-llama]
+
+Prints a markdown table, writes JSON and a plot (TTFT / TPOT / end-to-end CDFs) under bench/results/.
+Exits non-zero if a request failed or a greedy output differs from Hugging Face's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import gc
+import json
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TRACE = REPO_ROOT / ".." / "shared" / "traces" / "azure_llm_2023_conv.csv"
+MIN_PROMPT_TOKEN_ID, MAX_PROMPT_TOKEN_ID = 3, 255  # random byte tokens of the presets' tokenizer
+MIN_OUTPUT_TOKENS = 2  # so every request has a TPOT
+HF = "hf-generate"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayConfig:
+    """Which slice of the trace, how it is scaled, and what serves it."""
+
+    model: str
+    trace: Path
+    start: int                                # first trace row (0 = the row after the header)
+    num_requests: int
+    prompt_scale: float                       # prompt tokens = ContextTokens x prompt_scale, clamped
+    output_scale: float                       # max_tokens = GeneratedTokens x output_scale, clamped
+    time_scale: float                         # arrival offsets = trace offsets x time_scale
+    max_prompt_tokens: int
+    max_output_tokens: int
+    layouts: tuple[tuple[str, int], ...]      # (topology, num_workers) per `reconfig up`
+    kv_cache_mb: int
+    request_timeout: float                    # seconds per request, from its send
+    startup_timeout: float                    # seconds for a stack to become ready
+    seed: int
+    out: Path
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1 or self.start < 0 or min(self.prompt_scale, self.output_scale, self.time_scale) <= 0:
+            raise ValueError("need --num-requests >= 1, --start >= 0 and positive scales")
+        if self.max_prompt_tokens < 1 or self.max_output_tokens < MIN_OUTPUT_TOKENS:
+            raise ValueError(f"need --max-prompt-tokens >= 1 and --max-output-tokens >= {MIN_OUTPUT_TOKENS}")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One replayed request: when it arrives (seconds after the first) and what it asks for."""
+
+    index: int
+    arrival: float
+    prompt: tuple[int, ...]
+    max_tokens: int
+    trace_context_tokens: int
+    trace_generated_tokens: int
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """What one request got; times in seconds from its send (HF: from its arrival, queueing included)."""
+
+    index: int
+    ttft: float | None = None                 # first chunk carrying text
+    e2e: float | None = None
+    num_tokens: int = 0                       # completion tokens (usage)
+    send_lag: float = 0.0                     # client-side lateness of the send vs the scheduled arrival
+    finished_at: float = 0.0                  # seconds after the first scheduled arrival
+    text: str = ""
+    error: str | None = None
+    matches_hf: bool | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.error or self.ttft is None or self.e2e is None or self.num_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.num_tokens - 1)
+
+
+@dataclass(slots=True)
+class ConfigResult:
+    """One served configuration (or the HF baseline) over the whole slice."""
+
+    name: str
+    num_workers: int
+    requests: list[RequestResult] = field(default_factory=list)
+    wall_seconds: float = 0.0                 # first arrival to last completion
+    server: dict = field(default_factory=dict)  # router /metrics after the replay
+
+    def summary(self) -> dict:
+        """Counts, throughput and latency percentiles (ms) of the completed requests."""
+        import numpy as np
+
+        done = [r for r in self.requests if r.error is None]
+        out: dict = {"completed": len(done), "failed": len(self.requests) - len(done),
+                     "matches_hf": sum(bool(r.matches_hf) for r in done),
+                     "request_throughput": len(done) / self.wall_seconds if self.wall_seconds else 0.0,
+                     "output_token_throughput": sum(r.num_tokens for r in done) / self.wall_seconds
+                     if self.wall_seconds else 0.0}
+        for metric in ("ttft", "tpot", "e2e"):
+            values = [v for v in (getattr(r, metric) for r in done) if v is not None]
+            for q in (50, 99):
+                out[f"{metric}_p{q}_ms"] = float(1e3 * np.percentile(values, q)) if values else None
+        return out
+
+
+def load_requests(config: ReplayConfig, vocab_size: int) -> list[TraceRequest]:
+    """`num_requests` consecutive trace rows from `start`, scaled; prompts are seeded random byte tokens."""
+    rows = []
+    with open(config.trace, newline="") as file:
+        for i, row in enumerate(csv.DictReader(file)):
+            if i >= config.start + config.num_requests:
+                break
+            if i >= config.start:
+                rows.append(row)
+    if len(rows) < config.num_requests:
+        raise SystemExit(f"{config.trace} has only {len(rows)} rows from row {config.start}")
+    times = [datetime.fromisoformat(row["TIMESTAMP"][:26]) for row in rows]  # 7 fractional digits: keep 6
+    rng = random.Random(config.seed)
+    high = min(MAX_PROMPT_TOKEN_ID, vocab_size - 1)
+    requests = []
+    for i, (row, when) in enumerate(zip(rows, times)):
+        context, generated = int(row["ContextTokens"]), int(row["GeneratedTokens"])
+        num_prompt = min(max(round(context * config.prompt_scale), 1), config.max_prompt_tokens)
+        max_tokens = min(max(round(generated * config.output_scale), MIN_OUTPUT_TOKENS), config.max_output_tokens)
+        prompt = tuple(rng.randint(MIN_PROMPT_TOKEN_ID, high) for _ in range(num_prompt))
+        arrival = (when - times[0]).total_seconds() * config.time_scale
+        requests.append(TraceRequest(i, arrival, prompt, max_tokens, context, generated))
+    return requests
+
+
+def run_transformers(config: ReplayConfig, requests: list[TraceRequest]) -> tuple[ConfigResult, list[list[int]]]:
+    """HF greedy generate, one request at a time in arrival order, against the same arrival times."""
+    import torch
+    import transformers
+
+    from services.model.presets import PRESETS, resolve_model
+    from services.model.tokenizer import PAD_TOKEN_ID, Tokenizer
+
+    class TokenClock(transformers.StoppingCriteria):
+        """Never stops; records when each token was produced (the first right after prefill)."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    model_dir = resolve_model(config.model)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    transformers.utils.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # exactly max_tokens tokens, as ignore_eos on the stack
+    if config.model in PRESETS or model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = PAD_TOKEN_ID  # batch of 1: never used, silences a warning
+
+    def generate(prompt: tuple[int, ...], max_tokens: int) -> tuple[float, list[float], list[int]]:
+        clock, input_ids = TokenClock(), torch.tensor([prompt])  # [1, prompt_len]
+        started = time.perf_counter()
+        with torch.inference_mode():
+            output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                    max_new_tokens=max_tokens, stopping_criteria=[clock])
+        return started, clock.times, output[0, input_ids.shape[1]:].tolist()
+
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        generate(requests[0].prompt, 4)  # warm-up
+        result, all_tokens, free_at = ConfigResult(HF, 0), [], 0.0
+        for request in requests:
+            started, times, tokens = generate(request.prompt, request.max_tokens)
+            if len(tokens) != request.max_tokens:
+                raise RuntimeError(f"HF generate stopped early ({len(tokens)} of {request.max_tokens} tokens)")
+            begin = max(request.arrival, free_at)  # simulated: waits for the previous request to finish
+            first = _first_text_token(tokenizer, tokens)
+            end = begin + times[-1] - started
+            result.requests.append(RequestResult(
+                request.index, ttft=begin - request.arrival + times[first] - started,
+                e2e=end - request.arrival, num_tokens=len(tokens), finished_at=end, text=tokenizer.decode(tokens),
+            ))
+            all_tokens.append(tokens)
+            free_at = end
+        result.wall_seconds = free_at - requests[0].arrival
+    finally:
+        torch.set_num_threads(previous_threads)
+    return result, all_tokens
+
+
+def _first_text_token(tokenizer, tokens: list[int]) -> int:
+    """Index of the token whose delta is the first to carry text (the router holds back partial UTF-8)."""
+    decoder = tokenizer.incremental_decoder()
+    for i, token_id in enumerate(tokens):
+        if decoder.push(token_id):
+            return i
+    return len(tokens) - 1
+
+
+class Stack:
+    """A `reconfig up` subprocess on loopback with ephemeral ports; stopped with SIGTERM on exit."""
+
+    def __init__(self, config: ReplayConfig, topology: str, num_workers: int) -> None:
+        self._run_dir = tempfile.TemporaryDirectory(prefix="reconfig-bench-")
+        self._log = open(Path(self._run_dir.name) / "up.log", "w+")
+        command = [sys.executable, "-m", "services.cli", "up", "--model", config.model, "--workers",
+                   str(num_workers), "--topology", topology, "--http-port", "0", "--grpc-port", "0",
+                   "--controller-port", "0", "--kv-cache-mb", str(config.kv_cache_mb)]
+        env = {**os.environ, "RECONFIG_RUN_DIR": self._run_dir.name}
+        self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=self._log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.base_url = self._wait_ready(config.startup_timeout)
+
+    def _wait_ready(self, timeout: float) -> str:
+        deadline, stack_file = time.monotonic() + timeout, Path(self._run_dir.name) / "stack.json"
+        base_url = None
+        while time.monotonic() < deadline and self.process.poll() is None:
+            if base_url is None and stack_file.exists():
+                base_url = json.loads(stack_file.read_text())["router_http_address"]
+            if base_url is not None:
+                try:
+                    with urllib.request.urlopen(f"{base_url}/ready", timeout=2) as response:
+                        if response.status == 200:
+                            return base_url
+                except OSError:
+                    pass
+            time.sleep(0.2)
+        self.close()
+        raise RuntimeError(f"reconfig up did not become ready:\n{self.log_tail()}")
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        self._log.flush()
+        return (Path(self._run_dir.name) / "up.log").read_text()[-num_chars:]
+
+    def scrape(self) -> dict:
+        """The router's reconfig:* counters and latency sums from /metrics."""
+        with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        wanted = ("num_preemptions", "time_to_first_token_seconds_sum", "time_to_first_token_seconds_count",
+                  "generation_tokens", "prompt_tokens")
+        values = {}
+        for line in text.splitlines():
+            name, value = line.partition("{")[0].partition(" ")[0], line.rsplit(" ", 1)[-1]
+            if any(name.startswith(f"reconfig:{w}") for w in wanted):
+                values[name.removeprefix("reconfig:")] = float(value)
+        return values
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:  # the launcher hung: end its whole session (its children)
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        self._log.close()
+        self._run_dir.cleanup()
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+async def _send(client, model: str, request: TraceRequest, t0: float, timeout: float) -> RequestResult:
+    """Wait for the request's arrival time, stream it, time its chunks."""
+    await asyncio.sleep(max(0.0, t0 + request.arrival - time.perf_counter()))
+    sent = time.perf_counter()
+    result = RequestResult(request.index, send_lag=sent - t0 - request.arrival)
+    texts, first_chunk = [], None
+    try:
+        async with asyncio.timeout(timeout):
+            stream = await client.completions.create(
+                model=model, prompt=list(request.prompt), max_tokens=request.max_tokens, temperature=0,
+                stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            )
+            async for chunk in stream:
+                now = time.perf_counter()
+                if chunk.choices:
+                    first_chunk = first_chunk or now
+                    if chunk.choices[0].text and result.ttft is None:
+                        result.ttft = now - sent
+                    texts.append(chunk.choices[0].text)
+                if chunk.usage is not None:
+                    result.num_tokens = chunk.usage.completion_tokens
+    except Exception as exc:  # noqa: BLE001 - every failure is counted and reported, never raised
+        result.error = f"{type(exc).__name__}: {exc}"[:300]
+    done = time.perf_counter()
+    result.e2e, result.finished_at, result.text = done - sent, done - t0, "".join(texts)
+    if result.ttft is None and first_chunk is not None:  # no text at all: the first chunk stands in
+        result.ttft = first_chunk - sent
+    if result.error is None and result.num_tokens != request.max_tokens:
+        result.error = f"got {result.num_tokens} of {request.max_tokens} tokens"
+    return result
+
+
+async def replay(base_url: str, requests: list[TraceRequest], timeout: float) -> tuple[list[RequestResult], float]:
+    """Send every request at its arrival time (concurrently); returns results and first-arrival→last-finish."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
+                                  timeout=timeout) as client:
+        model = (await client.models.list()).data[0].id
+        for request in requests[:2]:  # warm-up, untimed
+            await _send(client, model, TraceRequest(-1, 0.0, request.prompt, 4, 0, 0), time.perf_counter(), timeout)
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(_send(client, model, r, t0, timeout) for r in requests))
+    return list(results), max(r.finished_at for r in results)
+
+
+def run_stack(config: ReplayConfig, topology: str, num_workers: int, requests: list[TraceRequest]) -> ConfigResult:
+    """Start `reconfig up` for one layout, replay the slice, stop it."""
+    print(f"  {topology} ({num_workers} workers): starting", file=sys.stderr, flush=True)
+    with Stack(config, topology, num_workers) as stack:
+        results, wall = asyncio.run(replay(stack.base_url, requests, config.request_timeout))
+        server = stack.scrape()
+        if any(r.error for r in results):
+            print(f"  reconfig up log tail:\n{stack.log_tail()}", file=sys.stderr)
+    return ConfigResult(topology, num_workers, results, wall, server)
+
+
+def format_table(results: list[ConfigResult], config: ReplayConfig, requests: list[TraceRequest],
+                 num_cpus: int) -> str:
+    """Markdown table plus the methodology notes."""
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+    lines = ["| config | workers | ok | failed | = HF | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 "
+             "| TPOT p99 | e2e p50 | e2e p99 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for result in results:
+        s = result.summary()
+        lines.append(
+            f"| {result.name} | {result.num_workers or '-'} | {s['completed']} | {s['failed']} | "
+            f"{'ref' if result.name == HF else s['matches_hf']} | {s['request_throughput']:.2f} | "
+            f"{s['output_token_throughput']:.1f} | "
+            + " | ".join(ms(s[f"{m}_p{q}_ms"]) for m in ("ttft", "tpot", "e2e") for q in (50, 99)) + " |")
+    prompts, outputs = [len(r.prompt) for r in requests], [r.max_tokens for r in requests]
+    span = requests[-1].arrival
+    lines += [
+        "", f"Notes: {config.model}, {len(requests)} requests (trace rows {config.start}..{config.start + len(requests) - 1})"
+        f" over {span:.1f}s ({len(requests) / span:.1f} req/s offered); prompt tokens = context x {config.prompt_scale}"
+        f" in [1, {config.max_prompt_tokens}] (mean {sum(prompts) / len(prompts):.0f}), output tokens = generated x "
+        f"{config.output_scale} in [{MIN_OUTPUT_TOKENS}, {config.max_output_tokens}] (mean "
+        f"{sum(outputs) / len(outputs):.0f}), arrivals = trace offsets x {config.time_scale}. {num_cpus} CPUs. "
+        "Latencies in ms.",
+        "- reconfig: `reconfig up` per config (1 torch thread per worker); each request streamed through the openai "
+        "client (greedy, ignore_eos) at its arrival time. TTFT = send to first chunk with text (a token that only "
+        "begins a UTF-8 character carries none); TPOT = (e2e - TTFT) / (tokens - 1); throughput over first arrival "
+        "to last completion.",
+        f"- {HF}: transformers float32, 1 torch thread, greedy, eos off, one request at a time in arrival order. "
+        "Each generate is timed for real; the queue is simulated on the same arrival times: a request starts when "
+        "it arrives or the previous one finishes; TTFT = wait + time to its first text-carrying token (prefill for "
+        "most), e2e = wait + generate time.",
+        "- = HF: completed requests whose streamed text equals the decoded HF tokens.",
+    ]
+    oversubscribed = [r.name for r in results if r.num_workers + 1 > num_cpus]
+    if oversubscribed:
+        lines.append(f"- oversubscribed (workers + router > {num_cpus} CPUs): {', '.join(oversubscribed)}")
+    return "\n".join(lines)
+
+
+def plot(results: list[ConfigResult], path: Path, title: str) -> None:
+    """CDFs of TTFT, TPOT and e2e latency, one line per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    for axis, metric, label in zip(axes, ("ttft", "tpot", "e2e"), ("TTFT", "TPOT", "end-to-end latency")):
+        for result in results:
+            values = sorted(1e3 * v for v in (getattr(r, metric) for r in result.requests if r.error is None)
+                            if v is not None)
+            if values:
+                axis.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post",
+                          label=f"{result.name} ({result.num_workers} w)" if result.num_workers else result.name)
+        axis.set_xscale("log")
+        axis.set_xlabel(f"{label} (ms, log)")
+        axis.set_ylabel("fraction of requests")
+        axis.grid(alpha=0.3, which="both")
+    axes[0].legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def parse_args(argv: list[str] | None = None) -> ReplayConfig:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-llama", help="preset (tiny-llama, llama-135m) or checkpoint dir")
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="CSV: TIMESTAMP,ContextTokens,GeneratedTokens")
+    parser.add_argument("--start", type=int, default=0, help="first trace row")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-scale", type=float, default=1 / 16)
+    parser.add_argument("--output-scale", type=float, default=1 / 8)
+    parser.add_argument("--time-scale", type=float, default=0.5, help="< 1 compresses the arrivals")
+    parser.add_argument("--max-prompt-tokens", type=int, default=256)
+    parser.add_argument("--max-output-tokens", type=int, default=64)
+    parser.add_argument("--configs", default="tp2pp2:4,tp1pp1:1", help="topology:workers, comma-separated")
+    parser.add_argument("--kv-cache-mb", type=int, default=64, help="KV cache per worker")
+    parser.add_argument("--request-timeout", type=float, default=60.0)
+    parser.add_argument("--startup-timeout", type=float, default=120.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "serve.json")
+    args = parser.parse_args(argv)
+    layouts = []
+    for item in args.configs.split(","):
+        topology, _, workers = item.strip().partition(":")
+        layouts.append((topology, int(workers) if workers else _num_workers(topology)))
+    return ReplayConfig(
+        model=args.model, trace=args.trace.resolve(), start=args.start, num_requests=args.num_requests,
+        prompt_scale=args.prompt_scale, output_scale=args.output_scale, time_scale=args.time_scale,
+        max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens, layouts=tuple(layouts),
+        kv_cache_mb=args.kv_cache_mb, request_timeout=args.request_timeout, startup_timeout=args.startup_timeout,
+        seed=args.seed, out=args.out,
+    )
+
+
+def _num_workers(topology: str) -> int:
+    from services.topology import Topology
+
+    return Topology.parse(topology).num_workers
+
+
+def machine_info() -> dict:
+    import torch
+    import transformers
+
+    return {"cpu_count": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "loadavg": os.getloadavg()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from services.logs import configure_logging
+    from services.model.presets import resolve_model
+    from services.model.tokenizer import Tokenizer
+
+    configure_logging("bench", "WARNING")
+    config = parse_args(argv)
+    started = time.perf_counter()
+    requests = load_requests(config, Tokenizer.from_dir(resolve_model(config.model)).vocab_size)
+    print(f"serve bench: {config.model}, {len(requests)} requests over {requests[-1].arrival:.1f}s", file=sys.stderr)
+    baseline, _ = run_transformers(config, requests)
+    print(f"  {HF}: done", file=sys.stderr, flush=True)
+    gc.collect()  # drop the HF model before the stacks start
+    results = [baseline]
+    for topology, num_workers in config.layouts:
+        result = run_stack(config, topology, num_workers, requests)
+        for mine, reference in zip(result.requests, baseline.requests):
+            mine.matches_hf = mine.error is None and mine.text == reference.text
+        results.append(result)
+    info = machine_info()
+    table = format_table(results, config, requests, info["usable_cpus"])
+    print(table)
+    elapsed = time.perf_counter() - started
+    payload = {
+        "bench": "serve", "config": {**asdict(config), "trace": str(config.trace), "out": str(config.out)},
+        "machine": info, "wall_seconds": elapsed, "table": table,
+        "requests": [{"index": r.index, "arrival": r.arrival, "prompt_tokens": len(r.prompt),
+                      "max_tokens": r.max_tokens, "trace_context_tokens": r.trace_context_tokens,
+                      "trace_generated_tokens": r.trace_generated_tokens} for r in requests],
+        "results": [{"name": r.name, "num_workers": r.num_workers, "wall_seconds": r.wall_seconds,
+                     "summary": r.summary(), "server_metrics": r.server,
+                     "requests": [{**{k: v for k, v in asdict(q).items() if k != "text"}, "tpot": q.tpot}
+                                  for q in r.requests]} for r in results],
+    }
+    config.out.parent.mkdir(parents=True, exist_ok=True)
+    config.out.write_text(json.dumps(payload, indent=1) + "\n")
+    plot_path = config.out.with_suffix(".png")
+    plot(results, plot_path, f"{config.model}: trace replay, {len(requests)} requests ({info['usable_cpus']} CPUs)")
+    print(f"\nwrote {config.out} and {plot_path} in {elapsed:.0f}s", file=sys.stderr)
+    failed = sum(r.summary()["failed"] for r in results)
+    mismatched = sum(r.summary()["completed"] - r.summary()["matches_hf"] for r in results[1:])
+    if failed or mismatched:
+        raise SystemExit(f"{failed} failed request(s), {mismatched} output(s) differ from Hugging Face")
+
+
+if __name__ == "__main__":
+    main()

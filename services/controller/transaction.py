@@ -1,0 +1,246 @@
+"""The Reconfigure transaction (ReMP): QUIESCING → PREPARING_WORKERS → APPLYING_TOPOLOGY → MIGRATING → REBINDING.
+
+The controller is the only writer of the live layout. One operation runs at a time; operations are idempotent by
+id. A failure before the workers switch (freeze, prepare, capacity rebind) resumes the old layout untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from services.controller.status import OperationState, OperationStatus
+from services.model.spec import ModelSpec
+from services.rpc.auth import auth_metadata
+from services.rpc.reconfig.v1 import controller_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.topology import (
+    Topology,
+    TopologyError,
+    WeightFlags,
+    place,
+    plan_kv_migration,
+    plan_weight_reload,
+    validate,
+)
+
+log = structlog.get_logger(__name__)
+PHASES = ("QUIESCING", "PREPARING_WORKERS", "APPLYING_TOPOLOGY", "MIGRATING", "REBINDING")
+
+
+class OperationBusy(RuntimeError):
+    """Another operation is running (FAILED_PRECONDITION)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchTarget:
+    """A validated target layout."""
+
+    topology: Topology
+    layer_partition: tuple[int, ...] | None = None
+
+
+class Reconfigurer:
+    """Runs Reconfigure transactions against the workers and the router."""
+
+    def __init__(self, state, spec: ModelSpec, worker_stubs: list[worker_pb2_grpc.WorkerStub],
+                 router_stub: router_pb2_grpc.RouterStub | None, token: str, rpc_timeout_s: float = 60.0,
+                 default_deadline_s: float = 300.0) -> None:
+        self.state = state  # ControllerState: the live topology and the published status
+        self.spec = spec
+        self.workers = worker_stubs
+        self.router = router_stub
+        self.metadata = auth_metadata(token)
+        self.rpc_timeout_s = rpc_timeout_s
+        self.default_deadline_s = default_deadline_s
+        self.operations: dict[str, asyncio.Future[OperationStatus]] = {}
+        self.running: str | None = None
+
+    def target(self, topology: str, layer_partition=()) -> SwitchTarget:
+        """Parse and validate against the model and the worker count (TopologyError says why not)."""
+        target = SwitchTarget(Topology.parse(topology), tuple(layer_partition) or None)
+        validate(target.topology, self.spec.shape, len(self.workers), target.layer_partition)
+        return target
+
+    async def reconfigure(self, topology: str, operation_id: str = "", deadline_s: float = 0.0,
+                          strategy: str = "", layer_partition=()) -> OperationStatus:
+        """Run (or join, for a repeated operation_id) a switch; returns the operation when it has ended."""
+        if strategy not in ("", "in-place"):
+            raise ValueError(f"strategy {strategy!r} is not supported (supported: in-place)")
+        if operation_id and operation_id in self.operations:
+            return await asyncio.shield(self.operations[operation_id])  # idempotent retry
+        target = self.target(topology, layer_partition)
+        if self.running is not None:
+            raise OperationBusy(f"operation {self.running!r} is running; retry when it has ended")
+        operation_id = operation_id or uuid.uuid4().hex[:12]
+        current = self.state.topology
+        status = OperationStatus(operation_id, "reconfigure", OperationState.RUNNING, time.time(),
+                                 from_topology=str(current), to_topology=str(target.topology))
+        if target.topology == current and target.layer_partition == self.state.layer_partition:
+            done = dataclasses.replace(status, state=OperationState.SUCCEEDED, ended_at=time.time())
+            self.state.record_operation(done)
+            self.operations[operation_id] = _done(done)
+            return done
+        self.running = operation_id
+        future = asyncio.ensure_future(self._run(status, target, deadline_s or self.default_deadline_s))
+        self.operations[operation_id] = future
+        try:
+            return await asyncio.shield(future)
+        finally:
+            if future.done():
+                self.running = None
+
+    async def _run(self, status: OperationStatus, target: SwitchTarget, deadline_s: float) -> OperationStatus:
+        progress = _Progress(self.state, status)
+        try:
+            return await asyncio.wait_for(self._transaction(progress, target), deadline_s)
+        except Exception as exc:  # the deadline, an RPC error, a worker failure
+            error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, asyncio.TimeoutError) else \
+                f"deadline of {deadline_s:.0f}s exceeded in {progress.status.phase}"
+            log.error("controller.reconfigure_failed", operation_id=status.operation_id, error=error)
+            state = OperationState.ROLLED_BACK if progress.rolled_back else OperationState.FAILED
+            return progress.finish(state, error)
+        finally:
+            self.running = None
+
+    async def _transaction(self, progress: _Progress, target: SwitchTarget) -> OperationStatus:
+        timeout, meta = self.rpc_timeout_s, self.metadata
+        progress.enter("QUIESCING")
+        frozen = await self.router.Freeze(router_pb2.FreezeRequest(), timeout=timeout, metadata=meta)
+        old_capacity = frozen.stats.num_kv_blocks_total
+        try:
+            progress.enter("PREPARING_WORKERS")
+            request = worker_pb2.PrepareSwitchRequest(topology=str(target.topology),
+                                                      layer_partition=target.layer_partition or ())
+            prepared = await asyncio.gather(*(w.PrepareSwitch(request, timeout=timeout) for w in self.workers))
+            capacity = min(p.num_kv_blocks for p in prepared if p.num_kv_blocks > 0)
+            before = frozen.stats.num_preemptions
+            rebound = await self.router.Rebind(router_pb2.RebindRequest(num_kv_blocks=capacity), timeout=timeout,
+                                               metadata=meta)
+            progress.status = dataclasses.replace(
+                progress.status, num_requests_preempted=rebound.stats.num_preemptions - before)
+        except BaseException:
+            progress.rolled_back = True  # nothing moved yet: restore the capacity, resume the old layout
+            await self._restore(old_capacity)
+            raise
+        progress.enter("APPLYING_TOPOLOGY")
+        apply = worker_pb2.ApplySwitchRequest(
+            operation_id=progress.status.operation_id, topology=str(target.topology),
+            layer_partition=target.layer_partition or (), num_kv_blocks=capacity,
+            used_block_ids=rebound.used_block_ids,
+            peers={rank: worker_pb2.PeerPool(kv_segments=p.kv_segments) for rank, p in enumerate(prepared)},
+        )
+        # One RPC per worker runs both phases (the groups are selected, then KV moves layer by layer).
+        switching = asyncio.gather(*(w.ApplySwitch(apply, timeout=timeout) for w in self.workers))
+        progress.enter("MIGRATING")
+        results = await switching
+        progress.status = dataclasses.replace(
+            progress.status,
+            kv_bytes_moved=sum(r.kv_bytes_received for r in results),
+            weight_bytes_loaded=sum(r.weight_bytes_loaded for r in results),
+        )
+        self.state.set_topology(target.topology, target.layer_partition)  # the workers hold the new layout now
+        progress.enter("REBINDING")
+        await self.router.Rebind(router_pb2.RebindRequest(num_kv_blocks=capacity,
+                                                          worker_addresses=self.state.config.worker_addresses),
+                                 timeout=timeout, metadata=meta)
+        await self.router.Resume(router_pb2.ResumeRequest(), timeout=timeout, metadata=meta)
+        log.info("controller.reconfigured", operation_id=progress.status.operation_id,
+                 topology=str(target.topology), phases=progress.status.phase_seconds)
+        return progress.finish(OperationState.SUCCEEDED)
+
+    async def _restore(self, old_capacity: int) -> None:
+        with_timeout = dict(timeout=self.rpc_timeout_s, metadata=self.metadata)
+        try:
+            await self.router.Rebind(router_pb2.RebindRequest(num_kv_blocks=old_capacity), **with_timeout)
+        finally:
+            await self.router.Resume(router_pb2.ResumeRequest(), **with_timeout)
+
+
+async def plan_switch(reconfigurer: Reconfigurer, topology: str, layer_partition=()) -> controller_pb2.PlanResponse:
+    """What a switch would move, from the pure plans and the workers' capacities; changes nothing."""
+    target = reconfigurer.target(topology, layer_partition)
+    state, timeout = reconfigurer.state, reconfigurer.rpc_timeout_s
+    request = worker_pb2.PrepareSwitchRequest(topology=str(target.topology),
+                                              layer_partition=target.layer_partition or ())
+    prepared = await asyncio.gather(*(w.PrepareSwitch(request, timeout=timeout) for w in reconfigurer.workers))
+    stats = await reconfigurer.router.Stats(router_pb2.StatsRequest(), timeout=timeout,
+                                            metadata=reconfigurer.metadata)
+    spec, world = reconfigurer.spec, len(reconfigurer.workers)
+    old = place(state.topology, spec.shape, state.layer_partition)
+    new = place(target.topology, spec.shape, target.layer_partition)
+    old_ranks, new_ranks = list(range(state.topology.num_workers)), list(range(target.topology.num_workers))
+    kv_plan = plan_kv_migration(old, old_ranks, new, new_ranks)
+    weights = plan_weight_reload(old, old_ranks, new, new_ranks, WeightFlags.of(spec))
+    dtype_bytes, block_size = prepared[0].kv_dtype_bytes, prepared[0].block_size
+    used = stats.num_kv_blocks_used
+    capacity = min(p.num_kv_blocks for p in prepared if p.num_kv_blocks > 0)
+    moved = kv_plan.bytes_moved(used, block_size, spec.head_dim, dtype_bytes)
+    rows, fits = [], used <= capacity
+    for rank in range(world):
+        local = sum(t.nbytes(used, block_size, spec.head_dim, dtype_bytes)
+                    for t in kv_plan.receives_of(rank) if t.is_local)
+        reload = weights.get(rank)
+        peak = kv_plan.peak_extra_bytes(rank, prepared[rank].num_kv_blocks, block_size, spec.head_dim, dtype_bytes)
+        rows.append(controller_pb2.WorkerPlan(
+            rank=rank, state_before="ACTIVE" if rank in old_ranks else "STANDBY",
+            state_after="ACTIVE" if rank in new_ranks else "STANDBY",
+            kv_bytes_in=sum(b for (src, dst), b in moved.items() if dst == rank), kv_bytes_local=local,
+            weight_bytes_load=reload.load_bytes(dtype_bytes) if reload else 0,
+            weight_bytes_keep=reload.keep_bytes(dtype_bytes) if reload else 0,
+            peak_extra_bytes=peak, num_kv_blocks_after=prepared[rank].num_kv_blocks,
+        ))
+    return controller_pb2.PlanResponse(
+        from_topology=str(state.topology), to_topology=str(target.topology), workers=rows, num_used_blocks=used,
+        num_kv_blocks_after=capacity, fits=fits, is_candidate=all(p.is_candidate for p in prepared),
+    )
+
+
+class _Progress:
+    """Phase bookkeeping of one operation, published to the controller state at every change."""
+
+    def __init__(self, state, status: OperationStatus) -> None:
+        self.state = state
+        self.status = status
+        self.rolled_back = False
+        self._phase_started = time.perf_counter()
+        state.record_operation(status)
+
+    def enter(self, phase: str) -> None:
+        self._close_phase()
+        self.status = dataclasses.replace(self.status, phase=phase)
+        self.state.record_operation(self.status)
+
+    def finish(self, state: OperationState, error: str = "") -> OperationStatus:
+        self._close_phase()
+        self.status = dataclasses.replace(self.status, state=state, error=error, phase="", ended_at=time.time())
+        self.state.record_operation(self.status)
+        return self.status
+
+    def _close_phase(self) -> None:
+        now = time.perf_counter()
+        if self.status.phase:
+            seconds = dict(self.status.phase_seconds)
+            seconds[self.status.phase] = seconds.get(self.status.phase, 0.0) + now - self._phase_started
+            self.status = dataclasses.replace(self.status, phase_seconds=seconds)
+        self._phase_started = now
+
+
+def _done(status: OperationStatus) -> asyncio.Future[OperationStatus]:
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(status)
+    return future
+
+
+def status_code_for(exc: BaseException) -> grpc.StatusCode:
+    """Reconfigure's refusals as gRPC codes."""
+    if isinstance(exc, (TopologyError, ValueError)):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, OperationBusy):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    return grpc.StatusCode.INTERNAL

@@ -1,0 +1,249 @@
+"""KV migration plans: every (layer, KV head) slice from an old owner to each of its new owners, as a pure function."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.topology.placement import Placement, WorkerPlacement
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransfer:
+    """Copy KV of `kv_heads` of one layer from src to dst (all used blocks)."""
+
+    layer: int
+    kv_heads: range  # contiguous global KV heads
+    src_rank: int
+    dst_rank: int
+    src_head_offset: int  # position of kv_heads.start among src's local KV heads in the OLD layout
+    dst_head_offset: int  # position of kv_heads.start among dst's local KV heads in the NEW layout
+
+    @property
+    def is_local(self) -> bool:
+        """A copy inside one worker: no bytes on the wire."""
+        return self.src_rank == self.dst_rank
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this transfer copies."""
+        return len(self.kv_heads)
+
+    def nbytes(self, num_blocks: int, block_size: int, head_dim: int, dtype_bytes: int) -> int:
+        """Bytes copied for `num_blocks` blocks: K and V of each head."""
+        return 2 * self.num_kv_heads * num_blocks * block_size * head_dim * dtype_bytes
+
+
+def workers_by_rank(placement: Placement, ranks: Sequence[int]) -> dict[int, WorkerPlacement]:
+    """World rank -> WorkerPlacement, where ranks[i] runs active index i; ValueError on bad ranks."""
+    ranks = tuple(ranks)
+    if any(not isinstance(rank, int) or isinstance(rank, bool) or rank < 0 for rank in ranks):
+        raise ValueError(f"ranks must be ints >= 0, got {ranks}")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"ranks must be unique, got {ranks}")
+    if len(ranks) != placement.topology.num_workers:
+        raise ValueError(f"{placement.topology} needs {placement.topology.num_workers} ranks, got {len(ranks)}")
+    return {rank: placement.workers[index] for index, rank in enumerate(ranks)}
+
+
+def check_same_model(old: Placement, new: Placement) -> None:
+    """ValueError unless both placements are of the same ModelShape."""
+    if old.shape != new.shape:
+        raise ValueError(f"placements of different models: {old.shape} vs {new.shape}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVMigrationPlan:
+    """Which KV slices move where when the layout changes from (old, old_ranks) to (new, new_ranks)."""
+
+    old: Placement
+    old_ranks: tuple[int, ...]
+    new: Placement
+    new_ranks: tuple[int, ...]
+    transfers: tuple[KVTransfer, ...]  # ordered by layer (execution order), then dst rank, then head
+    layer_order: tuple[int, ...]  # every layer once, in the order the executor migrates them
+    _old_workers: dict[int, WorkerPlacement] = field(init=False, repr=False, compare=False)
+    _new_workers: dict[int, WorkerPlacement] = field(init=False, repr=False, compare=False)
+    _by_layer: dict[int, tuple[KVTransfer, ...]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        check_same_model(self.old, self.new)
+        if sorted(self.layer_order) != list(range(self.old.shape.num_layers)):
+            raise ValueError(f"layer_order must hold every layer once, got {self.layer_order}")
+        object.__setattr__(self, "_old_workers", workers_by_rank(self.old, self.old_ranks))
+        object.__setattr__(self, "_new_workers", workers_by_rank(self.new, self.new_ranks))
+        by_layer: dict[int, list[KVTransfer]] = {layer: [] for layer in self.layer_order}
+        for transfer in self.transfers:
+            by_layer[transfer.layer].append(transfer)
+        object.__setattr__(self, "_by_layer", {layer: tuple(items) for layer, items in by_layer.items()})
+
+    def layers(self) -> list[int]:
+        """Every layer, in execution order."""
+        return list(self.layer_order)
+
+    def for_layer(self, layer: int) -> tuple[KVTransfer, ...]:
+        """Transfers of one layer (local ones included)."""
+        return self._by_layer[layer]
+
+    def sends_of(self, rank: int) -> tuple[KVTransfer, ...]:
+        """Transfers `rank` sources (local ones included)."""
+        return tuple(t for t in self.transfers if t.src_rank == rank)
+
+    def receives_of(self, rank: int) -> tuple[KVTransfer, ...]:
+        """Transfers `rank` writes into its new layer tensors (local ones included)."""
+        return tuple(t for t in self.transfers if t.dst_rank == rank)
+
+    def ranks(self) -> list[int]:
+        """Every rank active before or after, sorted."""
+        return sorted(set(self.old_ranks) | set(self.new_ranks))
+
+    def old_local_layers(self, rank: int) -> range:
+        """Layers `rank` holds in the old layout (empty if it was not active)."""
+        worker = self._old_workers.get(rank)
+        return worker.layers if worker is not None else range(0)
+
+    def new_local_layers(self, rank: int) -> range:
+        """Layers `rank` holds in the new layout (empty if it is not active)."""
+        worker = self._new_workers.get(rank)
+        return worker.layers if worker is not None else range(0)
+
+    def old_local_kv_heads(self, rank: int) -> range:
+        """Global KV heads of each local layer tensor of `rank` in the old layout."""
+        worker = self._old_workers.get(rank)
+        return worker.kv_heads if worker is not None else range(0)
+
+    def new_local_kv_heads(self, rank: int) -> range:
+        """Global KV heads of each local layer tensor of `rank` in the new layout."""
+        worker = self._new_workers.get(rank)
+        return worker.kv_heads if worker is not None else range(0)
+
+    def is_identity_for(self, rank: int, layer: int) -> bool:
+        """Whether `rank` may keep its old tensor of `layer` as is (same local heads; block count unchanged)."""
+        return (
+            layer in self.old_local_layers(rank)
+            and layer in self.new_local_layers(rank)
+            and self.old_local_kv_heads(rank) == self.new_local_kv_heads(rank)
+        )
+
+    def bytes_moved(self, num_used_blocks: int, block_size: int, head_dim: int, dtype_bytes: int
+                    ) -> dict[tuple[int, int], int]:
+        """(src, dst) -> bytes sent over the wire for `num_used_blocks` live blocks (remote transfers only)."""
+        moved: Counter[tuple[int, int]] = Counter()
+        for transfer in self.transfers:
+            if not transfer.is_local:
+                moved[transfer.src_rank, transfer.dst_rank] += transfer.nbytes(
+                    num_used_blocks, block_size, head_dim, dtype_bytes
+                )
+        return dict(moved)
+
+    def layer_bytes(self, rank: int, num_blocks: int, block_size: int, head_dim: int, dtype_bytes: int,
+                    new_layout: bool = True) -> int:
+        """Bytes of one local layer tensor [2, num_blocks, block_size, local_kv_heads, head_dim] of `rank`."""
+        heads = self.new_local_kv_heads(rank) if new_layout else self.old_local_kv_heads(rank)
+        return 2 * num_blocks * block_size * len(heads) * head_dim * dtype_bytes
+
+    def peak_extra_bytes(self, rank: int, num_blocks: int, block_size: int, head_dim: int, dtype_bytes: int,
+                         new_num_blocks: int | None = None) -> int:
+        """Peak KV memory of `rank` during the migration above max(before, after).
+
+        Executing layer by layer in `layer_order`: allocate the new layer tensor, copy into it, free the old one
+        right after (a layer that `is_identity_for` keeps its tensor when the block count is unchanged).
+        """
+        new_num_blocks = num_blocks if new_num_blocks is None else new_num_blocks
+        old_size = self.layer_bytes(rank, num_blocks, block_size, head_dim, dtype_bytes, new_layout=False)
+        new_size = self.layer_bytes(rank, new_num_blocks, block_size, head_dim, dtype_bytes)
+        keeps = new_num_blocks == num_blocks
+        allocated, peak = 0, 0  # bytes above the start of the migration
+        for layer in self.layer_order:
+            if keeps and self.is_identity_for(rank, layer):
+                continue
+            if layer in self.new_local_layers(rank):
+                allocated += new_size
+                peak = max(peak, allocated)
+            if layer in self.old_local_layers(rank):
+                allocated -= old_size
+        return max(0, peak - max(0, allocated))
+
+
+def plan_kv_migration(old: Placement, old_ranks: Sequence[int], new: Placement, new_ranks: Sequence[int]
+                      ) -> KVMigrationPlan:
+    """The KV migration from (old, old_ranks) to (new, new_ranks); ranks[i] is the world rank of active index i."""
+    check_same_model(old, new)
+    old_workers, new_workers = workers_by_rank(old, old_ranks), workers_by_rank(new, new_ranks)
+    order = _layer_order(old_workers, new_workers, old.shape.num_layers)
+    sent_total: Counter[int] = Counter()  # heads sent by each rank over all layers
+    transfers: list[KVTransfer] = []
+    for layer in order:
+        sent_in_layer: Counter[int] = Counter()
+        old_stage = [(rank, w) for rank, w in old_workers.items() if layer in w.layers]
+        for dst in sorted(rank for rank, w in new_workers.items() if layer in w.layers):
+            dst_heads = new_workers[dst].kv_heads
+            pieces = []
+            for head in dst_heads:
+                owners = [rank for rank, w in old_stage if head in w.kv_heads]
+                src = dst if dst in owners else min(owners, key=lambda r: (sent_in_layer[r], sent_total[r], r))
+                if src != dst:
+                    sent_in_layer[src] += 1
+                    sent_total[src] += 1
+                src_heads = old_workers[src].kv_heads
+                pieces.append(KVTransfer(layer, range(head, head + 1), src, dst,
+                                         head - src_heads.start, head - dst_heads.start))
+            transfers.extend(_merge(pieces))
+    return KVMigrationPlan(old, tuple(old_ranks), new, tuple(new_ranks), tuple(transfers), tuple(order))
+
+
+def _merge(pieces: list[KVTransfer]) -> list[KVTransfer]:
+    """Join consecutive transfers of contiguous heads between the same ranks into one large copy."""
+    merged: list[KVTransfer] = []
+    for piece in pieces:
+        last = merged[-1] if merged else None
+        if (last is not None and last.src_rank == piece.src_rank and last.kv_heads.stop == piece.kv_heads.start
+                and last.src_head_offset + last.num_kv_heads == piece.src_head_offset):
+            merged[-1] = KVTransfer(last.layer, range(last.kv_heads.start, piece.kv_heads.stop), last.src_rank,
+                                    last.dst_rank, last.src_head_offset, last.dst_head_offset)
+        else:
+            merged.append(piece)
+    return merged
+
+
+def _layer_order(old_workers: dict[int, WorkerPlacement], new_workers: dict[int, WorkerPlacement],
+                 num_layers: int) -> list[int]:
+    """Greedy layer order keeping every rank's KV memory near max(before, after): interleave freeing and filling.
+
+    Memory is counted in KV heads per layer (every tensor has the same block count). Layers with the same owners
+    behave alike, so the greedy picks among those classes, taking each class's layers in ascending order.
+    """
+    ranks = sorted(set(old_workers) | set(new_workers))
+
+    def change(layer: int) -> tuple[tuple[int, int], ...]:  # per rank: (heads allocated, heads freed)
+        steps = []
+        for rank in ranks:
+            old, new = old_workers.get(rank), new_workers.get(rank)
+            holds_old = old is not None and layer in old.layers
+            holds_new = new is not None and layer in new.layers
+            if holds_old and holds_new and old.kv_heads == new.kv_heads:
+                steps.append((0, 0))  # kept as is
+            else:
+                steps.append((len(new.kv_heads) if holds_new else 0, len(old.kv_heads) if holds_old else 0))
+        return tuple(steps)
+
+    classes: dict[tuple[tuple[int, int], ...], list[int]] = {}
+    for layer in range(num_layers):
+        classes.setdefault(change(layer), []).append(layer)
+    cap = [max(0, sum((key[i][0] - key[i][1]) * len(layers) for key, layers in classes.items()))
+           for i in range(len(ranks))]
+    held = [0] * len(ranks)  # heads above the start, per rank
+
+    def score(key: tuple[tuple[int, int], ...]) -> tuple[int, list[int], int]:
+        # the worst rank during the step, then every rank's excess after it, worst first (leximax)
+        peak = max(held[i] + alloc - cap[i] for i, (alloc, _) in enumerate(key))
+        after = sorted((held[i] + alloc - free - cap[i] for i, (alloc, free) in enumerate(key)), reverse=True)
+        return (peak, after, classes[key][0])
+
+    order: list[int] = []
+    while len(order) < num_layers:
+        key = min((k for k in classes if classes[k]), key=score)
+        order.append(classes[key].pop(0))
+        held = [held[i] + alloc - free for i, (alloc, free) in enumerate(key)]
+    return order

@@ -1,0 +1,160 @@
+"""WorkerShard: the one owner of what a worker holds (topology, model shard, KV cache) and of switching it."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from services.model.layers import ShardLoader
+from services.model.llama import ShardedCausalLM
+from services.model.spec import ModelSpec
+from services.rpc.reconfig.v1 import worker_pb2
+from services.topology import Placement, Topology, place, plan_kv_migration
+from services.weightstore.client import MappedCheckpoint
+from services.weightstore.manifest import Manifest
+from services.worker.config import WorkerConfig
+from services.worker.kv_cache import KVCache, num_blocks_for_budget
+from services.worker.kv_migration import migrate_kv
+from services.worker.model_runner import ModelRunner
+from services.worker.parallel import ParallelState
+
+log = structlog.get_logger(__name__)
+
+
+def _device(config: WorkerConfig) -> torch.device:
+    if config.device == "cuda":
+        return torch.device("cuda", config.rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _compute_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
+    """float32 on CPU (fast and exact enough); the checkpoint's own dtype on GPU."""
+    if device.type == "cpu":
+        return torch.float32
+    return getattr(torch, spec.torch_dtype, torch.bfloat16)
+
+
+def active_ranks(topology: Topology) -> list[int]:
+    """World ranks of the active workers: the first tp*pp ranks, stage-major (the rest are on standby)."""
+    return list(range(topology.num_workers))
+
+
+class WorkerShard:
+    """Holds this worker's topology, model shard and KV cache; called from the model thread only."""
+
+    def __init__(self, config: WorkerConfig, spec: ModelSpec, manifest: Manifest, parallel: ParallelState) -> None:
+        self.config = config
+        self.spec = spec
+        self.manifest = manifest
+        self.parallel = parallel
+        self.device = _device(config)
+        self.dtype = _compute_dtype(spec, self.device)
+        self.topology = Topology.parse(config.topology)
+        self.layer_partition = config.layer_partition
+        self.runner: ModelRunner | None = None
+        with MappedCheckpoint(manifest) as checkpoint:
+            self.runner = self._build(self.topology, self.layer_partition, checkpoint, None, None)
+
+    # ---- building ------------------------------------------------------------------------------------------------
+    def _placement(self, topology: Topology, partition) -> Placement:
+        return place(topology, self.spec.shape, partition)
+
+    def num_kv_blocks_in(self, topology: Topology, partition) -> int:
+        """This worker's KV capacity in `topology` (0 on standby)."""
+        if self.config.rank >= topology.num_workers:
+            return 0
+        wp = self._placement(topology, partition).workers[self.config.rank]
+        return num_blocks_for_budget(len(wp.layers), len(wp.kv_heads), self.spec.head_dim, self.config.block_size,
+                                     self.dtype, self.config.kv_cache_bytes)
+
+    def _build(self, topology: Topology, partition, checkpoint: MappedCheckpoint, previous: ModelRunner | None,
+               kv_cache: KVCache | None) -> ModelRunner | None:
+        if self.config.rank >= topology.num_workers:
+            return None
+        placement = self._placement(topology, partition)
+        wp = placement.workers[self.config.rank]
+        group = self.parallel.tp_group(topology, wp.pp_rank) if self.parallel else None
+        loader = ShardLoader(checkpoint.tensor, set(self.manifest.tensors), self.dtype, self.device)
+        model = ShardedCausalLM(self.spec, wp, loader, group, previous.model if previous else None)
+        if kv_cache is None:
+            kv_cache = KVCache(wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size, self.dtype,
+                               self.device, self.config.kv_cache_bytes)
+        return ModelRunner(model, kv_cache, placement, wp, self.parallel, self.device)
+
+    # ---- switching -----------------------------------------------------------------------------------------------
+    def prepare_switch(self, request: worker_pb2.PrepareSwitchRequest) -> worker_pb2.PrepareSwitchResponse:
+        topology = Topology.parse(request.topology)
+        partition = tuple(request.layer_partition) or None
+        segments = self.runner.kv_cache.segment_names() if self.runner else {}
+        return worker_pb2.PrepareSwitchResponse(
+            num_kv_blocks=self.num_kv_blocks_in(topology, partition), kv_segments=segments,
+            is_candidate=topology in self.parallel.candidates, block_size=self.config.block_size,
+            kv_dtype_bytes=self.dtype.itemsize,
+        )
+
+    def apply_switch(self, request: worker_pb2.ApplySwitchRequest) -> worker_pb2.ApplySwitchResponse:
+        """APPLYING_TOPOLOGY + MIGRATING (KV ‖ weights). Collective over the world."""
+        target = Topology.parse(request.topology)
+        partition = tuple(request.layer_partition) or None
+        built_groups = target not in self.parallel.candidates
+        if built_groups:
+            self.parallel.build_groups([target])  # slow path: every rank builds the same groups, in order
+        old_placement = self._placement(self.topology, self.layer_partition)
+        new_placement = self._placement(target, partition)
+        plan = plan_kv_migration(old_placement, active_ranks(self.topology), new_placement, active_ranks(target))
+        rank, old = self.config.rank, self.runner
+        new_cache = None
+        if rank < target.num_workers:
+            wp = new_placement.workers[rank]
+            new_cache = KVCache(wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size,
+                                self.dtype, self.device, num_blocks=request.num_kv_blocks, allocate=False)
+        peers = {r: dict(pool.kv_segments) for r, pool in request.peers.items()}
+        with MappedCheckpoint(self.manifest) as checkpoint, ThreadPoolExecutor(1, "reload") as pool:
+            # The shard reload overlaps the KV migration (both copy memory; torch releases the GIL).
+            reload = pool.submit(self._timed_build, target, partition, checkpoint, old, new_cache)
+            stats = migrate_kv(plan, rank, old.kv_cache if old else None, new_cache, list(request.used_block_ids),
+                               peers, lambda: dist.barrier())
+            runner, reload_seconds = reload.result()
+        if old is not None:
+            old.kv_cache.close()  # anything the migration did not move or keep
+        kept = set(runner.model.parameter_tensors()) & set(old.model.parameter_tensors()) if runner and old else set()
+        new_tensors = runner.model.parameter_tensors() if runner else {}
+        reused = sum(t.numel() * t.element_size() for i, t in new_tensors.items() if i in kept)
+        loaded = sum(t.numel() * t.element_size() for t in new_tensors.values()) - reused
+        self.runner, self.topology, self.layer_partition = runner, target, partition
+        log.info("worker.switched", operation_id=request.operation_id, topology=str(target),
+                 kv_received=stats.bytes_received, kv_local=stats.bytes_local, weights_loaded=loaded,
+                 weights_reused=reused, migrate_s=round(stats.seconds, 4), reload_s=round(reload_seconds, 4))
+        return worker_pb2.ApplySwitchResponse(
+            kv_bytes_received=stats.bytes_received, kv_bytes_local=stats.bytes_local, weight_bytes_loaded=loaded,
+            weight_bytes_reused=reused, migrate_seconds=stats.seconds, reload_seconds=reload_seconds,
+            peak_extra_bytes=stats.peak_extra_bytes, built_groups=built_groups, info=self.info(),
+        )
+
+    def _timed_build(self, *args) -> tuple[ModelRunner | None, float]:
+        started = time.perf_counter()
+        return self._build(*args), time.perf_counter() - started
+
+    # ---- reporting -----------------------------------------------------------------------------------------------
+    def info(self) -> worker_pb2.WorkerInfo:
+        info = worker_pb2.WorkerInfo(
+            rank=self.config.rank, world_size=self.config.world_size, pid=os.getpid(), topology=str(self.topology),
+            device=str(self.device), candidate_topologies=[str(t) for t in self.parallel.candidates],
+        )
+        if self.runner is not None:
+            wp, kv = self.runner.wp, self.runner.kv_cache
+            info.pp_rank, info.tp_rank = wp.pp_rank, wp.tp_rank
+            info.layer_start, info.layer_end = wp.layers.start, wp.layers.stop
+            info.kv_head_start, info.kv_head_end = wp.kv_heads.start, wp.kv_heads.stop
+            info.num_kv_blocks, info.block_size, info.kv_cache_bytes = kv.num_blocks, kv.block_size, kv.num_bytes
+            info.param_bytes = self.runner.model.parameter_bytes()
+        return info
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.kv_cache.close()

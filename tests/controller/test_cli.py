@@ -1,0 +1,172 @@
+"""`reconfigctl status` against the package's real stack: the table, --json, finding the stack by itself, and its
+exit codes (in process, plus one run of the module as a command)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from services.controller import (
+    OperationState,
+    OperationStatus,
+    StackState,
+    StackStatus,
+    WorkerState,
+    WorkerStatus,
+)
+from services.controller.cli import format_table, main
+from services.launch.stackfile import StackFile
+from services.router.contracts import EngineStats
+from services.rpc.auth import write_token_file
+from tests.controller.conftest import MODEL, NUM_WORKERS, TOPOLOGY, closed_port, frozen_router
+
+
+@pytest.fixture(autouse=True)
+def isolated(monkeypatch, tmp_path):
+    """No stack of the developer's, no controller from the environment."""
+    monkeypatch.setenv("RECONFIG_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.delenv("RECONFIG_CONTROLLER", raising=False)
+    monkeypatch.delenv("RECONFIG_TOKEN_FILE", raising=False)
+
+
+async def _reconfigctl(*argv: str) -> int:
+    return await asyncio.to_thread(main, list(argv))  # this test's loop keeps serving its gRPC calls meanwhile
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 20):.1f}"
+
+
+@pytest.mark.multiprocess
+async def test_table_of_a_frozen_stack_with_requests(stack, capsys):
+    async with frozen_router(stack, num_running=1, num_waiting=1) as router:
+        code = await _reconfigctl("status", "--controller", stack.controller_address, "--token-file",
+                                  stack.token_file)
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["topology:", TOPOLOGY, "state:", "FROZEN", "model:", MODEL]
+    assert lines[1] == "reason: the router is frozen: no step is scheduled"
+    header = lines[3].split()
+    assert header[:4] == ["RANK", "PID", "STATE", "DEVICE"] and "ADDRESS" in header
+    rows = [line.split() for line in lines[4:4 + NUM_WORKERS]]
+    infos, pids, addresses = stack.worker_infos(), stack.cluster.worker_pids, stack.worker_addresses
+    used, total = router.num_kv_blocks_used, router.num_kv_blocks_total
+    assert rows[0] == ["0", str(pids[0]), "ACTIVE", "cpu", "0", "0", "0-2", "0-0", f"{used}/{infos[0].num_kv_blocks}",
+                       _mib(infos[0].param_bytes), "MiB", addresses[0]]
+    assert rows[1] == ["1", str(pids[1]), "ACTIVE", "cpu", "0", "1", "0-2", "1-1", f"{used}/{infos[1].num_kv_blocks}",
+                       _mib(infos[1].param_bytes), "MiB", addresses[1]]
+    assert rows[2] == ["2", str(pids[2]), "STANDBY", "cpu", "-", "-", "-", "-", "0/0", "0.0", "MiB", addresses[2]]
+    assert "requests: 1 running, 1 waiting" in lines[8]
+    assert f"KV cache: {used}/{total} blocks ({used / total:.1%})" in lines[8] and used >= 3
+    assert lines[9] == "last operation: none"
+
+
+@pytest.mark.multiprocess
+async def test_json_is_the_same_status(stack, capsys):
+    argv = ("status", "--json", "--controller", stack.controller_address, "--token-file", stack.token_file)
+    assert await _reconfigctl(*argv) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert (status["topology"], status["state"], status["model"], status["reason"]) == (TOPOLOGY, "SERVING", MODEL, "")
+    assert [w["state"] for w in status["workers"]] == ["ACTIVE", "ACTIVE", "STANDBY"]
+    assert [w["pid"] for w in status["workers"]] == stack.cluster.worker_pids
+    assert [w["address"] for w in status["workers"]] == stack.worker_addresses
+    assert [w["kv_head_start"] for w in status["workers"]][:2] == [0, 1]
+    assert [w["param_bytes"] for w in status["workers"]] == [i.param_bytes for i in stack.worker_infos()]
+    router = status["router"]
+    assert (router["num_running"], router["num_waiting"], router["num_kv_blocks_used"]) == (0, 0, 0)
+    assert router["num_kv_blocks_total"] == status["workers"][0]["num_kv_blocks_total"] > 0
+    assert status["router_address"] == stack.router_address and status["last_operation"] is None
+
+
+@pytest.mark.multiprocess
+async def test_finds_the_stack_by_itself(stack, capsys):
+    StackFile(controller_address=stack.controller_address, router_http_address="http://127.0.0.1:1",
+              router_grpc_address=stack.router_address, token_file=stack.token_file,
+              pids={"launcher": os.getpid()}).write()
+    assert await _reconfigctl("status", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["state"] == "SERVING"
+
+
+@pytest.mark.multiprocess
+def test_the_module_runs_as_a_command(stack, tmp_path):
+    """`python -m services.controller.cli status --json`, finding the stack through $RECONFIG_RUN_DIR."""
+    StackFile(controller_address=stack.controller_address, router_http_address="", token_file=stack.token_file,
+              router_grpc_address=stack.router_address, pids={"test": os.getpid()}, model=MODEL,
+              topology=TOPOLOGY, started_at=time.time()).write(tmp_path / "stack.json")
+    result = subprocess.run([sys.executable, "-m", "services.controller.cli", "status", "--json"],
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "RECONFIG_RUN_DIR": str(tmp_path)})  # `isolated` cleared the rest
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    assert (status["topology"], status["state"]) == (TOPOLOGY, "SERVING")
+    assert [w["pid"] for w in status["workers"]] == stack.cluster.worker_pids
+
+
+@pytest.mark.multiprocess
+async def test_wrong_token_exits_1(stack, tmp_path, capsys):
+    other = tmp_path / "other-token"
+    write_token_file(other)
+    assert await _reconfigctl("status", "--controller", stack.controller_address, "--token-file", str(other)) == 1
+    assert f"the controller at {stack.controller_address} refused the token" in capsys.readouterr().err
+
+
+async def test_unreachable_controller_exits_1(tmp_path, capsys):
+    token_file = tmp_path / "token"
+    write_token_file(token_file)
+    address = f"127.0.0.1:{closed_port()}"
+    argv = ("status", "--controller", address, "--token-file", str(token_file), "--timeout", "2")
+    assert await _reconfigctl(*argv) == 1
+    assert f"cannot reach the controller at {address}: UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_no_stack_exits_1(tmp_path, capsys):
+    assert main(["status"]) == 1
+    err = capsys.readouterr().err
+    assert f"no running reconfig stack found (looked in {tmp_path / 'run' / 'stack.json'})" in err
+    assert "start one with `reconfig up`" in err
+
+
+@pytest.mark.parametrize("argv", [[], ["frobnicate"], ["status", "--bogus"], ["status", "--timeout", "soon"]])
+def test_usage_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "usage: reconfigctl" in capsys.readouterr().err
+
+
+def test_table_of_a_degraded_stack_after_an_operation():
+    status = StackStatus(
+        topology="tp1pp2", state=StackState.DEGRADED, model="tiny", reason="worker 1 (h:2) unreachable: UNAVAILABLE",
+        workers=(
+            WorkerStatus(rank=0, address="h:1", state=WorkerState.ACTIVE, pid=7, device="cuda:0", pp_rank=0,
+                         layer_start=0, layer_end=2, kv_head_start=0, kv_head_end=2, num_kv_blocks_used=3,
+                         num_kv_blocks_total=10, param_bytes=3 << 20),
+            WorkerStatus(rank=1, address="h:2", state=WorkerState.UNREACHABLE, error="unreachable: UNAVAILABLE"),
+        ),
+        router_address="h:9", router=None,
+        last_operation=OperationStatus("op-7", "reconfigure", OperationState.ROLLED_BACK, started_at=100.0,
+                                       ended_at=101.25, error="worker 1 gone", phase_seconds={"QUIESCING": 0.5},
+                                       from_topology="tp2pp1", to_topology="tp1pp2"),
+    )
+    lines = format_table(status).splitlines()
+    assert lines[1] == "reason: worker 1 (h:2) unreachable: UNAVAILABLE"
+    assert lines[4].split() == ["0", "7", "ACTIVE", "cuda:0", "0", "0", "0-1", "0-1", "3/10", "3.0", "MiB", "h:1"]
+    assert lines[5].split() == ["1", "-", "UNREACHABLE", "-", "-", "-", "-", "-", "-", "-", "h:2"]
+    assert lines[7] == "requests: unknown (router h:9 did not answer)"
+    assert lines[8].startswith("last operation: reconfigure op-7 ROLLED_BACK (tp2pp1 -> tp1pp2), started ")
+    assert lines[8].endswith("took 1.250 s; QUIESCING 0.500 s; error: worker 1 gone")
+    assert StackStatus.from_pb(status.to_pb()) == status
+    assert json.loads(json.dumps(status.to_json()))["last_operation"]["state"] == "ROLLED_BACK"
+
+
+def test_router_stats_in_json_keep_their_counters():
+    status = StackStatus(topology="tp1pp1", state=StackState.SERVING,
+                         router=EngineStats(num_preemptions=4, extra={"num_step_errors": 1.0}))
+    assert status.to_json()["router"]["num_preemptions"] == 4
+    assert status.to_json()["router"]["extra"] == {"num_step_errors": 1.0}

@@ -1,0 +1,64 @@
+"""A live stack for switching: 4 real workers, a real Engine + router gRPC, and the controller's transaction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from services.controller.state import ControllerConfig, ControllerState
+from services.controller.transaction import Reconfigurer
+from services.launch.cluster import ClusterConfig, LocalCluster
+from services.model.spec import ModelSpec
+from services.router.engine import Engine
+from services.router.grpc_server import start_router_grpc
+from services.router.main import RouterConfig, build_engine
+from services.rpc.reconfig.v1 import router_pb2_grpc
+from tests.conftest import make_checkpoint
+
+TOKEN = "switch-test-token"
+
+
+@pytest.fixture(scope="module")
+def switch_checkpoint(tmp_path_factory):
+    """Llama style, 3 layers (uneven splits), 4 query / 2 KV heads (tp4 replicates KV)."""
+    return make_checkpoint(tmp_path_factory.mktemp("switch") / "llama-switch", "llama", seed=5)
+
+
+@pytest.fixture(scope="module")
+def switch_cluster(switch_checkpoint):
+    config = ClusterConfig(model=str(switch_checkpoint), num_workers=4, topology="tp2pp2",
+                           kv_cache_bytes=1 << 20, block_size=4)
+    with LocalCluster(config) as cluster:
+        yield cluster
+
+
+@dataclass
+class LiveStack:
+    engine: Engine
+    state: ControllerState
+    reconfigurer: Reconfigurer
+    cluster: LocalCluster
+
+
+@pytest_asyncio.fixture
+async def live_stack(switch_cluster):
+    """Fresh engine and controller over the module's workers; the test must leave them in tp2pp2."""
+    engine = await build_engine(RouterConfig(worker_addresses=tuple(switch_cluster.worker_addresses),
+                                             model_dir=str(switch_cluster.model_dir), model_name="switch"))
+    server, port = await start_router_grpc(engine, "127.0.0.1", 0, TOKEN)
+    state = ControllerState(ControllerConfig(
+        token=TOKEN, worker_addresses=tuple(switch_cluster.worker_addresses), topology=str(engine.topology),
+        router_grpc_address=f"127.0.0.1:{port}", model_dir=str(switch_cluster.model_dir),
+    ))
+    await state.open()
+    reconfigurer = Reconfigurer(state, ModelSpec.from_dir(switch_cluster.model_dir), state.worker_stubs,
+                                state.router_stub, TOKEN)
+    yield LiveStack(engine, state, reconfigurer, switch_cluster)
+    if state.topology.num_workers and str(state.topology) != "tp2pp2":
+        await reconfigurer.reconfigure("tp2pp2")
+    await state.close()
+    await server.stop(0)
+    await engine.stop()

@@ -1,0 +1,297 @@
+"""KV migration plans: examples, validation, and a symbolic execution of random plans on labelled caches."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.topology import (
+    KVMigrationPlan,
+    KVTransfer,
+    ModelShape,
+    Placement,
+    Topology,
+    candidate_topologies,
+    place,
+    plan_kv_migration,
+)
+
+NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM = 3, 2, 2
+USED_BLOCKS = [0, 2]  # block 1 is free: the executor moves only blocks in use
+
+
+def make_shape(num_layers: int = 4, num_heads: int = 8, num_kv_heads: int = 4) -> ModelShape:
+    return ModelShape(num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=HEAD_DIM,
+                      hidden_size=64, intermediate_size=840, vocab_size=100)
+
+
+def layout(text: str, shape: ModelShape, partition: list[int] | None = None) -> Placement:
+    return place(Topology.parse(text), shape, partition)
+
+
+def as_tuples(transfers: tuple[KVTransfer, ...]) -> list[tuple[int, tuple[int, int], int, int, int, int]]:
+    return [(t.layer, (t.kv_heads.start, t.kv_heads.stop), t.src_rank, t.dst_rank, t.src_head_offset,
+             t.dst_head_offset) for t in transfers]
+
+
+# --- symbolic execution ---------------------------------------------------------------------------------------------
+
+def labels(layer: int, heads: range) -> np.ndarray:
+    """A layer tensor [2, blocks, block_size, local_kv_heads, head_dim] whose every element names its origin."""
+    kv, block, slot, head, dim = np.meshgrid(np.arange(2), np.arange(NUM_BLOCKS), np.arange(BLOCK_SIZE),
+                                             np.array(list(heads), dtype=np.int64), np.arange(HEAD_DIM), indexing="ij")
+    return ((((kv * 100 + layer) * 100 + head) * NUM_BLOCKS + block) * BLOCK_SIZE + slot) * HEAD_DIM + dim
+
+
+def start_caches(plan: KVMigrationPlan) -> dict[int, dict[int, np.ndarray]]:
+    """rank -> layer -> the correct old-layout tensor."""
+    return {rank: {layer: labels(layer, plan.old_local_kv_heads(rank)) for layer in plan.old_local_layers(rank)}
+            for rank in plan.old_ranks}
+
+
+def execute(plan: KVMigrationPlan, caches: dict[int, dict[int, np.ndarray]]) -> tuple[dict, dict[int, int]]:
+    """Run the plan layer by layer as the executor does; check every copy; return new caches and peak extra."""
+    old = {rank: dict(layers) for rank, layers in caches.items()}
+    new: dict[int, dict[int, np.ndarray]] = {rank: {} for rank in plan.new_ranks}
+    live = {rank: sum(t.size for t in old.get(rank, {}).values()) for rank in plan.ranks()}
+    start, peak = dict(live), dict(live)
+    for layer in plan.layers():
+        writes: Counter[tuple[int, int]] = Counter()  # (dst, local head slot) -> times written
+        for rank in plan.new_ranks:
+            if layer not in plan.new_local_layers(rank):
+                continue
+            if plan.is_identity_for(rank, layer):
+                new[rank][layer] = old[rank][layer]  # kept as is (still a source for others): no allocation
+            else:
+                new[rank][layer] = np.full_like(labels(layer, plan.new_local_kv_heads(rank)), -1)
+                live[rank] += new[rank][layer].size
+                peak[rank] = max(peak[rank], live[rank])
+        for t in plan.for_layer(layer):
+            assert t.layer == layer and len(t.kv_heads) >= 1
+            src_heads, dst_heads = plan.old_local_kv_heads(t.src_rank), plan.new_local_kv_heads(t.dst_rank)
+            # reads only slots the source held, writes only slots the destination owns in the new layout
+            assert layer in plan.old_local_layers(t.src_rank) and layer in plan.new_local_layers(t.dst_rank)
+            assert 0 <= t.src_head_offset and t.src_head_offset + len(t.kv_heads) <= len(src_heads)
+            assert 0 <= t.dst_head_offset and t.dst_head_offset + len(t.kv_heads) <= len(dst_heads)
+            assert src_heads[t.src_head_offset] == t.kv_heads.start == dst_heads[t.dst_head_offset]
+            writes.update((t.dst_rank, t.dst_head_offset + i) for i in range(len(t.kv_heads)))
+            if plan.is_identity_for(t.dst_rank, layer):
+                assert t.is_local and t.src_head_offset == t.dst_head_offset
+                continue
+            assert layer in old[t.src_rank], "a transfer reads a layer its source no longer holds"
+            source = old[t.src_rank][layer]
+            src_slots = slice(t.src_head_offset, t.src_head_offset + len(t.kv_heads))
+            dst_slots = slice(t.dst_head_offset, t.dst_head_offset + len(t.kv_heads))
+            new[t.dst_rank][layer][:, USED_BLOCKS, :, dst_slots] = source[:, USED_BLOCKS, :, src_slots]
+        owners = [rank for rank in plan.new_ranks if layer in plan.new_local_layers(rank)]
+        expected = {(rank, slot) for rank in owners for slot in range(len(plan.new_local_kv_heads(rank)))}
+        assert set(writes) == expected and set(writes.values()) == {1}, "each new (dst, head) written exactly once"
+        for rank in plan.old_ranks:  # free the old layer right after it moved
+            if layer in old[rank]:
+                freed = old[rank].pop(layer)
+                live[rank] -= 0 if plan.is_identity_for(rank, layer) else freed.size
+    assert all(not layers for layers in old.values())
+    return new, {rank: peak[rank] - max(start[rank], live[rank]) for rank in plan.ranks()}
+
+
+def assert_lands_on_new_owners(plan: KVMigrationPlan, new: dict[int, dict[int, np.ndarray]]) -> None:
+    for rank in plan.new_ranks:
+        assert sorted(new[rank]) == list(plan.new_local_layers(rank))
+        for layer, tensor in new[rank].items():
+            want = labels(layer, plan.new_local_kv_heads(rank))
+            np.testing.assert_array_equal(tensor[:, USED_BLOCKS], want[:, USED_BLOCKS])
+
+
+# --- random migrations ----------------------------------------------------------------------------------------------
+
+@st.composite
+def partitions(draw: st.DrawFn, topology: Topology, num_layers: int) -> list[int] | None:
+    if topology.pp == 1 or not draw(st.booleans()):
+        return None
+    cuts = sorted(draw(st.sets(st.integers(1, num_layers - 1), min_size=topology.pp - 1, max_size=topology.pp - 1)))
+    bounds = [0, *cuts, num_layers]
+    return [bounds[i + 1] - bounds[i] for i in range(topology.pp)]
+
+
+@st.composite
+def migrations(draw: st.DrawFn) -> tuple[Placement, list[int], Placement, list[int]]:
+    """Random shape, (tp, pp) pairs, partitions and rank assignments: same size, shrink, grow, any subset."""
+    force_replication = draw(st.booleans())
+    num_kv_heads = draw(st.sampled_from([1, 2] if force_replication else [1, 2, 3, 4, 8]))
+    shape = make_shape(draw(st.integers(1, 24)), num_kv_heads * draw(st.sampled_from([1, 2, 4])), num_kv_heads)
+    world = draw(st.integers(1, 8))
+    candidates = candidate_topologies(shape, world)
+    replicated = [t for t in candidates if t.tp > num_kv_heads]
+    old_topology = draw(st.sampled_from(replicated if force_replication and replicated else candidates))
+    new_topology = draw(st.sampled_from(candidates))
+    old = place(old_topology, shape, draw(partitions(old_topology, shape.num_layers)))
+    new = place(new_topology, shape, draw(partitions(new_topology, shape.num_layers)))
+    order = draw(st.permutations(range(world)))
+    old_ranks = list(order[: old_topology.num_workers])
+    if draw(st.booleans()):  # reuse the old workers first (same size / shrink to a subset / grow with standbys)
+        pool = old_ranks + [rank for rank in order if rank not in old_ranks]
+        new_ranks = list(draw(st.permutations(pool[: new_topology.num_workers])))
+    else:
+        new_ranks = list(draw(st.permutations(range(world)))[: new_topology.num_workers])
+    return old, old_ranks, new, new_ranks
+
+
+def one_layer(plan: KVMigrationPlan, rank: int, new_layout: bool = True) -> int:
+    return plan.layer_bytes(rank, NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM, 1, new_layout=new_layout)
+
+
+@given(migrations())
+@settings(max_examples=120, deadline=None)
+def test_every_slice_lands_on_exactly_its_new_owners(migration) -> None:
+    plan = plan_kv_migration(*migration)
+    new, peak_extra = execute(plan, start_caches(plan))
+    assert_lands_on_new_owners(plan, new)
+    assert sorted(plan.layers()) == list(range(plan.old.shape.num_layers))
+    for rank in plan.ranks():
+        # the accounting matches the executed timeline, and stays within one layer tensor
+        assert plan.peak_extra_bytes(rank, NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM, 1) == peak_extra[rank]
+        assert peak_extra[rank] <= max(one_layer(plan, rank), one_layer(plan, rank, new_layout=False))
+        assert set(plan.sends_of(rank)) | set(plan.receives_of(rank)) == {
+            t for t in plan.transfers if rank in (t.src_rank, t.dst_rank)}
+
+
+@given(migrations())
+@settings(max_examples=60, deadline=None)
+def test_there_and_back_restores_every_label(migration) -> None:
+    old, old_ranks, new, new_ranks = migration
+    there, back = plan_kv_migration(old, old_ranks, new, new_ranks), plan_kv_migration(new, new_ranks, old, old_ranks)
+    start = start_caches(there)
+    middle, _ = execute(there, start)
+    end, _ = execute(back, middle)
+    for rank in old_ranks:
+        assert sorted(end[rank]) == sorted(start[rank])
+        for layer in start[rank]:
+            np.testing.assert_array_equal(end[rank][layer][:, USED_BLOCKS], start[rank][layer][:, USED_BLOCKS])
+
+
+@given(migrations())
+@settings(max_examples=60, deadline=None)
+def test_same_layout_moves_nothing(migration) -> None:
+    old, old_ranks, _, _ = migration
+    plan = plan_kv_migration(old, old_ranks, old, old_ranks)
+    assert all(t.is_local and t.src_head_offset == t.dst_head_offset for t in plan.transfers)
+    assert plan.bytes_moved(5, 16, 64, 2) == {}
+    for rank in old_ranks:
+        assert all(plan.is_identity_for(rank, layer) for layer in plan.old_local_layers(rank))
+        assert plan.peak_extra_bytes(rank, 100, 16, 64, 2) == 0
+
+
+@given(migrations(), st.integers(0, 50), st.sampled_from([1, 2, 4]))
+@settings(max_examples=60, deadline=None)
+def test_bytes_moved_counts_remote_transfers(migration, num_used_blocks: int, dtype_bytes: int) -> None:
+    plan = plan_kv_migration(*migration)
+    expected: Counter[tuple[int, int]] = Counter()
+    for t in plan.transfers:
+        if t.src_rank != t.dst_rank:
+            expected[t.src_rank, t.dst_rank] += len(t.kv_heads) * num_used_blocks * 16 * HEAD_DIM * 2 * dtype_bytes
+    moved = plan.bytes_moved(num_used_blocks, 16, HEAD_DIM, dtype_bytes)
+    assert moved == {pair: size for pair, size in expected.items()}
+    assert all(src != dst for src, dst in moved)
+
+
+# --- examples -------------------------------------------------------------------------------------------------------
+
+def test_tp2pp2_to_tp4pp1_on_the_same_workers() -> None:
+    shape = make_shape(num_layers=4, num_heads=8, num_kv_heads=4)
+    plan = plan_kv_migration(layout("tp2pp2", shape), [0, 1, 2, 3], layout("tp4pp1", shape), [0, 1, 2, 3])
+    # stage 0 (layers 0, 1): rank 0 heads 0-1, rank 1 heads 2-3; tp4: rank i holds head i of every layer
+    assert as_tuples(plan.for_layer(0)) == [
+        (0, (0, 1), 0, 0, 0, 0), (0, (1, 2), 0, 1, 1, 0), (0, (2, 3), 1, 2, 0, 0), (0, (3, 4), 1, 3, 1, 0)]
+    assert as_tuples(plan.for_layer(3)) == [
+        (3, (0, 1), 2, 0, 0, 0), (3, (1, 2), 2, 1, 1, 0), (3, (2, 3), 3, 2, 0, 0), (3, (3, 4), 3, 3, 1, 0)]
+    assert plan.new_local_layers(3) == range(0, 4) and plan.old_local_layers(3) == range(2, 4)
+    assert plan.old_local_kv_heads(1) == range(2, 4) and plan.new_local_kv_heads(1) == range(1, 2)
+    assert not any(plan.is_identity_for(rank, layer) for rank in range(4) for layer in range(4))
+    # per layer 3 heads cross the wire: 3 * 2 (K, V) * 10 blocks * 16 slots * 64 dims * 2 bytes
+    assert sum(plan.bytes_moved(10, 16, 64, 2).values()) == 4 * 3 * 2 * 10 * 16 * 64 * 2
+
+
+def test_shrink_moves_the_leaving_workers_kv_and_leaves_them_empty() -> None:
+    shape = make_shape(num_layers=6, num_heads=8, num_kv_heads=2)
+    plan = plan_kv_migration(layout("tp2pp2", shape), [0, 1, 2, 3], layout("tp2pp1", shape), [0, 1])
+    for rank in (2, 3):
+        assert plan.receives_of(rank) == () and plan.new_local_layers(rank) == range(0)
+        assert {t.layer for t in plan.sends_of(rank)} == {3, 4, 5}
+        assert all(t.dst_rank == rank - 2 for t in plan.sends_of(rank))
+        assert plan.peak_extra_bytes(rank, 10, 16, 64, 2) == 0
+    assert all(plan.is_identity_for(rank, layer) for rank in (0, 1) for layer in range(3))
+    assert plan.bytes_moved(1, 1, 1, 1) == {(2, 0): 6, (3, 1): 6}
+
+
+def test_grow_fills_standby_workers_and_merges_contiguous_heads() -> None:
+    shape = make_shape(num_layers=4, num_heads=8, num_kv_heads=8)
+    plan = plan_kv_migration(layout("tp1pp1", shape), [0], layout("tp2pp2", shape), [0, 1, 2, 3])
+    # one large copy per (layer, destination): 4 contiguous heads from rank 0
+    assert as_tuples(plan.receives_of(3)) == [(2, (4, 8), 0, 3, 4, 0), (3, (4, 8), 0, 3, 4, 0)]
+    assert as_tuples(plan.receives_of(0)) == [(0, (0, 4), 0, 0, 0, 0), (1, (0, 4), 0, 0, 0, 0)]
+    assert plan.peak_extra_bytes(3, 10, 16, 64, 2) == 0  # a joining worker only allocates
+
+
+def test_replicated_sources_share_the_sending() -> None:
+    shape = make_shape(num_layers=6, num_heads=8, num_kv_heads=2)
+    # tp4: ranks (0, 1) hold head 0, ranks (2, 3) head 1; reversing the ranks makes every head move
+    plan = plan_kv_migration(layout("tp4pp1", shape), [0, 1, 2, 3], layout("tp4pp1", shape), [3, 2, 1, 0])
+    for layer in range(6):
+        senders = Counter(t.src_rank for t in plan.for_layer(layer))
+        assert senders == {0: 1, 1: 1, 2: 1, 3: 1} and not any(t.is_local for t in plan.for_layer(layer))
+    # shrinking to one worker: head 0 stays local, head 1 alternates between its two replicas
+    plan = plan_kv_migration(layout("tp4pp1", shape), [0, 1, 2, 3], layout("tp1pp1", shape), [0])
+    assert Counter(t.src_rank for t in plan.transfers if not t.is_local) == {2: 3, 3: 3}
+    # growing into replication: one old owner feeds every replica
+    plan = plan_kv_migration(layout("tp1pp1", shape), [0], layout("tp4pp1", shape), [0, 1, 2, 3])
+    assert as_tuples(plan.for_layer(0)) == [
+        (0, (0, 1), 0, 0, 0, 0), (0, (0, 1), 0, 1, 0, 0), (0, (1, 2), 0, 2, 1, 0), (0, (1, 2), 0, 3, 1, 0)]
+
+
+def test_uneven_and_explicit_layer_splits() -> None:
+    shape = make_shape(num_layers=7, num_heads=4, num_kv_heads=4)
+    plan = plan_kv_migration(layout("tp1pp3", shape), [0, 1, 2], layout("tp1pp2", shape, [6, 1]), [2, 0])
+    assert [plan.old_local_layers(rank) for rank in (0, 1, 2)] == [range(0, 2), range(2, 5), range(5, 7)]
+    assert plan.new_local_layers(2) == range(0, 6) and plan.new_local_layers(0) == range(6, 7)
+    new, _ = execute(plan, start_caches(plan))
+    assert_lands_on_new_owners(plan, new)
+
+
+def test_layer_order_interleaves_freeing_and_filling() -> None:
+    shape = make_shape(num_layers=12, num_heads=8, num_kv_heads=4)
+    old, new = layout("tp1pp2", shape), layout("tp2pp1", shape)
+    plan = plan_kv_migration(old, [0, 1], new, [0, 1])
+    in_layer_order = KVMigrationPlan(old, (0, 1), new, (0, 1), plan.transfers, tuple(range(12)))
+    layer = one_layer(plan, 1)  # one new layer tensor (2 heads); an old one is twice that (4 heads)
+    assert plan.layers() == [0, 6, 1, 7, 2, 8, 3, 9, 4, 10, 5, 11]
+    for rank in (0, 1):
+        # the first layer a rank frees comes after one it fills (the other rank frees first): 2 new layers
+        assert plan.peak_extra_bytes(rank, NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM, 1) <= 2 * layer
+    # migrating layers 0..11 in order, rank 1 fills seven new layers before it frees its first old one
+    assert in_layer_order.peak_extra_bytes(1, NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM, 1) == 7 * layer
+
+
+def test_peak_extra_when_the_block_count_changes() -> None:
+    shape = make_shape(num_layers=4, num_heads=8, num_kv_heads=4)
+    plan = plan_kv_migration(layout("tp2pp1", shape), [0, 1], layout("tp2pp1", shape), [0, 1])
+    assert plan.peak_extra_bytes(0, 10, 16, 64, 2) == 0
+    # with more blocks every layer is reallocated: one new layer at a time above the final size
+    new_layer = 2 * 20 * 16 * 2 * 64 * 2
+    assert plan.peak_extra_bytes(0, 10, 16, 64, 2, new_num_blocks=20) == new_layer - new_layer // 2
+
+
+def test_invalid_inputs_are_refused() -> None:
+    shape = make_shape()
+    tp2 = layout("tp2pp1", shape)
+    with pytest.raises(ValueError, match="unique"):
+        plan_kv_migration(tp2, [0, 0], tp2, [0, 1])
+    with pytest.raises(ValueError, match="needs 2 ranks, got 3"):
+        plan_kv_migration(tp2, [0, 1], tp2, [0, 1, 2])
+    with pytest.raises(ValueError, match=">= 0"):
+        plan_kv_migration(tp2, [0, -1], tp2, [0, 1])
+    with pytest.raises(ValueError, match="different models"):
+        plan_kv_migration(tp2, [0, 1], layout("tp2pp1", make_shape(num_layers=5)), [0, 1])
