@@ -115,10 +115,7 @@ class Reconfigurer:
         old_capacity = frozen.stats.num_kv_blocks_total
         try:
             progress.enter("PREPARING_WORKERS")
-            request = worker_pb2.PrepareSwitchRequest(topology=str(target.topology),
-                                                      layer_partition=target.layer_partition or ())
-            prepared = await asyncio.gather(*(w.PrepareSwitch(request, timeout=timeout) for w in self.workers))
-            capacity = min(p.num_kv_blocks for p in prepared if p.num_kv_blocks > 0)
+            prepared, capacity = await prepare_workers(self.workers, target, timeout)
             before = frozen.stats.num_preemptions
             rebound = await self.router.Rebind(router_pb2.RebindRequest(num_kv_blocks=capacity), timeout=timeout,
                                                metadata=meta)
@@ -129,14 +126,10 @@ class Reconfigurer:
             await self._restore(old_capacity)
             raise
         progress.enter("APPLYING_TOPOLOGY")
-        apply = worker_pb2.ApplySwitchRequest(
-            operation_id=progress.status.operation_id, topology=str(target.topology),
-            layer_partition=target.layer_partition or (), num_kv_blocks=capacity,
-            used_block_ids=rebound.used_block_ids,
-            peers={rank: worker_pb2.PeerPool(kv_segments=p.kv_segments) for rank, p in enumerate(prepared)},
-        )
         # One RPC per worker runs both phases (the groups are selected, then KV moves layer by layer).
-        switching = asyncio.gather(*(w.ApplySwitch(apply, timeout=timeout) for w in self.workers))
+        switching = asyncio.ensure_future(apply_workers(self.workers, target, prepared, capacity,
+                                                        rebound.used_block_ids, progress.status.operation_id,
+                                                        timeout))
         progress.enter("MIGRATING")
         results = await switching
         progress.status = dataclasses.replace(
@@ -162,13 +155,32 @@ class Reconfigurer:
             await self.router.Resume(router_pb2.ResumeRequest(), **with_timeout)
 
 
+async def prepare_workers(workers: list[worker_pb2_grpc.WorkerStub], target: SwitchTarget, timeout: float
+                          ) -> tuple[list[worker_pb2.PrepareSwitchResponse], int]:
+    """PREPARING_WORKERS: every worker's pool and target capacity; the capacity is the smallest active one."""
+    request = worker_pb2.PrepareSwitchRequest(topology=str(target.topology),
+                                              layer_partition=target.layer_partition or ())
+    prepared = list(await asyncio.gather(*(w.PrepareSwitch(request, timeout=timeout) for w in workers)))
+    return prepared, min(p.num_kv_blocks for p in prepared if p.num_kv_blocks > 0)
+
+
+async def apply_workers(workers: list[worker_pb2_grpc.WorkerStub], target: SwitchTarget,
+                        prepared: list[worker_pb2.PrepareSwitchResponse], capacity: int, used_block_ids,
+                        operation_id: str, timeout: float, kv_channel: str = "") -> list[worker_pb2.ApplySwitchResponse]:
+    """APPLYING_TOPOLOGY + MIGRATING on every worker at once (the router must be frozen)."""
+    request = worker_pb2.ApplySwitchRequest(
+        operation_id=operation_id, topology=str(target.topology), layer_partition=target.layer_partition or (),
+        num_kv_blocks=capacity, used_block_ids=used_block_ids, kv_channel=kv_channel,
+        peers={rank: worker_pb2.PeerPool(kv_segments=p.kv_segments) for rank, p in enumerate(prepared)},
+    )
+    return list(await asyncio.gather(*(w.ApplySwitch(request, timeout=timeout) for w in workers)))
+
+
 async def plan_switch(reconfigurer: Reconfigurer, topology: str, layer_partition=()) -> controller_pb2.PlanResponse:
     """What a switch would move, from the pure plans and the workers' capacities; changes nothing."""
     target = reconfigurer.target(topology, layer_partition)
     state, timeout = reconfigurer.state, reconfigurer.rpc_timeout_s
-    request = worker_pb2.PrepareSwitchRequest(topology=str(target.topology),
-                                              layer_partition=target.layer_partition or ())
-    prepared = await asyncio.gather(*(w.PrepareSwitch(request, timeout=timeout) for w in reconfigurer.workers))
+    prepared, capacity = await prepare_workers(reconfigurer.workers, target, timeout)
     stats = await reconfigurer.router.Stats(router_pb2.StatsRequest(), timeout=timeout,
                                             metadata=reconfigurer.metadata)
     spec, world = reconfigurer.spec, len(reconfigurer.workers)
@@ -179,7 +191,6 @@ async def plan_switch(reconfigurer: Reconfigurer, topology: str, layer_partition
     weights = plan_weight_reload(old, old_ranks, new, new_ranks, WeightFlags.of(spec))
     dtype_bytes, block_size = prepared[0].kv_dtype_bytes, prepared[0].block_size
     used = stats.num_kv_blocks_used
-    capacity = min(p.num_kv_blocks for p in prepared if p.num_kv_blocks > 0)
     moved = kv_plan.bytes_moved(used, block_size, spec.head_dim, dtype_bytes)
     rows, fits = [], used <= capacity
     for rank in range(world):

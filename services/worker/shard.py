@@ -19,6 +19,7 @@ from services.weightstore.client import MappedCheckpoint
 from services.weightstore.manifest import Manifest
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KVCache, num_blocks_for_budget
+from services.worker.channel import DistChannel, KVChannel, ShmChannel
 from services.worker.kv_migration import migrate_kv
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel import ParallelState
@@ -113,12 +114,12 @@ class WorkerShard:
             wp = new_placement.workers[rank]
             new_cache = KVCache(wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size,
                                 self.dtype, self.device, num_blocks=request.num_kv_blocks, allocate=False)
-        peers = {r: dict(pool.kv_segments) for r, pool in request.peers.items()}
+        channel = self._channel(request, plan)
         with MappedCheckpoint(self.manifest) as checkpoint, ThreadPoolExecutor(1, "reload") as pool:
             # The shard reload overlaps the KV migration (both copy memory; torch releases the GIL).
             reload = pool.submit(self._timed_build, target, partition, checkpoint, old, new_cache)
             stats = migrate_kv(plan, rank, old.kv_cache if old else None, new_cache, list(request.used_block_ids),
-                               peers, lambda: dist.barrier())
+                               channel, lambda: dist.barrier())
             runner, reload_seconds = reload.result()
         if old is not None:
             old.kv_cache.close()  # anything the migration did not move or keep
@@ -135,6 +136,18 @@ class WorkerShard:
             weight_bytes_reused=reused, migrate_seconds=stats.seconds, reload_seconds=reload_seconds,
             peak_extra_bytes=stats.peak_extra_bytes, built_groups=built_groups, info=self.info(),
         )
+
+    def _channel(self, request: worker_pb2.ApplySwitchRequest, plan) -> KVChannel:
+        """shm between CPU workers of one host (the default on CPU), torch.distributed otherwise."""
+        kind = request.kv_channel or ("shm" if self.device.type == "cpu" else "dist")
+        if kind == "shm":
+            pools = {r: dict(pool.kv_segments) for r, pool in request.peers.items()}
+            return ShmChannel(pools, plan, torch.tensor(sorted(request.used_block_ids), dtype=torch.int64),
+                              self.config.block_size, self.spec.head_dim, self.dtype)
+        if kind == "dist":
+            return DistChannel(self.config.rank, len(request.used_block_ids), self.config.block_size,
+                               self.spec.head_dim, self.dtype, self.device)
+        raise ValueError(f"kv_channel {kind!r} is not one of: shm, dist")
 
     def _timed_build(self, *args) -> tuple[ModelRunner | None, float]:
         started = time.perf_counter()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18reconfig/v1/worker.proto\x12\x0breconfig.v1\"A\n\x14PrepareSwitchRequest\x12\x10\n\x08topology\x18\x01 \x01(\t\x12\x17\n\x0flayer_partition\x18\x02 \x03(\x05\"\xec\x01\n\x15PrepareSwitchResponse\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\x05\x12G\n\x0bkv_segments\x18\x02 \x03(\x0b\x32\x32.reconfig.v1.PrepareSwitchResponse.KvSegmentsEntry\x12\x14\n\x0cis_candidate\x18\x03 \x01(\x08\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x16\n\x0ekv_dtype_bytes\x18\x05 \x01(\x05\x1a\x31\n\x0fKvSegmentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"y\n\x08PeerPool\x12:\n\x0bkv_segments\x18\x01 \x03(\x0b\x32%.reconfig.v1.PeerPool.KvSegmentsEntry\x1a\x31\n\x0fKvSegmentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x84\x02\n\x12\x41pplySwitchRequest\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x10\n\x08topology\x18\x02 \x01(\t\x12\x17\n\x0flayer_partition\x18\x03 \x03(\x05\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\x05\x12\x16\n\x0eused_block_ids\x18\x05 \x03(\x05\x12\x39\n\x05peers\x18\x06 \x03(\x0b\x32*.reconfig.v1.ApplySwitchRequest.PeersEntry\x1a\x43\n\nPeersEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12$\n\x05value\x18\x02 \x01(\x0b\x32\x15.reconfig.v1.PeerPool:\x02\x38\x01\"\x8a\x02\n\x13\x41pplySwitchResponse\x12\x19\n\x11kv_bytes_received\x18\x01 \x01(\x04\x12\x16\n\x0ekv_bytes_local\x18\x02 \x01(\x04\x12\x1b\n\x13weight_bytes_loaded\x18\x03 \x01(\x04\x12\x1b\n\x13weight_bytes_reused\x18\x04 \x01(\x04\x12\x17\n\x0fmigrate_seconds\x18\x05 \x01(\x01\x12\x16\n\x0ereload_seconds\x18\x06 \x01(\x01\x12\x18\n\x10peak_extra_bytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x62uilt_groups\x18\x08 \x01(\x08\x12%\n\x04info\x18\t \x01(\x0b\x32\x17.reconfig.v1.WorkerInfo\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xcf\x01\n\x0cSequenceStep\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x16\n\x0estart_position\x18\x03 \x01(\x05\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\x05\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.reconfig.v1.SamplingParams\x12\x0e\n\x06sample\x18\x06 \x01(\x08\x12\x15\n\rreturn_logits\x18\x07 \x01(\x08\x12\x15\n\rnum_generated\x18\x08 \x01(\x05\"L\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12,\n\tsequences\x18\x02 \x03(\x0b\x32\x19.reconfig.v1.SequenceStep\"F\n\x0eSequenceResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0e\n\x06logits\x18\x03 \x01(\x0c\"\x81\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12,\n\x07results\x18\x03 \x03(\x0b\x32\x1b.reconfig.v1.SequenceResult\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x17\n\x0f\x63ompute_seconds\x18\x05 \x01(\x01\"\x10\n\x0eGetInfoRequest\"\xdc\x02\n\nWorkerInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\x10\n\x08topology\x18\x04 \x01(\t\x12\x0f\n\x07pp_rank\x18\x05 \x01(\x05\x12\x0f\n\x07tp_rank\x18\x06 \x01(\x05\x12\x13\n\x0blayer_start\x18\x07 \x01(\x05\x12\x11\n\tlayer_end\x18\x08 \x01(\x05\x12\x15\n\rkv_head_start\x18\t \x01(\x05\x12\x13\n\x0bkv_head_end\x18\n \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x0b \x01(\x05\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x12\x16\n\x0ekv_cache_bytes\x18\r \x01(\x04\x12\x13\n\x0bparam_bytes\x18\x0e \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x1c\n\x14\x63\x61ndidate_topologies\x18\x10 \x03(\t\x12\x11\n\trss_bytes\x18\x11 \x01(\x04\"\x11\n\x0fShutdownRequest\"\x12\n\x10ShutdownResponse2\xfe\x02\n\x06Worker\x12@\n\x07\x45xecute\x12\x18.reconfig.v1.StepRequest\x1a\x17.reconfig.v1.StepResult(\x01\x30\x01\x12?\n\x07GetInfo\x12\x1b.reconfig.v1.GetInfoRequest\x1a\x17.reconfig.v1.WorkerInfo\x12G\n\x08Shutdown\x12\x1c.reconfig.v1.ShutdownRequest\x1a\x1d.reconfig.v1.ShutdownResponse\x12V\n\rPrepareSwitch\x12!.reconfig.v1.PrepareSwitchRequest\x1a\".reconfig.v1.PrepareSwitchResponse\x12P\n\x0b\x41pplySwitch\x12\x1f.reconfig.v1.ApplySwitchRequest\x1a .reconfig.v1.ApplySwitchResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18reconfig/v1/worker.proto\x12\x0breconfig.v1\"A\n\x14PrepareSwitchRequest\x12\x10\n\x08topology\x18\x01 \x01(\t\x12\x17\n\x0flayer_partition\x18\x02 \x03(\x05\"\xec\x01\n\x15PrepareSwitchResponse\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\x05\x12G\n\x0bkv_segments\x18\x02 \x03(\x0b\x32\x32.reconfig.v1.PrepareSwitchResponse.KvSegmentsEntry\x12\x14\n\x0cis_candidate\x18\x03 \x01(\x08\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x16\n\x0ekv_dtype_bytes\x18\x05 \x01(\x05\x1a\x31\n\x0fKvSegmentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"y\n\x08PeerPool\x12:\n\x0bkv_segments\x18\x01 \x03(\x0b\x32%.reconfig.v1.PeerPool.KvSegmentsEntry\x1a\x31\n\x0fKvSegmentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x98\x02\n\x12\x41pplySwitchRequest\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x10\n\x08topology\x18\x02 \x01(\t\x12\x17\n\x0flayer_partition\x18\x03 \x03(\x05\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\x05\x12\x16\n\x0eused_block_ids\x18\x05 \x03(\x05\x12\x39\n\x05peers\x18\x06 \x03(\x0b\x32*.reconfig.v1.ApplySwitchRequest.PeersEntry\x12\x12\n\nkv_channel\x18\x07 \x01(\t\x1a\x43\n\nPeersEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12$\n\x05value\x18\x02 \x01(\x0b\x32\x15.reconfig.v1.PeerPool:\x02\x38\x01\"\x8a\x02\n\x13\x41pplySwitchResponse\x12\x19\n\x11kv_bytes_received\x18\x01 \x01(\x04\x12\x16\n\x0ekv_bytes_local\x18\x02 \x01(\x04\x12\x1b\n\x13weight_bytes_loaded\x18\x03 \x01(\x04\x12\x1b\n\x13weight_bytes_reused\x18\x04 \x01(\x04\x12\x17\n\x0fmigrate_seconds\x18\x05 \x01(\x01\x12\x16\n\x0ereload_seconds\x18\x06 \x01(\x01\x12\x18\n\x10peak_extra_bytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x62uilt_groups\x18\x08 \x01(\x08\x12%\n\x04info\x18\t \x01(\x0b\x32\x17.reconfig.v1.WorkerInfo\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xcf\x01\n\x0cSequenceStep\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x16\n\x0estart_position\x18\x03 \x01(\x05\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\x05\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.reconfig.v1.SamplingParams\x12\x0e\n\x06sample\x18\x06 \x01(\x08\x12\x15\n\rreturn_logits\x18\x07 \x01(\x08\x12\x15\n\rnum_generated\x18\x08 \x01(\x05\"L\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12,\n\tsequences\x18\x02 \x03(\x0b\x32\x19.reconfig.v1.SequenceStep\"F\n\x0eSequenceResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0e\n\x06logits\x18\x03 \x01(\x0c\"\x81\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12,\n\x07results\x18\x03 \x03(\x0b\x32\x1b.reconfig.v1.SequenceResult\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x17\n\x0f\x63ompute_seconds\x18\x05 \x01(\x01\"\x10\n\x0eGetInfoRequest\"\xdc\x02\n\nWorkerInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\x10\n\x08topology\x18\x04 \x01(\t\x12\x0f\n\x07pp_rank\x18\x05 \x01(\x05\x12\x0f\n\x07tp_rank\x18\x06 \x01(\x05\x12\x13\n\x0blayer_start\x18\x07 \x01(\x05\x12\x11\n\tlayer_end\x18\x08 \x01(\x05\x12\x15\n\rkv_head_start\x18\t \x01(\x05\x12\x13\n\x0bkv_head_end\x18\n \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x0b \x01(\x05\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x12\x16\n\x0ekv_cache_bytes\x18\r \x01(\x04\x12\x13\n\x0bparam_bytes\x18\x0e \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x1c\n\x14\x63\x61ndidate_topologies\x18\x10 \x03(\t\x12\x11\n\trss_bytes\x18\x11 \x01(\x04\"\x11\n\x0fShutdownRequest\"\x12\n\x10ShutdownResponse2\xfe\x02\n\x06Worker\x12@\n\x07\x45xecute\x12\x18.reconfig.v1.StepRequest\x1a\x17.reconfig.v1.StepResult(\x01\x30\x01\x12?\n\x07GetInfo\x12\x1b.reconfig.v1.GetInfoRequest\x1a\x17.reconfig.v1.WorkerInfo\x12G\n\x08Shutdown\x12\x1c.reconfig.v1.ShutdownRequest\x1a\x1d.reconfig.v1.ShutdownResponse\x12V\n\rPrepareSwitch\x12!.reconfig.v1.PrepareSwitchRequest\x1a\".reconfig.v1.PrepareSwitchResponse\x12P\n\x0b\x41pplySwitch\x12\x1f.reconfig.v1.ApplySwitchRequest\x1a .reconfig.v1.ApplySwitchResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,29 +48,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PEERPOOL_KVSEGMENTSENTRY']._serialized_start=296
   _globals['_PEERPOOL_KVSEGMENTSENTRY']._serialized_end=345
   _globals['_APPLYSWITCHREQUEST']._serialized_start=471
-  _globals['_APPLYSWITCHREQUEST']._serialized_end=731
-  _globals['_APPLYSWITCHREQUEST_PEERSENTRY']._serialized_start=664
-  _globals['_APPLYSWITCHREQUEST_PEERSENTRY']._serialized_end=731
-  _globals['_APPLYSWITCHRESPONSE']._serialized_start=734
-  _globals['_APPLYSWITCHRESPONSE']._serialized_end=1000
-  _globals['_SAMPLINGPARAMS']._serialized_start=1002
-  _globals['_SAMPLINGPARAMS']._serialized_end=1097
-  _globals['_SEQUENCESTEP']._serialized_start=1100
-  _globals['_SEQUENCESTEP']._serialized_end=1307
-  _globals['_STEPREQUEST']._serialized_start=1309
-  _globals['_STEPREQUEST']._serialized_end=1385
-  _globals['_SEQUENCERESULT']._serialized_start=1387
-  _globals['_SEQUENCERESULT']._serialized_end=1457
-  _globals['_STEPRESULT']._serialized_start=1460
-  _globals['_STEPRESULT']._serialized_end=1589
-  _globals['_GETINFOREQUEST']._serialized_start=1591
-  _globals['_GETINFOREQUEST']._serialized_end=1607
-  _globals['_WORKERINFO']._serialized_start=1610
-  _globals['_WORKERINFO']._serialized_end=1958
-  _globals['_SHUTDOWNREQUEST']._serialized_start=1960
-  _globals['_SHUTDOWNREQUEST']._serialized_end=1977
-  _globals['_SHUTDOWNRESPONSE']._serialized_start=1979
-  _globals['_SHUTDOWNRESPONSE']._serialized_end=1997
-  _globals['_WORKER']._serialized_start=2000
-  _globals['_WORKER']._serialized_end=2382
+  _globals['_APPLYSWITCHREQUEST']._serialized_end=751
+  _globals['_APPLYSWITCHREQUEST_PEERSENTRY']._serialized_start=684
+  _globals['_APPLYSWITCHREQUEST_PEERSENTRY']._serialized_end=751
+  _globals['_APPLYSWITCHRESPONSE']._serialized_start=754
+  _globals['_APPLYSWITCHRESPONSE']._serialized_end=1020
+  _globals['_SAMPLINGPARAMS']._serialized_start=1022
+  _globals['_SAMPLINGPARAMS']._serialized_end=1117
+  _globals['_SEQUENCESTEP']._serialized_start=1120
+  _globals['_SEQUENCESTEP']._serialized_end=1327
+  _globals['_STEPREQUEST']._serialized_start=1329
+  _globals['_STEPREQUEST']._serialized_end=1405
+  _globals['_SEQUENCERESULT']._serialized_start=1407
+  _globals['_SEQUENCERESULT']._serialized_end=1477
+  _globals['_STEPRESULT']._serialized_start=1480
+  _globals['_STEPRESULT']._serialized_end=1609
+  _globals['_GETINFOREQUEST']._serialized_start=1611
+  _globals['_GETINFOREQUEST']._serialized_end=1627
+  _globals['_WORKERINFO']._serialized_start=1630
+  _globals['_WORKERINFO']._serialized_end=1978
+  _globals['_SHUTDOWNREQUEST']._serialized_start=1980
+  _globals['_SHUTDOWNREQUEST']._serialized_end=1997
+  _globals['_SHUTDOWNRESPONSE']._serialized_start=1999
+  _globals['_SHUTDOWNRESPONSE']._serialized_end=2017
+  _globals['_WORKER']._serialized_start=2020
+  _globals['_WORKER']._serialized_end=2402
 # @@protoc_insertion_point(module_scope)

@@ -49,7 +49,7 @@ class PeerPool(_message.Message):
     def __init__(self, kv_segments: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class ApplySwitchRequest(_message.Message):
-    __slots__ = ("operation_id", "topology", "layer_partition", "num_kv_blocks", "used_block_ids", "peers")
+    __slots__ = ("operation_id", "topology", "layer_partition", "num_kv_blocks", "used_block_ids", "peers", "kv_channel")
     class PeersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -63,13 +63,15 @@ class ApplySwitchRequest(_message.Message):
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    KV_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     operation_id: str
     topology: str
     layer_partition: _containers.RepeatedScalarFieldContainer[int]
     num_kv_blocks: int
     used_block_ids: _containers.RepeatedScalarFieldContainer[int]
     peers: _containers.MessageMap[int, PeerPool]
-    def __init__(self, operation_id: _Optional[str] = ..., topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., used_block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[_Mapping[int, PeerPool]] = ...) -> None: ...
+    kv_channel: str
+    def __init__(self, operation_id: _Optional[str] = ..., topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., used_block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[_Mapping[int, PeerPool]] = ..., kv_channel: _Optional[str] = ...) -> None: ...
 
 class ApplySwitchResponse(_message.Message):
     __slots__ = ("kv_bytes_received", "kv_bytes_local", "weight_bytes_loaded", "weight_bytes_reused", "migrate_seconds", "reload_seconds", "peak_extra_bytes", "built_groups", "info")

@@ -1,0 +1,103 @@
+"""KV channels: how one layer's KV slices travel between workers during a migration.
+
+Every rank calls `exchange` once per layer with what it sends and what it receives (a collective step):
+- `ShmChannel` (CPU, one host): KV pools live in shared memory; a receiver maps the sender's pool and reads the
+  blocks straight out of it (one copy, no staging, no RPC). Sends are no-ops.
+- `DistChannel` (torch.distributed): point-to-point send/recv of the sliced blocks — gloo between CPU hosts,
+  NCCL between GPUs on one node or many (the multi-node path).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from services.topology import KVMigrationPlan, KVTransfer
+from services.weightstore.shm import ShmSegment
+
+
+class KVChannel(Protocol):
+    """Moves the used blocks of (layer, KV head range) slices from old owners to new owners."""
+
+    needs_outgoing: bool  # whether senders must hand their slices to exchange()
+
+    def exchange(self, layer: int, outgoing: list[tuple[KVTransfer, torch.Tensor]],
+                 incoming: list[KVTransfer]) -> dict[KVTransfer, torch.Tensor]:
+        """Send each outgoing slice ([2, used, block_size, heads, D], already cut) to its dst; return each
+        incoming transfer's slice, same shape. Called by every rank for every layer, in the same order."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class ShmChannel:
+    """Receivers copy straight out of the senders' shared-memory pools."""
+
+    needs_outgoing = False  # peers read the pools themselves
+
+    def __init__(self, pools: dict[int, dict[int, str]], plan: KVMigrationPlan, used: torch.Tensor,
+                 block_size: int, head_dim: int, dtype: torch.dtype) -> None:
+        self.pools = pools  # rank -> layer -> segment name (PrepareSwitch)
+        self.plan = plan
+        self.used = used
+        self.block_size, self.head_dim, self.dtype = block_size, head_dim, dtype
+
+    def exchange(self, layer, outgoing, incoming):
+        received = {}
+        for transfer in incoming:
+            segment = self._attach(transfer.src_rank, layer)
+            try:
+                pool = self._view(segment, transfer.src_rank)
+                s0 = transfer.src_head_offset
+                received[transfer] = pool[:, self.used, :, s0:s0 + transfer.num_kv_heads]  # gather = the one copy
+            finally:
+                segment.close()
+        return received
+
+    def _attach(self, rank: int, layer: int) -> ShmSegment:
+        name = self.pools.get(rank, {}).get(layer)
+        if not name:
+            raise RuntimeError(f"rank {rank} reported no KV segment for layer {layer}")
+        return ShmSegment.attach(name, readonly=True, copy_on_write=True)  # reads never touch the peer
+
+    def _view(self, segment: ShmSegment, rank: int) -> torch.Tensor:
+        num_heads = len(self.plan.old_local_kv_heads(rank))
+        per_block = 2 * self.block_size * num_heads * self.head_dim
+        count = segment.size // self.dtype.itemsize
+        flat = torch.frombuffer(segment.buffer, dtype=self.dtype, count=count - count % per_block)
+        return flat.view(2, -1, self.block_size, num_heads, self.head_dim)
+
+    def close(self) -> None:
+        pass
+
+
+class DistChannel:
+    """torch.distributed point-to-point: gloo on CPU, NCCL on GPU (tag = layer keeps layers apart)."""
+
+    needs_outgoing = True
+
+    def __init__(self, rank: int, num_used_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.rank = rank
+        self.shape = (2, num_used_blocks, block_size)
+        self.head_dim, self.dtype, self.device = head_dim, dtype, device
+
+    def exchange(self, layer, outgoing, incoming):
+        ops, received = [], {}
+        for transfer, data in outgoing:
+            ops.append(dist.P2POp(dist.isend, data.contiguous(), transfer.dst_rank, tag=layer))
+        for transfer in incoming:
+            buffer = torch.empty((*self.shape, transfer.num_kv_heads, self.head_dim), dtype=self.dtype,
+                                 device=self.device)
+            received[transfer] = buffer
+            ops.append(dist.P2POp(dist.irecv, buffer, transfer.src_rank, tag=layer))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return received
+
+    def close(self) -> None:
+        pass
