@@ -191,3 +191,9 @@ class LocalCluster:
                     process.join(5)
         self._processes.clear()
         self._store = None
+        # A child killed with SIGKILL could not unlink its segments: remove whatever has a dead owner.
+        from services.weightstore.shm import cleanup_stale_segments
+        from services.worker.kv_cache import cleanup_stale_kv_segments
+
+        cleanup_stale_segments()
+        cleanup_stale_kv_segments()
