@@ -36,6 +36,7 @@ class ClusterConfig:
     start_timeout_s: float = 120.0
     collective_timeout_s: float = 60.0
     num_threads: int = 1                 # torch threads per worker
+    candidate_topologies: tuple[str, ...] | None = None  # groups built at start (None: every valid topology)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the children
 
 
@@ -123,7 +124,7 @@ class LocalCluster:
             weightstore_address=self.weightstore_address, topology=cfg.topology,
             layer_partition=cfg.layer_partition, device=cfg.device, kv_cache_bytes=cfg.kv_cache_bytes,
             block_size=cfg.block_size, host=cfg.host, collective_timeout_s=cfg.collective_timeout_s,
-            parent_pid=os.getpid(), num_threads=cfg.num_threads,
+            parent_pid=os.getpid(), num_threads=cfg.num_threads, candidate_topologies=cfg.candidate_topologies,
         )
 
     def _spawn(self, ctx, name: str, target, *args, tier: int) -> tuple[str, Connection, mp.process.BaseProcess]:

@@ -24,6 +24,9 @@ class WorkerConfig:
     collective_timeout_s: float = 60.0 # every collective / point-to-point op fails after this
     parent_pid: int | None = None      # exit when this process is gone (no orphans)
     num_threads: int = 1               # torch intra-op threads
+    # Topologies whose process groups are built at start (the MPU state space); None: every valid one.
+    # A switch to any other topology builds its groups first (the slow path, reported by the switch).
+    candidate_topologies: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

@@ -105,7 +105,9 @@ class KVCache:
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.layers)
+        """Bytes allocated now (during a migration some layers are already gone or not yet there)."""
+        return sum(kv.tensor.numel() * kv.tensor.element_size() for kv in list(self._layers.values())
+                   if kv.tensor is not None)
 
     def close(self) -> None:
         """Unlink every segment (on worker exit)."""

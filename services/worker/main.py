@@ -37,7 +37,10 @@ async def serve_worker(config: WorkerConfig, ready: Connection | None = None) ->
         ParallelState, config.rank, config.world_size, config.store_host, config.store_port, backend,
         config.collective_timeout_s,
     )
-    candidates = candidate_topologies(spec.shape, config.world_size)
+    if config.candidate_topologies is not None:
+        candidates = [Topology.parse(t) for t in config.candidate_topologies]
+    else:
+        candidates = candidate_topologies(spec.shape, config.world_size)
     if topology not in candidates:
         candidates.append(topology)
     await asyncio.to_thread(parallel.build_groups, candidates)

@@ -58,6 +58,7 @@ class WorkerShard:
         self.topology = Topology.parse(config.topology)
         self.layer_partition = config.layer_partition
         self.runner: ModelRunner | None = None
+        self.is_waking = False  # a standby worker joining the layout (during ApplySwitch)
         with MappedCheckpoint(manifest) as checkpoint:
             self.runner = self._build(self.topology, self.layer_partition, checkpoint, None, None)
 
@@ -109,9 +110,16 @@ class WorkerShard:
         new_placement = self._placement(target, partition)
         plan = plan_kv_migration(old_placement, active_ranks(self.topology), new_placement, active_ranks(target))
         rank, old = self.config.rank, self.runner
+        self.is_waking = old is None and rank < target.num_workers
+        try:
+            return self._apply(request, target, partition, built_groups, plan, rank, old)
+        finally:
+            self.is_waking = False
+
+    def _apply(self, request, target, partition, built_groups, plan, rank, old) -> worker_pb2.ApplySwitchResponse:
         new_cache = None
         if rank < target.num_workers:
-            wp = new_placement.workers[rank]
+            wp = plan.new.workers[rank]
             new_cache = KVCache(wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size,
                                 self.dtype, self.device, num_blocks=request.num_kv_blocks, allocate=False)
         channel = self._channel(request, plan)
@@ -158,6 +166,7 @@ class WorkerShard:
         info = worker_pb2.WorkerInfo(
             rank=self.config.rank, world_size=self.config.world_size, pid=os.getpid(), topology=str(self.topology),
             device=str(self.device), candidate_topologies=[str(t) for t in self.parallel.candidates],
+            state="WAKING" if self.is_waking else ("ACTIVE" if self.runner is not None else "STANDBY"),
         )
         if self.runner is not None:
             wp, kv = self.runner.wp, self.runner.kv_cache
