@@ -156,7 +156,8 @@ class ControllerState:
 
     async def _worker_info(self, stub: worker_pb2_grpc.WorkerStub) -> worker_pb2.WorkerInfo | str:
         try:
-            return await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=self.config.rpc_timeout_s)
+            return await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=self.config.rpc_timeout_s,
+                                      metadata=auth_metadata(self.config.token))
         except (grpc.aio.AioRpcError, OSError) as exc:
             return _rpc_error(exc)
 

@@ -115,7 +115,7 @@ class Reconfigurer:
         old_capacity = frozen.stats.num_kv_blocks_total
         try:
             progress.enter("PREPARING_WORKERS")
-            prepared, capacity = await prepare_workers(self.workers, target, timeout)
+            prepared, capacity = await prepare_workers(self.workers, target, timeout, meta)
             before = frozen.stats.num_preemptions
             rebound = await self.router.Rebind(router_pb2.RebindRequest(num_kv_blocks=capacity), timeout=timeout,
                                                metadata=meta)
@@ -123,13 +123,13 @@ class Reconfigurer:
                 progress.status, num_requests_preempted=rebound.stats.num_preemptions - before)
         except BaseException:
             progress.rolled_back = True  # nothing moved yet: restore the capacity, resume the old layout
-            await self._restore(old_capacity)
+            await self._restore(old_capacity, progress.report(OperationState.ROLLED_BACK))
             raise
         progress.enter("APPLYING_TOPOLOGY")
         # One RPC per worker runs both phases (the groups are selected, then KV moves layer by layer).
         switching = asyncio.ensure_future(apply_workers(self.workers, target, prepared, capacity,
                                                         rebound.used_block_ids, progress.status.operation_id,
-                                                        timeout))
+                                                        timeout, metadata=meta))
         progress.enter("MIGRATING")
         results = await switching
         progress.status = dataclasses.replace(
@@ -142,45 +142,49 @@ class Reconfigurer:
         await self.router.Rebind(router_pb2.RebindRequest(num_kv_blocks=capacity,
                                                           worker_addresses=self.state.config.worker_addresses),
                                  timeout=timeout, metadata=meta)
-        await self.router.Resume(router_pb2.ResumeRequest(), timeout=timeout, metadata=meta)
+        await self.router.Resume(router_pb2.ResumeRequest(switch=progress.report(OperationState.SUCCEEDED)),
+                                 timeout=timeout, metadata=meta)
         log.info("controller.reconfigured", operation_id=progress.status.operation_id,
                  topology=str(target.topology), phases=progress.status.phase_seconds)
         return progress.finish(OperationState.SUCCEEDED)
 
-    async def _restore(self, old_capacity: int) -> None:
+    async def _restore(self, old_capacity: int, report: router_pb2.SwitchReport) -> None:
         with_timeout = dict(timeout=self.rpc_timeout_s, metadata=self.metadata)
         try:
             await self.router.Rebind(router_pb2.RebindRequest(num_kv_blocks=old_capacity), **with_timeout)
         finally:
-            await self.router.Resume(router_pb2.ResumeRequest(), **with_timeout)
+            await self.router.Resume(router_pb2.ResumeRequest(switch=report), **with_timeout)
 
 
-async def prepare_workers(workers: list[worker_pb2_grpc.WorkerStub], target: SwitchTarget, timeout: float
-                          ) -> tuple[list[worker_pb2.PrepareSwitchResponse], int]:
+async def prepare_workers(workers: list[worker_pb2_grpc.WorkerStub], target: SwitchTarget, timeout: float,
+                          metadata: tuple = ()) -> tuple[list[worker_pb2.PrepareSwitchResponse], int]:
     """PREPARING_WORKERS: every worker's pool and target capacity; the capacity is the smallest active one."""
     request = worker_pb2.PrepareSwitchRequest(topology=str(target.topology),
                                               layer_partition=target.layer_partition or ())
-    prepared = list(await asyncio.gather(*(w.PrepareSwitch(request, timeout=timeout) for w in workers)))
+    prepared = list(await asyncio.gather(*(w.PrepareSwitch(request, timeout=timeout, metadata=metadata)
+                                           for w in workers)))
     return prepared, min(p.num_kv_blocks for p in prepared if p.num_kv_blocks > 0)
 
 
 async def apply_workers(workers: list[worker_pb2_grpc.WorkerStub], target: SwitchTarget,
                         prepared: list[worker_pb2.PrepareSwitchResponse], capacity: int, used_block_ids,
-                        operation_id: str, timeout: float, kv_channel: str = "") -> list[worker_pb2.ApplySwitchResponse]:
+                        operation_id: str, timeout: float, kv_channel: str = "",
+                        metadata: tuple = ()) -> list[worker_pb2.ApplySwitchResponse]:
     """APPLYING_TOPOLOGY + MIGRATING on every worker at once (the router must be frozen)."""
     request = worker_pb2.ApplySwitchRequest(
         operation_id=operation_id, topology=str(target.topology), layer_partition=target.layer_partition or (),
         num_kv_blocks=capacity, used_block_ids=used_block_ids, kv_channel=kv_channel,
         peers={rank: worker_pb2.PeerPool(kv_segments=p.kv_segments) for rank, p in enumerate(prepared)},
     )
-    return list(await asyncio.gather(*(w.ApplySwitch(request, timeout=timeout) for w in workers)))
+    return list(await asyncio.gather(*(w.ApplySwitch(request, timeout=timeout, metadata=metadata)
+                                       for w in workers)))
 
 
 async def plan_switch(reconfigurer: Reconfigurer, topology: str, layer_partition=()) -> controller_pb2.PlanResponse:
     """What a switch would move, from the pure plans and the workers' capacities; changes nothing."""
     target = reconfigurer.target(topology, layer_partition)
     state, timeout = reconfigurer.state, reconfigurer.rpc_timeout_s
-    prepared, capacity = await prepare_workers(reconfigurer.workers, target, timeout)
+    prepared, capacity = await prepare_workers(reconfigurer.workers, target, timeout, reconfigurer.metadata)
     stats = await reconfigurer.router.Stats(router_pb2.StatsRequest(), timeout=timeout,
                                             metadata=reconfigurer.metadata)
     spec, world = reconfigurer.spec, len(reconfigurer.workers)
@@ -232,6 +236,17 @@ class _Progress:
         self.status = dataclasses.replace(self.status, state=state, error=error, phase="", ended_at=time.time())
         self.state.record_operation(self.status)
         return self.status
+
+    def report(self, state: OperationState) -> router_pb2.SwitchReport:
+        """The switch so far for the router's metrics (the open phase counted up to now), ending in `state`."""
+        status, seconds = self.status, dict(self.status.phase_seconds)
+        if status.phase:
+            seconds[status.phase] = seconds.get(status.phase, 0.0) + time.perf_counter() - self._phase_started
+        return router_pb2.SwitchReport(
+            operation_id=status.operation_id, from_topology=status.from_topology, to_topology=status.to_topology,
+            phase_seconds=seconds, kv_bytes_moved=status.kv_bytes_moved, weight_bytes_loaded=status.weight_bytes_loaded,
+            num_requests_preempted=status.num_requests_preempted, state=state.name,
+        )
 
     def _close_phase(self) -> None:
         now = time.perf_counter()

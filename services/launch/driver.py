@@ -7,6 +7,7 @@ import itertools
 
 import grpc
 
+from services.rpc.auth import auth_metadata
 from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.step import StepBatch, StepOutput
 
@@ -20,8 +21,9 @@ class StepError(RuntimeError):
 class _WorkerStream:
     """One worker's Execute stream; a reader task resolves the future of each step, in order."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, metadata: tuple) -> None:
         self.address = address
+        self.metadata = metadata
         self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.call = None
@@ -29,7 +31,7 @@ class _WorkerStream:
         self.reader: asyncio.Task | None = None
 
     async def open(self) -> None:
-        self.call = self.stub.Execute()
+        self.call = self.stub.Execute(metadata=self.metadata)
         self.reader = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
@@ -69,9 +71,11 @@ class _WorkerStream:
 class Driver:
     """Sends each step to every active worker and returns the last stage's outputs."""
 
-    def __init__(self, worker_addresses: list[str], step_timeout_s: float = 120.0) -> None:
+    def __init__(self, worker_addresses: list[str], step_timeout_s: float = 120.0, token: str | None = None) -> None:
         self.addresses = list(worker_addresses)
         self.step_timeout_s = step_timeout_s
+        self.token = token  # the control-plane token, when the workers require it
+        self.metadata = auth_metadata(token) if token else ()
         self.infos: list[worker_pb2.WorkerInfo] = []
         self._streams: list[_WorkerStream] = []
         self._step_ids = itertools.count(1)
@@ -89,9 +93,9 @@ class Driver:
         for address in self.addresses:
             async with grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
                 stub = worker_pb2_grpc.WorkerStub(channel)
-                infos.append(await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=10))
+                infos.append(await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=10, metadata=self.metadata))
         self.infos = infos
-        self._streams = [_WorkerStream(a) for a, i in zip(self.addresses, infos) if i.num_kv_blocks > 0]
+        self._streams = [_WorkerStream(a, self.metadata) for a, i in zip(self.addresses, infos) if i.num_kv_blocks > 0]
         for stream in self._streams:
             await stream.open()
 

@@ -95,7 +95,7 @@ def up(config: UpConfig) -> int:
     write_token_file(token_file, token)
     cluster = LocalCluster(ClusterConfig(
         model=config.model, num_workers=config.workers, topology=config.topology, device=config.device,
-        kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size, host=config.host,
+        kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size, host=config.host, token=token,
     ))
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     stack_file = None

@@ -12,7 +12,14 @@ from services.launch.driver import Driver, StepError
 from services.model.tokenizer import Tokenizer
 from services.router.block_manager import BlockManager
 from services.router.config import SchedulerConfig
-from services.router.contracts import EngineStats, GenerationDelta, GenerationRequest, RequestError
+from services.router.contracts import (
+    EngineStats,
+    GenerationDelta,
+    GenerationRequest,
+    RequestError,
+    SwitchReport,
+    SwitchTotals,
+)
 from services.router.output import RequestStream
 from services.router.scheduler import ScheduledBatch, Scheduler
 from services.router.sequence import Sequence, SequenceStatus
@@ -51,6 +58,7 @@ class Engine:
         self.num_generation_tokens = 0
         self.num_step_errors = 0
         self.num_full_prefills = 0  # prefills from position 0: once per request unless it was preempted
+        self.switches = SwitchTotals()  # layout switches the controller reported (record_switch)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -118,6 +126,7 @@ class Engine:
             extra={"num_step_errors": float(self.num_step_errors),
                    "num_full_prefills": float(self.num_full_prefills),
                    "num_inflight_batches": float(len(self._inflight))},
+            switches=self.switches,
         )
 
     # ---- admin (controller) ----------------------------------------------------------------------------------
@@ -133,7 +142,7 @@ class Engine:
             if self._inflight:
                 raise RuntimeError("rebind with steps in flight: freeze first")
             await self.driver.close()
-            self.driver = Driver(list(worker_addresses), self.driver.step_timeout_s)
+            self.driver = Driver(list(worker_addresses), self.driver.step_timeout_s, self.driver.token)
             await self.driver.connect()
             self.topology = Topology.parse(self.driver.infos[0].topology)
             self.num_inflight_batches = max(self.scheduler.config.num_inflight_batches, self.topology.pp)
@@ -141,6 +150,12 @@ class Engine:
 
     def used_block_ids(self) -> list[int]:
         return self.scheduler.block_manager.used_block_ids()
+
+    def record_switch(self, report: SwitchReport) -> None:
+        """Count a finished layout switch (the controller sends it on the Resume that ends the switch)."""
+        self.switches = self.switches.add(report)
+        log.info("engine.switch_recorded", operation_id=report.operation_id, state=report.state,
+                 topology=f"{report.from_topology}->{report.to_topology}", downtime_s=report.downtime_seconds)
 
     def resume(self) -> None:
         self.scheduler.unfreeze()

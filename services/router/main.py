@@ -55,7 +55,7 @@ async def build_engine(config: RouterConfig) -> Engine:
     """Connect to the workers and start the engine loop."""
     model_dir = Path(config.model_dir)
     spec = ModelSpec.from_dir(model_dir)
-    driver = Driver(list(config.worker_addresses))
+    driver = Driver(list(config.worker_addresses), token=config.token)
     await driver.connect()
     # A request must fit the model's positions and the KV cache (as vLLM caps max_model_len).
     max_model_len = min(spec.max_position_embeddings, driver.num_kv_blocks * driver.block_size)

@@ -11,6 +11,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from services.topology import Topology, TopologyError
+from services.rpc.auth import read_token_file
 from services.worker.config import WorkerConfig
 
 
@@ -42,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--collective-timeout", type=float, default=60.0, help="seconds before a collective fails")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    parser.add_argument("--token-file", type=Path, default=None,
+                        help="control-plane token every RPC of this worker then requires (mode 0600 file)")
     return parser
 
 
@@ -56,6 +59,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         device=args.device, kv_cache_bytes=args.kv_cache_mb << 20, block_size=args.block_size,
         host=args.host, port=args.port, collective_timeout_s=args.collective_timeout,
         parent_pid=args.parent_pid, num_threads=args.num_threads,
+        token=read_token_file(args.token_file) if args.token_file else None,
     )
 
 

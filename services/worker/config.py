@@ -27,6 +27,7 @@ class WorkerConfig:
     # Topologies whose process groups are built at start (the MPU state space); None: every valid one.
     # A switch to any other topology builds its groups first (the slow path, reported by the switch).
     candidate_topologies: tuple[str, ...] | None = None
+    token: str | None = None           # control-plane token every RPC of this worker requires (None: open)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

@@ -47,7 +47,7 @@ async def serve_worker(config: WorkerConfig, ready: Connection | None = None) ->
     # Map the store's segments only while copying our slices: unmapped, they add nothing to our resident memory.
     shard = await asyncio.to_thread(WorkerShard, config, spec, manifest, parallel)
     servicer = WorkerServicer(shard, config.rank)
-    server, port = await start_server(servicer, config.host, config.port)
+    server, port = await start_server(servicer, config.host, config.port, config.token)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, servicer.stopped.set)

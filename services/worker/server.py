@@ -10,6 +10,7 @@ import grpc
 import structlog
 
 from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
+from services.rpc.auth import TokenAuthInterceptor, protect_all
 from services.worker.shard import WorkerShard
 from services.worker.step import StepBatch, StepOutput
 
@@ -94,9 +95,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.ShutdownResponse()
 
 
-async def start_server(servicer: WorkerServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Start the gRPC server; returns it and the bound port."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+async def start_server(servicer: WorkerServicer, host: str, port: int,
+                       token: str | None = None) -> tuple[grpc.aio.Server, int]:
+    """Start the gRPC server (every RPC needs `token` when set); returns it and the bound port."""
+    interceptors = [TokenAuthInterceptor(token, protect_all)] if token else []
+    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20)])
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
