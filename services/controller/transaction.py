@@ -131,7 +131,16 @@ class Reconfigurer:
                                                         rebound.used_block_ids, progress.status.operation_id,
                                                         timeout, metadata=meta))
         progress.enter("MIGRATING")
-        results = await switching
+        try:
+            results = await switching
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.ABORTED:  # every worker moved its KV back: the old layout is whole
+                progress.enter("ROLLING_BACK")
+                progress.rolled_back = True
+                await self._restore(old_capacity, progress.report(OperationState.ROLLED_BACK))
+            else:  # a worker is gone or hung: resume anyway, so that no request waits forever (they fail fast)
+                await self._restore(old_capacity, progress.report(OperationState.FAILED))
+            raise
         progress.status = dataclasses.replace(
             progress.status,
             kv_bytes_moved=sum(r.kv_bytes_received for r in results),
@@ -176,8 +185,16 @@ async def apply_workers(workers: list[worker_pb2_grpc.WorkerStub], target: Switc
         num_kv_blocks=capacity, used_block_ids=used_block_ids, kv_channel=kv_channel,
         peers={rank: worker_pb2.PeerPool(kv_segments=p.kv_segments) for rank, p in enumerate(prepared)},
     )
-    return list(await asyncio.gather(*(w.ApplySwitch(request, timeout=timeout, metadata=metadata)
-                                       for w in workers)))
+    results = await asyncio.gather(*(w.ApplySwitch(request, timeout=timeout, metadata=metadata) for w in workers),
+                                   return_exceptions=True)  # every worker has finished (or rolled back) first
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:  # a worker that is gone outranks the ones that rolled back
+        raise next((e for e in errors if not _is_aborted(e)), errors[0])
+    return list(results)
+
+
+def _is_aborted(error: BaseException) -> bool:
+    return isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.ABORTED
 
 
 async def plan_switch(reconfigurer: Reconfigurer, topology: str, layer_partition=()) -> controller_pb2.PlanResponse:

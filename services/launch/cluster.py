@@ -38,6 +38,7 @@ class ClusterConfig:
     num_threads: int = 1                 # torch threads per worker
     candidate_topologies: tuple[str, ...] | None = None  # groups built at start (None: every valid topology)
     token: str | None = None             # control-plane token the workers require (None: no auth, tests)
+    faults: str = ""                     # fault-injection rules for the workers (tests only)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the children
 
 
@@ -126,7 +127,7 @@ class LocalCluster:
             layer_partition=cfg.layer_partition, device=cfg.device, kv_cache_bytes=cfg.kv_cache_bytes,
             block_size=cfg.block_size, host=cfg.host, collective_timeout_s=cfg.collective_timeout_s,
             parent_pid=os.getpid(), num_threads=cfg.num_threads, candidate_topologies=cfg.candidate_topologies,
-            token=cfg.token,
+            token=cfg.token, faults=cfg.faults,
         )
 
     def _spawn(self, ctx, name: str, target, *args, tier: int) -> tuple[str, Connection, mp.process.BaseProcess]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
@@ -61,6 +63,13 @@ class DecoderLayer:
             group,
         )
 
+    def regrouped(self, group: TPGroup) -> DecoderLayer:
+        """The same weights (shared, not copied) reducing over another TP group."""
+        layer = copy.copy(self)
+        layer.o_proj = RowParallelLinear(self.o_proj.weight, self.o_proj.bias, group)
+        layer.down_proj = RowParallelLinear(self.down_proj.weight, self.down_proj.bias, group)
+        return layer
+
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes this step's K/V into `cache`."""
@@ -98,22 +107,18 @@ class ShardedCausalLM:
         same_vocab = old is not None and old.vocab_rows == wp.vocab_rows
         self.embed = None
         if wp.is_first_stage:
-            if same_vocab and previous.embed is not None:
-                self.embed = previous.embed
-                self.embed.group = group
+            if same_vocab and previous.embed is not None:  # same rows: share the tensor, new group
+                self.embed = VocabParallelEmbedding(previous.embed.weight, wp.vocab_rows, group)
             else:
                 self.embed = VocabParallelEmbedding(loader.rows(EMBED, wp.vocab_rows), wp.vocab_rows, group)
         kept = {}
         if old is not None and (old.q_heads, old.kv_heads, old.intermediate) == (wp.q_heads, wp.kv_heads,
                                                                                    wp.intermediate):
             kept = dict(zip(old.layers, previous.layers))
-        self.layers = []
-        for layer_id in wp.layers:
-            layer = kept.get(layer_id)
-            if layer is None:
-                layer = DecoderLayer(spec, wp, layer_id, loader, group)
-            layer.o_proj.group = layer.down_proj.group = group
-            self.layers.append(layer)
+        # Kept layers share their tensors but get new row-parallel wrappers (the new TP group): the previous
+        # shard stays intact, so a rolled-back switch can go on serving with it.
+        self.layers = [kept[i].regrouped(group) if i in kept else DecoderLayer(spec, wp, i, loader, group)
+                       for i in wp.layers]
         self.final_norm = self.lm_head = None
         if wp.is_last_stage:
             self.final_norm = loader.full(FINAL_NORM)

@@ -28,6 +28,7 @@ class WorkerConfig:
     # A switch to any other topology builds its groups first (the slow path, reported by the switch).
     candidate_topologies: tuple[str, ...] | None = None
     token: str | None = None           # control-plane token every RPC of this worker requires (None: open)
+    faults: str = ""                   # fault-injection rules for tests (services/worker/faults.py); "" = off
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

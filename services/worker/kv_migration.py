@@ -30,50 +30,86 @@ class MigrationStats:
     seconds: float = 0.0
 
 
+class MigrationAborted(RuntimeError):
+    """A rank failed during a layer; every rank stopped after the same layer. `done_layers` are in the new
+    layout (their old storage freed); every other layer is still in the old layout."""
+
+    def __init__(self, layer: int, done_layers: list[int], cause: str) -> None:
+        super().__init__(f"KV migration aborted at layer {layer}: {cause}")
+        self.layer = layer
+        self.done_layers = done_layers
+
+
 def migrate_kv(plan: KVMigrationPlan, rank: int, old_cache: KVCache | None, new_cache: KVCache | None,
-               used_block_ids: list[int], channel: KVChannel, barrier: Callable[[], None]) -> MigrationStats:
-    """Move this rank's KV to the new layout. Collective: every rank of the world calls it with the same plan."""
+               used_block_ids: list[int], channel: KVChannel, agree: Callable[[bool], bool],
+               layers: list[int] | None = None, fault: Callable[[int], None] | None = None) -> MigrationStats:
+    """Move this rank's KV to the new layout (all layers, or `layers`, in the plan's order).
+
+    Collective: every rank of the world calls it with the same plan. After each layer the ranks agree (`agree`
+    is an all-reduce of "my part succeeded"); only then is the old layer freed. If any rank failed, every rank
+    raises MigrationAborted at the same layer, with the same done layers: the journal a rollback replays.
+    """
     started = time.perf_counter()
     stats = MigrationStats()
     used = torch.tensor(sorted(used_block_ids), dtype=torch.int64)
     same_blocks = old_cache is not None and new_cache is not None and old_cache.num_blocks == new_cache.num_blocks
-    for layer in plan.layers():
+    done: list[int] = []
+    order = plan.layers() if layers is None else [layer for layer in plan.layers() if layer in set(layers)]
+    for layer in order:
         transfers = plan.for_layer(layer)
-        outgoing = []
-        if channel.needs_outgoing:
-            outgoing = [(t, _slice(old_cache.layer(layer).tensor, used, t.src_head_offset, t.num_kv_heads))
-                        for t in transfers if t.src_rank == rank and not t.is_local]
-        incoming = [t for t in transfers if t.dst_rank == rank and not t.is_local]
         fresh: KVLayer | None = None
-        if new_cache is not None and layer in plan.new_local_layers(rank):
-            if same_blocks and plan.is_identity_for(rank, layer):
-                new_cache.set_layer(layer, old_cache.pop_layer(layer))  # nothing changes for this layer
-                stats.layers_kept += 1
-            else:
-                fresh = new_cache.new_layer()
-                stats.peak_extra_bytes = max(stats.peak_extra_bytes,
-                                             fresh.tensor.numel() * fresh.tensor.element_size())
-        received = channel.exchange(layer, outgoing, incoming)
-        if fresh is not None:
-            for t in transfers:
-                if t.dst_rank != rank:
-                    continue
-                block = (_slice(old_cache.layer(layer).tensor, used, t.src_head_offset, t.num_kv_heads)
-                         if t.is_local else received[t])
-                fresh.tensor[:, used, :, t.dst_head_offset:t.dst_head_offset + t.num_kv_heads] = block
-                nbytes = block.numel() * block.element_size()
-                if t.is_local:
-                    stats.bytes_local += nbytes
+        kept = False
+        error = ""
+        try:
+            outgoing = []
+            if channel.needs_outgoing:
+                outgoing = [(t, _slice(old_cache.layer(layer).tensor, used, t.src_head_offset, t.num_kv_heads))
+                            for t in transfers if t.src_rank == rank and not t.is_local]
+            incoming = [t for t in transfers if t.dst_rank == rank and not t.is_local]
+            if new_cache is not None and layer in plan.new_local_layers(rank):
+                if same_blocks and plan.is_identity_for(rank, layer):
+                    kept = True  # nothing changes for this layer: the old tensor is moved over as is
                 else:
-                    stats.bytes_received += nbytes
-        barrier()  # every receiver of this layer has read it: old storage may go
+                    fresh = new_cache.new_layer()
+                    stats.peak_extra_bytes = max(stats.peak_extra_bytes,
+                                                 fresh.tensor.numel() * fresh.tensor.element_size())
+            received = channel.exchange(layer, outgoing, incoming)
+            if fault is not None:
+                fault(layer)
+            if fresh is not None:
+                _fill(fresh, transfers, rank, old_cache, received, used, layer, stats)
+        except Exception as exc:  # this rank's part failed: tell the others instead of leaving them waiting
+            error = f"{type(exc).__name__}: {exc}"
+        if not agree(not error):  # every receiver of this layer has read it, or someone failed
+            if fresh is not None:
+                fresh.free()
+            raise MigrationAborted(layer, done, error or "another rank failed")
+        if kept:
+            new_cache.set_layer(layer, old_cache.pop_layer(layer))
+            stats.layers_kept += 1
         if fresh is not None:
             new_cache.set_layer(layer, fresh)
         if old_cache is not None and old_cache.has_layer(layer):
             old_cache.pop_layer(layer).free()
+        done.append(layer)
     channel.close()
     stats.seconds = time.perf_counter() - started
     return stats
+
+
+def _fill(fresh: KVLayer, transfers, rank: int, old_cache: KVCache | None, received, used: torch.Tensor,
+          layer: int, stats: MigrationStats) -> None:
+    for t in transfers:
+        if t.dst_rank != rank:
+            continue
+        block = (_slice(old_cache.layer(layer).tensor, used, t.src_head_offset, t.num_kv_heads)
+                 if t.is_local else received[t])
+        fresh.tensor[:, used, :, t.dst_head_offset:t.dst_head_offset + t.num_kv_heads] = block
+        nbytes = block.numel() * block.element_size()
+        if t.is_local:
+            stats.bytes_local += nbytes
+        else:
+            stats.bytes_received += nbytes
 
 
 def _slice(cache: torch.Tensor, used: torch.Tensor, head_offset: int, num_heads: int) -> torch.Tensor:

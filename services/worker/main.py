@@ -17,6 +17,7 @@ from services.model.spec import ModelSpec
 from services.topology import Topology, candidate_topologies
 from services.worker.config import WorkerConfig
 from services.weightstore.client import fetch_manifest
+from services.worker.faults import FAULTS
 from services.worker.kv_cache import cleanup_stale_kv_segments
 from services.worker.shard import WorkerShard
 from services.worker.parallel import ParallelState
@@ -29,6 +30,8 @@ async def serve_worker(config: WorkerConfig, ready: Connection | None = None) ->
     """Run one worker until Shutdown, SIGTERM or SIGINT."""
     started = time.perf_counter()
     cleanup_stale_kv_segments()
+    if config.faults:
+        FAULTS.configure(config.faults)
     manifest = await fetch_manifest(config.weightstore_address)
     spec = ModelSpec.from_config(json.loads(manifest.config_json))
     topology = Topology.parse(config.topology)

@@ -11,7 +11,7 @@ import structlog
 
 from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
 from services.rpc.auth import TokenAuthInterceptor, protect_all
-from services.worker.shard import WorkerShard
+from services.worker.shard import SwitchFailed, WorkerShard
 from services.worker.step import StepBatch, StepOutput
 
 log = structlog.get_logger(__name__)
@@ -80,6 +80,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         log.info("worker.switch_start", rank=self.rank, operation_id=request.operation_id, topology=request.topology)
         try:
             return await self._on_model_thread(self.shard.apply_switch, request)
+        except SwitchFailed as exc:  # every worker is in the old layout again
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:

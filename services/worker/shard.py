@@ -20,7 +20,8 @@ from services.weightstore.manifest import Manifest
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KVCache, num_blocks_for_budget
 from services.worker.channel import DistChannel, KVChannel, ShmChannel
-from services.worker.kv_migration import migrate_kv
+from services.worker.faults import FAULTS
+from services.worker.kv_migration import MigrationAborted, migrate_kv
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel import ParallelState
 
@@ -100,35 +101,53 @@ class WorkerShard:
         )
 
     def apply_switch(self, request: worker_pb2.ApplySwitchRequest) -> worker_pb2.ApplySwitchResponse:
-        """APPLYING_TOPOLOGY + MIGRATING (KV ‖ weights). Collective over the world."""
+        """APPLYING_TOPOLOGY + MIGRATING (KV ‖ weights). Collective over the world; all or nothing: on any rank's
+        failure every rank restores the old layout (the KV of layers already moved is moved back)."""
         target = Topology.parse(request.topology)
         partition = tuple(request.layer_partition) or None
-        built_groups = target not in self.parallel.candidates
-        if built_groups:
-            self.parallel.build_groups([target])  # slow path: every rank builds the same groups, in order
-        old_placement = self._placement(self.topology, self.layer_partition)
-        new_placement = self._placement(target, partition)
-        plan = plan_kv_migration(old_placement, active_ranks(self.topology), new_placement, active_ranks(target))
         rank, old = self.config.rank, self.runner
         self.is_waking = old is None and rank < target.num_workers
         try:
-            return self._apply(request, target, partition, built_groups, plan, rank, old)
+            return self._apply(request, target, partition, rank, old)
         finally:
             self.is_waking = False
 
-    def _apply(self, request, target, partition, built_groups, plan, rank, old) -> worker_pb2.ApplySwitchResponse:
-        new_cache = None
-        if rank < target.num_workers:
-            wp = plan.new.workers[rank]
-            new_cache = KVCache(wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size,
-                                self.dtype, self.device, num_blocks=request.num_kv_blocks, allocate=False)
-        channel = self._channel(request, plan)
+    def _apply(self, request, target: Topology, partition, rank: int,
+               old: ModelRunner | None) -> worker_pb2.ApplySwitchResponse:
+        built_groups = target not in self.parallel.candidates
+        if built_groups:
+            self.parallel.build_groups([target])  # slow path: every rank builds the same groups, in order
+        error, plan, new_cache, channel = "", None, None, None
+        try:
+            FAULTS.check("apply", rank=rank)
+            old_placement = self._placement(self.topology, self.layer_partition)
+            new_placement = self._placement(target, partition)
+            plan = plan_kv_migration(old_placement, active_ranks(self.topology), new_placement, active_ranks(target))
+            if rank < target.num_workers:
+                wp = new_placement.workers[rank]
+                new_cache = KVCache(wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size,
+                                    self.dtype, self.device, num_blocks=request.num_kv_blocks, allocate=False)
+            channel = self._channel(request, plan)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        if not self.agree(not error):  # nothing has changed anywhere yet
+            raise SwitchFailed(f"switch to {target} refused before any KV moved: {error or 'another rank failed'}")
+        used = list(request.used_block_ids)
         with MappedCheckpoint(self.manifest) as checkpoint, ThreadPoolExecutor(1, "reload") as pool:
             # The shard reload overlaps the KV migration (both copy memory; torch releases the GIL).
             reload = pool.submit(self._timed_build, target, partition, checkpoint, old, new_cache)
-            stats = migrate_kv(plan, rank, old.kv_cache if old else None, new_cache, list(request.used_block_ids),
-                               channel, lambda: dist.barrier())
-            runner, reload_seconds = reload.result()
+            try:
+                stats = migrate_kv(plan, rank, old.kv_cache if old else None, new_cache, used, channel, self.agree,
+                                   fault=lambda layer: FAULTS.check("migrate", rank=rank, layer=layer))
+            except MigrationAborted as aborted:
+                _result_or_none(reload)
+                self._rollback(plan, aborted.done_layers, old, new_cache, request)
+                raise SwitchFailed(f"{aborted}; rolled back (layers {aborted.done_layers} moved back)") from aborted
+            built = _result_or_none(reload)
+            if not self.agree(built is not None):  # a shard failed to load: undo the whole migration
+                self._rollback(plan, plan.layers(), old, new_cache, request)
+                raise SwitchFailed(f"switch to {target}: a worker failed to load its shard; rolled back")
+        runner, reload_seconds = built
         if old is not None:
             old.kv_cache.close()  # anything the migration did not move or keep
         kept = set(runner.model.parameter_tensors()) & set(old.model.parameter_tensors()) if runner and old else set()
@@ -145,6 +164,29 @@ class WorkerShard:
             peak_extra_bytes=stats.peak_extra_bytes, built_groups=built_groups, info=self.info(),
         )
 
+    def _rollback(self, plan, layers: list[int], old: ModelRunner | None, new_cache: KVCache | None,
+                  request: worker_pb2.ApplySwitchRequest) -> None:
+        """Replay the journal backwards: move `layers` from the new layout back to the old one (collective)."""
+        reverse = plan_kv_migration(plan.new, plan.new_ranks, plan.old, plan.old_ranks)
+        pools: list[dict[int, str]] = [{} for _ in range(self.config.world_size)]
+        dist.all_gather_object(pools, new_cache.segment_names() if new_cache else {})
+        back = worker_pb2.ApplySwitchRequest()
+        back.CopyFrom(request)
+        back.ClearField("peers")
+        for peer, segments in enumerate(pools):
+            back.peers[peer].kv_segments.update(segments)
+        migrate_kv(reverse, self.config.rank, new_cache, old.kv_cache if old else None,
+                   list(request.used_block_ids), self._channel(back, reverse), self.agree, layers=list(layers))
+        if new_cache is not None:
+            new_cache.close()
+        log.warning("worker.switch_rolled_back", operation_id=request.operation_id, layers=list(layers))
+
+    def agree(self, ok: bool) -> bool:
+        """True when every rank of the world says ok (an all-reduce MIN; also the per-layer barrier)."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
     def _channel(self, request: worker_pb2.ApplySwitchRequest, plan) -> KVChannel:
         """shm between CPU workers of one host (the default on CPU), torch.distributed otherwise."""
         kind = request.kv_channel or ("shm" if self.device.type == "cpu" else "dist")
@@ -160,6 +202,7 @@ class WorkerShard:
     def _timed_build(self, *args) -> tuple[ModelRunner | None, float]:
         started = time.perf_counter()
         return self._build(*args), time.perf_counter() - started
+
 
     # ---- reporting -----------------------------------------------------------------------------------------------
     def info(self) -> worker_pb2.WorkerInfo:
@@ -180,3 +223,15 @@ class WorkerShard:
     def close(self) -> None:
         if self.runner is not None:
             self.runner.kv_cache.close()
+
+
+class SwitchFailed(RuntimeError):
+    """A switch that did not happen: every worker is back in (or never left) the old layout."""
+
+
+def _result_or_none(future):
+    try:
+        return future.result()
+    except Exception:
+        log.exception("worker.shard_reload_failed")
+        return None

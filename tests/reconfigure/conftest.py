@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 
 import grpc
 import pytest
 import pytest_asyncio
 
+from services.controller.server import start_controller_grpc
 from services.controller.state import ControllerConfig, ControllerState
 from services.controller.transaction import Reconfigurer
 from services.launch.cluster import ClusterConfig, LocalCluster
@@ -15,6 +18,7 @@ from services.model.spec import ModelSpec
 from services.router.engine import Engine
 from services.router.grpc_server import start_router_grpc
 from services.router.main import RouterConfig, build_engine
+from services.rpc.auth import write_token_file
 from services.rpc.reconfig.v1 import router_pb2_grpc
 from tests.conftest import make_checkpoint
 
@@ -43,22 +47,53 @@ class LiveStack:
     cluster: LocalCluster
 
 
+@contextlib.asynccontextmanager
+async def open_live_stack(cluster: LocalCluster):
+    """Engine + router gRPC + controller state + Reconfigurer over `cluster`; leaves it in tp2pp2."""
+    engine = await build_engine(RouterConfig(worker_addresses=tuple(cluster.worker_addresses),
+                                             model_dir=str(cluster.model_dir), model_name="switch"))
+    server, port = await start_router_grpc(engine, "127.0.0.1", 0, TOKEN)
+    state = ControllerState(ControllerConfig(
+        token=TOKEN, worker_addresses=tuple(cluster.worker_addresses), topology=str(engine.topology),
+        router_grpc_address=f"127.0.0.1:{port}", model_dir=str(cluster.model_dir),
+    ))
+    await state.open()
+    reconfigurer = Reconfigurer(state, ModelSpec.from_dir(cluster.model_dir), state.worker_stubs,
+                                state.router_stub, TOKEN)
+    try:
+        yield LiveStack(engine, state, reconfigurer, cluster)
+        if str(state.topology) != "tp2pp2":
+            await reconfigurer.reconfigure("tp2pp2")
+    finally:
+        await state.close()
+        await server.stop(0)
+        await engine.stop()
+
+
 @pytest_asyncio.fixture
 async def live_stack(switch_cluster):
     """Fresh engine and controller over the module's workers; the test must leave them in tp2pp2."""
-    engine = await build_engine(RouterConfig(worker_addresses=tuple(switch_cluster.worker_addresses),
-                                             model_dir=str(switch_cluster.model_dir), model_name="switch"))
-    server, port = await start_router_grpc(engine, "127.0.0.1", 0, TOKEN)
-    state = ControllerState(ControllerConfig(
-        token=TOKEN, worker_addresses=tuple(switch_cluster.worker_addresses), topology=str(engine.topology),
-        router_grpc_address=f"127.0.0.1:{port}", model_dir=str(switch_cluster.model_dir),
-    ))
-    await state.open()
-    reconfigurer = Reconfigurer(state, ModelSpec.from_dir(switch_cluster.model_dir), state.worker_stubs,
-                                state.router_stub, TOKEN)
-    yield LiveStack(engine, state, reconfigurer, switch_cluster)
-    if state.topology.num_workers and str(state.topology) != "tp2pp2":
-        await reconfigurer.reconfigure("tp2pp2")
-    await state.close()
+    async with open_live_stack(switch_cluster) as stack:
+        yield stack
+
+
+@dataclass
+class ControllerEndpoint:
+    """A Controller gRPC server over the live stack's state, and how reconfigctl finds it."""
+
+    address: str
+    token_file: str
+
+    def flags(self) -> tuple[str, ...]:
+        """reconfigctl's flags that point at this controller."""
+        return "--controller", self.address, "--token-file", self.token_file
+
+
+@pytest_asyncio.fixture
+async def controller(live_stack, tmp_path):
+    """The Controller service (Reconfigure, Plan, GetStatus, WatchStatus) in process over `live_stack`."""
+    token_file = tmp_path / "token"
+    write_token_file(token_file, TOKEN)
+    server, port = await start_controller_grpc(live_stack.state, "127.0.0.1", 0, TOKEN)
+    yield ControllerEndpoint(f"127.0.0.1:{port}", str(token_file))
     await server.stop(0)
-    await engine.stop()

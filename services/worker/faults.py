@@ -1,0 +1,72 @@
+"""Fault injection for tests: off unless RECONFIG_FAULTS is set.
+
+RECONFIG_FAULTS is a ';'-separated list of rules `point:key=value:...`, e.g.
+    migrate:rank=2:layer=1:action=raise     rank 2 fails while migrating layer 1 (the switch rolls back)
+    apply:rank=0:action=crash               rank 0 dies (SIGKILL-like exit) as ApplySwitch starts
+    rpc:method=ApplySwitch:rank=1:delay=3   rank 1 sleeps 3 s before serving ApplySwitch
+Points: apply (ApplySwitch, before any KV moves), migrate (per layer), rpc (any worker RPC, by method).
+Actions: raise (an exception the switch handles), crash (os._exit(137)), delay=SECONDS. A rule fires every time
+its point is reached with matching keys; `once=1` makes it fire only the first time.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+ENV = "RECONFIG_FAULTS"
+
+
+class InjectedFault(RuntimeError):
+    """A failure raised on purpose by a fault rule."""
+
+
+@dataclass(slots=True)
+class FaultRule:
+    point: str
+    match: dict[str, str]
+    action: str = "raise"
+    delay_s: float = 0.0
+    once: bool = False
+    fired: bool = field(default=False)
+
+    @classmethod
+    def parse(cls, text: str) -> FaultRule:
+        point, *pairs = text.strip().split(":")
+        values = dict(pair.split("=", 1) for pair in pairs if pair)
+        action = values.pop("action", "delay" if "delay" in values else "raise")
+        if action not in ("raise", "crash", "delay"):
+            raise ValueError(f"fault rule {text!r}: action must be raise, crash or delay")
+        delay = float(values.pop("delay", 0.0))
+        once = values.pop("once", "0") == "1"
+        return cls(point, values, action, delay, once)
+
+
+class Faults:
+    """The rules of this process (parsed once from the environment)."""
+
+    def __init__(self, spec: str | None = None) -> None:
+        self.configure(os.environ.get(ENV, "") if spec is None else spec)
+
+    def configure(self, spec: str) -> None:
+        """Replace the rules (a worker applies its WorkerConfig.faults at start)."""
+        self.rules = [FaultRule.parse(part) for part in spec.split(";") if part.strip()]
+
+    def check(self, point: str, **context: object) -> None:
+        """Fire every rule of `point` whose keys all match `context`."""
+        for rule in self.rules:
+            if rule.point != point or (rule.once and rule.fired):
+                continue
+            if any(str(context.get(key)) != value for key, value in rule.match.items()):
+                continue
+            rule.fired = True
+            if rule.action == "crash":
+                os._exit(137)
+            if rule.action == "delay":
+                time.sleep(rule.delay_s)
+                continue
+            raise InjectedFault(f"injected fault at {point} {context}")
+
+
+FAULTS = Faults()
