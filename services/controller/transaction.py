@@ -218,14 +218,16 @@ async def plan_switch(reconfigurer: Reconfigurer, topology: str, layer_partition
         local = sum(t.nbytes(used, block_size, spec.head_dim, dtype_bytes)
                     for t in kv_plan.receives_of(rank) if t.is_local)
         reload = weights.get(rank)
-        peak = kv_plan.peak_extra_bytes(rank, prepared[rank].num_kv_blocks, block_size, spec.head_dim, dtype_bytes)
+        # The old layout has each worker's current blocks; the new one the capacity every active worker shares.
+        peak = kv_plan.peak_extra_bytes(rank, prepared[rank].num_kv_blocks_now, block_size, spec.head_dim,
+                                        dtype_bytes, new_num_blocks=capacity)
         rows.append(controller_pb2.WorkerPlan(
             rank=rank, state_before="ACTIVE" if rank in old_ranks else "STANDBY",
             state_after="ACTIVE" if rank in new_ranks else "STANDBY",
             kv_bytes_in=sum(b for (src, dst), b in moved.items() if dst == rank), kv_bytes_local=local,
             weight_bytes_load=reload.load_bytes(dtype_bytes) if reload else 0,
             weight_bytes_keep=reload.keep_bytes(dtype_bytes) if reload else 0,
-            peak_extra_bytes=peak, num_kv_blocks_after=prepared[rank].num_kv_blocks,
+            peak_extra_bytes=peak, num_kv_blocks_after=capacity if rank in new_ranks else 0,
         ))
     return controller_pb2.PlanResponse(
         from_topology=str(state.topology), to_topology=str(target.topology), workers=rows, num_used_blocks=used,

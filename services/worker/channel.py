@@ -9,6 +9,7 @@ Every rank calls `exchange` once per layer with what it sends and what it receiv
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -24,13 +25,23 @@ class KVChannel(Protocol):
     needs_outgoing: bool  # whether senders must hand their slices to exchange()
 
     def exchange(self, layer: int, outgoing: list[tuple[KVTransfer, torch.Tensor]],
-                 incoming: list[KVTransfer]) -> dict[KVTransfer, torch.Tensor]:
-        """Send each outgoing slice ([2, used, block_size, heads, D], already cut) to its dst; return each
-        incoming transfer's slice, same shape. Called by every rank for every layer, in the same order."""
+                 incoming: list[KVTransfer]) -> dict[KVTransfer, Source]:
+        """Send each outgoing slice ([2, used, block_size, heads, D], already cut) to its dst; return where each
+        incoming transfer's data can be read. Called by every rank for every layer, in the same order."""
         ...
 
     def close(self) -> None:
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where a received slice can be read: `tensor[:, index, :, head_offset:head_offset + heads]`, where index is
+    the block id itself (`by_block_id`, a peer's whole pool) or the block's position among the used blocks."""
+
+    tensor: torch.Tensor
+    head_offset: int
+    by_block_id: bool
 
 
 class ShmChannel:
@@ -44,17 +55,17 @@ class ShmChannel:
         self.plan = plan
         self.used = used
         self.block_size, self.head_dim, self.dtype = block_size, head_dim, dtype
+        self._open: dict[int, ShmSegment] = {}  # this layer's peer pools, closed at the next layer
 
     def exchange(self, layer, outgoing, incoming):
+        """Map each sender's pool for this layer: the caller copies straight out of it (no staging copy)."""
+        self.close()
         received = {}
         for transfer in incoming:
-            segment = self._attach(transfer.src_rank, layer)
-            try:
-                pool = self._view(segment, transfer.src_rank)
-                s0 = transfer.src_head_offset
-                received[transfer] = pool[:, self.used, :, s0:s0 + transfer.num_kv_heads]  # gather = the one copy
-            finally:
-                segment.close()
+            if transfer.src_rank not in self._open:
+                self._open[transfer.src_rank] = self._attach(transfer.src_rank, layer)
+            pool = self._view(self._open[transfer.src_rank], transfer.src_rank)
+            received[transfer] = Source(pool, transfer.src_head_offset, by_block_id=True)
         return received
 
     def _attach(self, rank: int, layer: int) -> ShmSegment:
@@ -71,7 +82,9 @@ class ShmChannel:
         return flat.view(2, -1, self.block_size, num_heads, self.head_dim)
 
     def close(self) -> None:
-        pass
+        for segment in self._open.values():
+            segment.close()
+        self._open.clear()
 
 
 class DistChannel:
@@ -92,7 +105,7 @@ class DistChannel:
         for transfer in incoming:
             buffer = torch.empty((*self.shape, transfer.num_kv_heads, self.head_dim), dtype=self.dtype,
                                  device=self.device)
-            received[transfer] = buffer
+            received[transfer] = Source(buffer, 0, by_block_id=False)
             ops.append(dist.P2POp(dist.irecv, buffer, transfer.src_rank, tag=layer))
         if ops:
             for work in dist.batch_isend_irecv(ops):

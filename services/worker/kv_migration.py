@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.topology import KVMigrationPlan
-from services.worker.channel import KVChannel
+from services.topology import KVMigrationPlan, KVTransfer
+from services.worker.channel import KVChannel, Source
 from services.worker.kv_cache import KVCache, KVLayer
 
 
@@ -26,7 +26,7 @@ class MigrationStats:
     bytes_received: int = 0     # from peers
     bytes_local: int = 0        # copied inside this worker (head offsets changed)
     layers_kept: int = 0        # layer tensors kept as they were (no copy)
-    peak_extra_bytes: int = 0   # a new layer tensor alive next to the old ones, at most
+    peak_extra_bytes: int = 0   # most bytes held above the old layout at once (new layers allocated - old freed)
     seconds: float = 0.0
 
 
@@ -52,6 +52,8 @@ def migrate_kv(plan: KVMigrationPlan, rank: int, old_cache: KVCache | None, new_
     started = time.perf_counter()
     stats = MigrationStats()
     used = torch.tensor(sorted(used_block_ids), dtype=torch.int64)
+    runs = block_runs(sorted(used_block_ids))
+    extra = 0  # bytes allocated for the new layout minus bytes of the old one freed so far
     same_blocks = old_cache is not None and new_cache is not None and old_cache.num_blocks == new_cache.num_blocks
     done: list[int] = []
     order = plan.layers() if layers is None else [layer for layer in plan.layers() if layer in set(layers)]
@@ -71,16 +73,17 @@ def migrate_kv(plan: KVMigrationPlan, rank: int, old_cache: KVCache | None, new_
                     kept = True  # nothing changes for this layer: the old tensor is moved over as is
                 else:
                     fresh = new_cache.new_layer()
-                    stats.peak_extra_bytes = max(stats.peak_extra_bytes,
-                                                 fresh.tensor.numel() * fresh.tensor.element_size())
+                    extra += _nbytes(fresh.tensor)
+                    stats.peak_extra_bytes = max(stats.peak_extra_bytes, extra)
             received = channel.exchange(layer, outgoing, incoming)
             if fault is not None:
                 fault(layer)
             if fresh is not None:
-                _fill(fresh, transfers, rank, old_cache, received, used, layer, stats)
+                _fill(fresh, transfers, rank, old_cache, received, runs, layer, stats)
         except Exception as exc:  # this rank's part failed: tell the others instead of leaving them waiting
             error = f"{type(exc).__name__}: {exc}"
         if not agree(not error):  # every receiver of this layer has read it, or someone failed
+            channel.close()
             if fresh is not None:
                 fresh.free()
             raise MigrationAborted(layer, done, error or "another rank failed")
@@ -90,26 +93,51 @@ def migrate_kv(plan: KVMigrationPlan, rank: int, old_cache: KVCache | None, new_
         if fresh is not None:
             new_cache.set_layer(layer, fresh)
         if old_cache is not None and old_cache.has_layer(layer):
-            old_cache.pop_layer(layer).free()
+            old_layer = old_cache.pop_layer(layer)
+            extra -= _nbytes(old_layer.tensor)
+            old_layer.free()
         done.append(layer)
     channel.close()
     stats.seconds = time.perf_counter() - started
     return stats
 
 
-def _fill(fresh: KVLayer, transfers, rank: int, old_cache: KVCache | None, received, used: torch.Tensor,
-          layer: int, stats: MigrationStats) -> None:
+def _fill(fresh: KVLayer, transfers, rank: int, old_cache: KVCache | None, received: dict[KVTransfer, Source],
+          runs: list[tuple[int, int, int]], layer: int, stats: MigrationStats) -> None:
+    """Copy every transfer into `fresh`, one strided slice copy per run of consecutive used block ids."""
     for t in transfers:
         if t.dst_rank != rank:
             continue
-        block = (_slice(old_cache.layer(layer).tensor, used, t.src_head_offset, t.num_kv_heads)
-                 if t.is_local else received[t])
-        fresh.tensor[:, used, :, t.dst_head_offset:t.dst_head_offset + t.num_kv_heads] = block
-        nbytes = block.numel() * block.element_size()
+        source = (Source(old_cache.layer(layer).tensor, t.src_head_offset, by_block_id=True) if t.is_local
+                  else received[t])
+        heads, d0, s0 = t.num_kv_heads, t.dst_head_offset, source.head_offset
+        nbytes = 0
+        for first, stop, position in runs:  # block ids [first, stop) are positions [position, ...) among used
+            a, b = (first, stop) if source.by_block_id else (position, position + stop - first)
+            part = source.tensor[:, a:b, :, s0:s0 + heads]
+            fresh.tensor[:, first:stop, :, d0:d0 + heads] = part
+            nbytes += part.numel() * part.element_size()
         if t.is_local:
             stats.bytes_local += nbytes
         else:
             stats.bytes_received += nbytes
+
+
+def block_runs(used_block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """Sorted block ids as runs (first, stop, position of first among them): few, since ids are given lowest
+    first; a run is copied with one strided slice instead of a gather and a scatter."""
+    runs: list[tuple[int, int, int]] = []
+    for position, block in enumerate(used_block_ids):
+        if runs and runs[-1][1] == block:
+            first, _, start = runs[-1]
+            runs[-1] = (first, block + 1, start)
+        else:
+            runs.append((block, block + 1, position))
+    return runs
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _slice(cache: torch.Tensor, used: torch.Tensor, head_offset: int, num_heads: int) -> torch.Tensor:

@@ -97,7 +97,7 @@ class WorkerShard:
         return worker_pb2.PrepareSwitchResponse(
             num_kv_blocks=self.num_kv_blocks_in(topology, partition), kv_segments=segments,
             is_candidate=topology in self.parallel.candidates, block_size=self.config.block_size,
-            kv_dtype_bytes=self.dtype.itemsize,
+            kv_dtype_bytes=self.dtype.itemsize, num_kv_blocks_now=self.runner.kv_cache.num_blocks if self.runner else 0,
         )
 
     def apply_switch(self, request: worker_pb2.ApplySwitchRequest) -> worker_pb2.ApplySwitchResponse:

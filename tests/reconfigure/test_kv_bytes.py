@@ -85,3 +85,10 @@ def _equal(after: dict, before: dict) -> bool:
 
 async def _collect(engine, request):
     return [t for d in [d async for d in engine.generate(request)] for t in d.token_ids]
+
+
+def test_block_runs():
+    from services.worker.kv_migration import block_runs
+
+    assert block_runs([]) == []
+    assert block_runs([0, 1, 2, 5, 6, 9]) == [(0, 3, 0), (5, 7, 3), (9, 10, 5)]

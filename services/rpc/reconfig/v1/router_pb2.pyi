@@ -79,9 +79,38 @@ class RebindResponse(_message.Message):
     used_block_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, stats: _Optional[_Union[RouterStats, _Mapping]] = ..., used_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class SwitchReport(_message.Message):
+    __slots__ = ("operation_id", "from_topology", "to_topology", "phase_seconds", "kv_bytes_moved", "weight_bytes_loaded", "num_requests_preempted", "state")
+    class PhaseSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    TO_TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    operation_id: str
+    from_topology: str
+    to_topology: str
+    phase_seconds: _containers.ScalarMap[str, float]
+    kv_bytes_moved: int
+    weight_bytes_loaded: int
+    num_requests_preempted: int
+    state: str
+    def __init__(self, operation_id: _Optional[str] = ..., from_topology: _Optional[str] = ..., to_topology: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., kv_bytes_moved: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., num_requests_preempted: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+
 class ResumeRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("switch",)
+    SWITCH_FIELD_NUMBER: _ClassVar[int]
+    switch: SwitchReport
+    def __init__(self, switch: _Optional[_Union[SwitchReport, _Mapping]] = ...) -> None: ...
 
 class ResumeResponse(_message.Message):
     __slots__ = ("stats",)

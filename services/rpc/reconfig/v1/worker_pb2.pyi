@@ -15,7 +15,7 @@ class PrepareSwitchRequest(_message.Message):
     def __init__(self, topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrepareSwitchResponse(_message.Message):
-    __slots__ = ("num_kv_blocks", "kv_segments", "is_candidate", "block_size", "kv_dtype_bytes")
+    __slots__ = ("num_kv_blocks", "kv_segments", "is_candidate", "block_size", "kv_dtype_bytes", "num_kv_blocks_now")
     class KvSegmentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -28,12 +28,14 @@ class PrepareSwitchResponse(_message.Message):
     IS_CANDIDATE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_NOW_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     kv_segments: _containers.ScalarMap[int, str]
     is_candidate: bool
     block_size: int
     kv_dtype_bytes: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., kv_segments: _Optional[_Mapping[int, str]] = ..., is_candidate: _Optional[bool] = ..., block_size: _Optional[int] = ..., kv_dtype_bytes: _Optional[int] = ...) -> None: ...
+    num_kv_blocks_now: int
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., kv_segments: _Optional[_Mapping[int, str]] = ..., is_candidate: _Optional[bool] = ..., block_size: _Optional[int] = ..., kv_dtype_bytes: _Optional[int] = ..., num_kv_blocks_now: _Optional[int] = ...) -> None: ...
 
 class PeerPool(_message.Message):
     __slots__ = ("kv_segments",)
