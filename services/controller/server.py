@@ -68,6 +68,7 @@ async def serve_controller(config: ControllerConfig, on_ready: Callable[[int], N
     """Run the controller until cancelled (or SIGTERM/SIGINT when handle_signals); on_ready(bound_port) once up."""
     state = ControllerState(config)
     await state.open()
+    await state.recover()
     stop = asyncio.Event()
     remove_handlers = _stop_on_signals(stop) if handle_signals else (lambda: None)
     server: grpc.aio.Server | None = None

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
+import os
 import time
 from dataclasses import dataclass, replace
 
 import grpc
 import structlog
 
-from services.controller.status import OperationStatus, StackState, StackStatus, WorkerState, WorkerStatus
+from services.controller.status import OperationState, OperationStatus, StackState, StackStatus, WorkerState, WorkerStatus
 from services.router.contracts import EngineStats
 from services.router.grpc_server import stats_from_pb
 from services.rpc.auth import auth_metadata
@@ -35,6 +38,7 @@ class ControllerConfig:
     rpc_timeout_s: float = 2.0                 # deadline of each GetInfo / Stats call
     model_dir: str = ""                        # checkpoint directory: Reconfigure validates targets against it
     switch_rpc_timeout_s: float = 120.0        # deadline of each RPC of a Reconfigure transaction
+    state_file: str = ""                       # where the live layout and the last operation survive a restart
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -130,11 +134,47 @@ class ControllerState:
         """Commit a new live layout (only the Reconfigure transaction calls this)."""
         self.topology, self.layer_partition = topology, layer_partition
         self._publish(replace(self._status, topology=str(topology)))
+        self._save()
 
     def record_operation(self, operation: OperationStatus) -> None:
         """Set the last operation (the reconfiguration transaction reports its progress here)."""
         self.last_operation = operation
         self._publish(self._with_operation(self._status))
+        self._save()
+
+    async def recover(self) -> None:
+        """After a (re)start: take the last operation from the state file and the live layout from the workers
+        (they hold it; the controller's start-up flag may be stale after switches)."""
+        if self.config.state_file and os.path.exists(self.config.state_file):
+            try:
+                saved = json.loads(open(self.config.state_file).read())
+                operation = saved.get("last_operation")
+                if operation:
+                    operation["state"] = OperationState[operation["state"]]
+                    self.last_operation = OperationStatus(**operation)
+                self.layer_partition = tuple(saved["layer_partition"]) if saved.get("layer_partition") else None
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("controller.state_file_unreadable", path=self.config.state_file, error=str(exc))
+        infos = [i for i in await asyncio.gather(*(self._worker_info(s) for s in self._worker_stubs))
+                 if not isinstance(i, str)]
+        live = {i.topology for i in infos if i.num_kv_blocks > 0}
+        if len(live) == 1 and len(infos) == len(self._worker_stubs):
+            topology = Topology.parse(live.pop())
+            if topology != self.topology:
+                log.warning("controller.recovered_topology", configured=str(self.topology), live=str(topology))
+                self.topology = topology
+        await self.refresh()
+
+    def _save(self) -> None:
+        if not self.config.state_file:
+            return
+        op = self.last_operation
+        saved = {"topology": str(self.topology), "layer_partition": list(self.layer_partition or ()),
+                 "last_operation": None if op is None else {**dataclasses.asdict(op), "state": op.state.name}}
+        temporary = f"{self.config.state_file}.tmp"
+        with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump(saved, f)
+        os.replace(temporary, self.config.state_file)
 
     async def run(self) -> None:
         """Refresh every refresh_interval_s until cancelled."""

@@ -114,6 +114,7 @@ def up(config: UpConfig) -> int:
             host=config.host, port=config.controller_port, token=token,
             worker_addresses=tuple(cluster.worker_addresses), router_grpc_address=router_grpc,
             topology=config.topology, model=config.model, model_dir=str(cluster.model_dir),
+            state_file=str(run_dir() / "controller-state.json"),
         ))
         http = f"http://{config.host}:{router['http_port']}"
         stack_file = StackFile(
@@ -148,5 +149,6 @@ def up(config: UpConfig) -> int:
         if stack_file is not None:
             stack_file.remove()
         token_file.unlink(missing_ok=True)
+        (run_dir() / "controller-state.json").unlink(missing_ok=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

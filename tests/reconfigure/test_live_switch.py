@@ -64,3 +64,28 @@ async def test_refusals_and_idempotency(live_stack):
                                        "REBINDING"}
     back = await reconfigurer.reconfigure("tp2pp2")
     assert back.state is OperationState.SUCCEEDED
+
+
+async def test_a_restarted_controller_recovers_the_live_layout(live_stack, tmp_path):
+    import dataclasses
+
+    from services.controller.state import ControllerState
+
+    state_file = str(tmp_path / "controller-state.json")
+    first = ControllerState(dataclasses.replace(live_stack.state.config, state_file=state_file))
+    await first.open()
+    first.record_operation(await live_stack.reconfigurer.reconfigure("tp4pp1", operation_id="before-restart"))
+    await first.close()
+    # A new controller process, started with the layout of the original command line (tp2pp2, now stale).
+    restarted = ControllerState(dataclasses.replace(live_stack.state.config, topology="tp2pp2",
+                                                    state_file=state_file))
+    await restarted.open()
+    try:
+        await restarted.recover()
+        assert str(restarted.topology) == "tp4pp1"  # from the workers
+        assert restarted.last_operation.operation_id == "before-restart"  # from the state file
+        assert restarted.last_operation.state is OperationState.SUCCEEDED
+        assert restarted.status.topology == "tp4pp1"
+    finally:
+        await restarted.close()
+    await live_stack.reconfigurer.reconfigure("tp2pp2")
