@@ -1,4 +1,4 @@
-"""`reconfigctl`: the operator's command line for the controller (`reconfigctl status [--json]`)."""
+"""`reconfigctl`: the operator's command line for the controller: `status`, `plan` and `reconfigure`."""
 
 from __future__ import annotations
 
@@ -7,74 +7,64 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+import uuid
 from pathlib import Path
 
-import grpc
+from services.controller.client import (
+    EXIT_OK,
+    CommandFailed,
+    Target,
+    fetch_plan,
+    fetch_status,
+    resolve_target,
+    run_reconfigure,
+)
+from services.controller.progress import PhaseDisplay, format_bytes, operation_lines, ordered_phases, outcome_line
+from services.controller.status import OperationState, OperationStatus, StackStatus, WorkerState, WorkerStatus
+from services.rpc.reconfig.v1 import controller_pb2
 
-from services.controller.status import OperationStatus, StackStatus, WorkerState, WorkerStatus
-from services.launch.stackfile import StackFile, StackNotFoundError
-from services.rpc.auth import auth_metadata, read_token_file
-from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc
-
-EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE = 0, 1, 2
+DEFAULT_TIMEOUT_S = 10.0   # status and plan; reconfigure waits for the operation (the controller has a deadline)
 
 
-class Unreachable(RuntimeError):
-    """The stack cannot be found or reached (exit 1)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """Where the controller is and the token it wants."""
-
-    controller_address: str
-    token: str
+def _layer_partition(text: str) -> tuple[int, ...]:
+    try:
+        layers = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layers per stage like 2,1, got {text!r}") from None
+    if any(n < 1 for n in layers):
+        raise argparse.ArgumentTypeError(f"every stage needs at least one layer, got {text!r}")
+    return layers
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Command-line flags."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--controller", default=os.environ.get("RECONFIG_CONTROLLER"),
+                        help="controller address host:port (default: $RECONFIG_CONTROLLER, else the stack file)")
+    common.add_argument("--token-file", type=Path, default=os.environ.get("RECONFIG_TOKEN_FILE"),
+                        help="control-plane token file (default: $RECONFIG_TOKEN_FILE, else the stack file)")
+    common.add_argument("--timeout", type=float, default=None,
+                        help=f"seconds to wait for the controller (default: {DEFAULT_TIMEOUT_S:g}; reconfigure: "
+                             "until the operation ends)")
     parser = argparse.ArgumentParser(prog="reconfigctl", description="Inspect and steer a running reconfig stack.")
     commands = parser.add_subparsers(dest="command", required=True)
-    status = commands.add_parser("status", help="topology, workers, requests and the last operation")
+    status = commands.add_parser("status", parents=[common],
+                                 help="topology, workers, requests and the last operation")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
-    status.add_argument("--controller", default=os.environ.get("RECONFIG_CONTROLLER"),
-                        help="controller address host:port (default: $RECONFIG_CONTROLLER, else the stack file)")
-    status.add_argument("--token-file", type=Path, default=os.environ.get("RECONFIG_TOKEN_FILE"),
-                        help="control-plane token file (default: $RECONFIG_TOKEN_FILE, else the stack file)")
-    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the controller")
+    plan = commands.add_parser("plan", parents=[common], help="what a switch to TOPOLOGY would move; changes nothing")
+    reconfigure = commands.add_parser("reconfigure", parents=[common],
+                                      help="switch the live layout to TOPOLOGY (exit 0 done, 1 failed, 2 refused)")
+    for command in (plan, reconfigure):
+        command.add_argument("topology", metavar="TOPOLOGY", help="target layout, e.g. tp4pp1")
+        command.add_argument("--layer-partition", type=_layer_partition, default=(), metavar="N,N,...",
+                             help="layers per pipeline stage of the target (default: even split)")
+        command.add_argument("--json", action="store_true", help="print the result as JSON")
+    reconfigure.add_argument("--wait", action="store_true", help="show each phase live while the switch runs")
+    reconfigure.add_argument("--operation-id", default="", help="idempotency key (default: a new one)")
+    reconfigure.add_argument("--deadline", type=float, default=0.0, metavar="S",
+                             help="give up and restore the old layout after S seconds (default: the controller's)")
+    reconfigure.add_argument("--dry-run", action="store_true", help="only say what the switch would move")
     return parser
-
-
-def resolve_target(controller: str | None, token_file: Path | None) -> Target:
-    """Flags first; what they leave open comes from the stack file written by `reconfig up`."""
-    if controller is None or token_file is None:
-        try:
-            stack = StackFile.load()
-        except StackNotFoundError as exc:
-            raise Unreachable(f"{exc} (or pass --controller and --token-file)") from None
-        controller = controller or stack.controller_address
-        token_file = token_file or Path(stack.token_file)
-    try:
-        return Target(controller, read_token_file(token_file))
-    except (OSError, ValueError) as exc:
-        raise Unreachable(f"cannot read the control-plane token: {exc}") from None
-
-
-def fetch_status(target: Target, timeout_s: float) -> StackStatus:
-    """GetStatus from the controller; Unreachable with a readable reason on failure."""
-    with grpc.insecure_channel(target.controller_address) as channel:
-        stub = controller_pb2_grpc.ControllerStub(channel)
-        try:
-            pb = stub.GetStatus(controller_pb2.GetStatusRequest(), timeout=timeout_s,
-                                metadata=auth_metadata(target.token))
-        except grpc.RpcError as exc:
-            if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
-                raise Unreachable(f"the controller at {target.controller_address} refused the token: "
-                                  f"{exc.details()}") from None
-            raise Unreachable(f"cannot reach the controller at {target.controller_address}: "
-                              f"{exc.code().name}: {exc.details()}") from None
-    return StackStatus.from_pb(pb)
 
 
 def _layers(worker: WorkerStatus) -> str:
@@ -104,8 +94,10 @@ def _operation_line(op: OperationStatus | None) -> str:
     line += f", started {_when(op.started_at)}"
     if op.ended_at:
         line += f", took {op.ended_at - op.started_at:.3f} s"
+    elif op.state is OperationState.RUNNING and op.phase:
+        line += f", now {op.phase}"
     if op.phase_seconds:
-        line += "; " + ", ".join(f"{phase} {seconds:.3f} s" for phase, seconds in op.phase_seconds.items())
+        line += "; " + ", ".join(f"{phase} {seconds:.3f} s" for phase, seconds in ordered_phases(op.phase_seconds))
     if op.error:
         line += f"; error: {op.error}"
     return line
@@ -144,27 +136,93 @@ def format_table(status: StackStatus) -> str:
                      f"KV cache: {router.num_kv_blocks_used}/{router.num_kv_blocks_total} blocks ({usage:.1%})    "
                      f"preemptions: {router.num_preemptions}")
     lines.append(_operation_line(status.last_operation))
+    if status.last_operation is not None:
+        lines += operation_lines(status.last_operation)
     return "\n".join(lines)
 
 
-def _status_command(args: argparse.Namespace) -> int:
-    target = resolve_target(args.controller, args.token_file)
-    status = fetch_status(target, args.timeout)
-    if args.json:
-        print(json.dumps(status.to_json(), indent=2))
-    else:
-        print(format_table(status))
+def format_plan(plan: controller_pb2.PlanResponse) -> str:
+    """The human view of a plan: per worker its role before and after and what it moves, then the totals."""
+    lines = [f"plan: {plan.from_topology} -> {plan.to_topology}    KV blocks in use: {plan.num_used_blocks}    "
+             f"blocks per worker after: {plan.num_kv_blocks_after}    fits: {'yes' if plan.fits else 'no'}    "
+             f"candidate: {'yes' if plan.is_candidate else 'no (process groups are built during the switch)'}"]
+    if plan.num_requests_preempted:
+        lines.append(f"requests preempted: {plan.num_requests_preempted}")
+    header = ("RANK", "STATE", "KV IN", "KV LOCAL", "WEIGHTS LOAD", "WEIGHTS KEEP", "PEAK EXTRA", "BLOCKS AFTER")
+    rows = [header]
+    for w in plan.workers:
+        rows.append((str(w.rank), f"{w.state_before} -> {w.state_after}", format_bytes(w.kv_bytes_in),
+                     format_bytes(w.kv_bytes_local), format_bytes(w.weight_bytes_load),
+                     format_bytes(w.weight_bytes_keep), format_bytes(w.peak_extra_bytes), str(w.num_kv_blocks_after)))
+    workers = plan.workers
+    rows.append(("total", "", *(format_bytes(sum(getattr(w, name) for w in workers)) for name in (
+        "kv_bytes_in", "kv_bytes_local", "weight_bytes_load", "weight_bytes_keep")),
+        f"max {format_bytes(max((w.peak_extra_bytes for w in workers), default=0))}", ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines.append("")
+    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def plan_to_json(plan: controller_pb2.PlanResponse) -> dict:
+    """JSON-ready form of a plan (integers stay integers)."""
+
+    def scalars(pb) -> dict:
+        return {f.name: getattr(pb, f.name) for f in pb.DESCRIPTOR.fields if f.message_type is None}
+
+    return {**scalars(plan), "workers": [scalars(w) for w in plan.workers]}
+
+
+def _status_command(args: argparse.Namespace, target: Target) -> int:
+    status = fetch_status(target, args.timeout or DEFAULT_TIMEOUT_S)
+    print(json.dumps(status.to_json(), indent=2) if args.json else format_table(status))
     return EXIT_OK
 
 
+def _plan_command(args: argparse.Namespace, target: Target) -> int:
+    plan = fetch_plan(target, args.topology, args.layer_partition, args.timeout or DEFAULT_TIMEOUT_S)
+    print(json.dumps(plan_to_json(plan), indent=2) if args.json else format_plan(plan))
+    return EXIT_OK
+
+
+def _reconfigure_command(args: argparse.Namespace, target: Target) -> int:
+    request = controller_pb2.ReconfigureRequest(
+        topology=args.topology, operation_id=args.operation_id or uuid.uuid4().hex[:12],
+        deadline_seconds=args.deadline, dry_run=args.dry_run, layer_partition=args.layer_partition,
+    )
+    # With --json stdout is only the JSON: the live display goes to stderr.
+    display = PhaseDisplay(sys.stderr if args.json else sys.stdout) if args.wait and not args.dry_run else None
+    try:
+        op = run_reconfigure(target, request, args.timeout, display)
+    except KeyboardInterrupt:
+        raise CommandFailed(f"interrupted; operation {request.operation_id} goes on in the controller "
+                            "(`reconfigctl status` follows it)") from None
+    if args.json:
+        print(json.dumps(op.to_json(), indent=2))
+    elif args.dry_run:
+        print(f"dry run: {op.from_topology} -> {op.to_topology} would move {format_bytes(op.kv_bytes_moved)} of KV "
+              f"and load {format_bytes(op.weight_bytes_loaded)} of weights; nothing changed "
+              f"(`reconfigctl plan {args.topology}` shows each worker)")
+    elif display is not None:
+        display.finish(op)
+    else:
+        print("\n".join([outcome_line(op), *operation_lines(op)]))
+    if op.state is not OperationState.SUCCEEDED:
+        raise CommandFailed(f"operation {op.operation_id} {op.state.name}: {op.error or 'no reason given'}")
+    return EXIT_OK
+
+
+_COMMANDS = {"status": _status_command, "plan": _plan_command, "reconfigure": _reconfigure_command}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry of the `reconfigctl` console script: 0 ok, 1 stack unreachable, 2 usage."""
+    """Entry of the `reconfigctl` console script: 0 ok; 1 unreachable or failed; 2 usage, or a refused request."""
     args = build_parser().parse_args(argv)  # exits 2 on a usage error
     try:
-        return _status_command(args)
-    except Unreachable as exc:
+        return _COMMANDS[args.command](args, resolve_target(args.controller, args.token_file))
+    except CommandFailed as exc:
         print(f"reconfigctl {args.command}: {exc}", file=sys.stderr)
-        return EXIT_UNREACHABLE
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -91,11 +91,20 @@ class OperationStatus:
     weight_bytes_loaded: int = 0
     num_requests_preempted: int = 0
 
+    @property
+    def downtime_seconds(self) -> float:
+        """Seconds the router was frozen for it: the sum of the phases (all of them run frozen)."""
+        return sum(self.phase_seconds.values())
+
     def to_pb(self) -> controller_pb2.OperationStatus:
         """The wire form."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         values["state"] = self.state.value
         return controller_pb2.OperationStatus(**values)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready form (state by name) for `reconfigctl reconfigure --json`."""
+        return _jsonable(dataclasses.asdict(self))
 
     @classmethod
     def from_pb(cls, pb: controller_pb2.OperationStatus) -> OperationStatus:
@@ -151,14 +160,15 @@ class StackStatus:
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready form (enums by name) for `reconfigctl status --json`."""
+        return _jsonable(dataclasses.asdict(self))
 
-        def convert(value: Any) -> Any:
-            if isinstance(value, enum.Enum):
-                return value.name
-            if isinstance(value, dict):
-                return {k: convert(v) for k, v in value.items()}
-            if isinstance(value, (list, tuple)):
-                return [convert(v) for v in value]
-            return value
 
-        return convert(dataclasses.asdict(self))
+def _jsonable(value: Any) -> Any:
+    """Enums by name, tuples as lists, recursively."""
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value

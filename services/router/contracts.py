@@ -47,6 +47,61 @@ class GenerationDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class SwitchReport:
+    """What one layout switch did, as the controller reports it on the Resume that ends the switch."""
+
+    operation_id: str
+    from_topology: str
+    to_topology: str
+    state: str                         # "SUCCEEDED" (target live), "ROLLED_BACK" (old one whole) or "FAILED"
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # QUIESCING ... REBINDING, up to the Resume
+    kv_bytes_moved: int = 0
+    weight_bytes_loaded: int = 0
+    num_requests_preempted: int = 0
+
+    @property
+    def downtime_seconds(self) -> float:
+        """Freeze to resume: no step ran during any phase."""
+        return sum(self.phase_seconds.values())
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchTotals:
+    """Every switch the router was told about, summed since start (Prometheus counters and summaries)."""
+
+    num_switches: dict[str, int] = field(default_factory=dict)     # by final state
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # summed over switches, by phase
+    phase_counts: dict[str, int] = field(default_factory=dict)     # switches that went through each phase
+    downtime_seconds: float = 0.0
+    kv_bytes_moved: int = 0
+    weight_bytes_loaded: int = 0
+    num_requests_preempted: int = 0
+    last: SwitchReport | None = None
+
+    @property
+    def num_total(self) -> int:
+        """Switches reported, whatever their state."""
+        return sum(self.num_switches.values())
+
+    def add(self, report: SwitchReport) -> SwitchTotals:
+        """These totals with one more switch."""
+        num_switches, phase_seconds, phase_counts = (dict(self.num_switches), dict(self.phase_seconds),
+                                                     dict(self.phase_counts))
+        num_switches[report.state] = num_switches.get(report.state, 0) + 1
+        for phase, seconds in report.phase_seconds.items():
+            phase_seconds[phase] = phase_seconds.get(phase, 0.0) + seconds
+            phase_counts[phase] = phase_counts.get(phase, 0) + 1
+        return SwitchTotals(
+            num_switches=num_switches, phase_seconds=phase_seconds, phase_counts=phase_counts,
+            downtime_seconds=self.downtime_seconds + report.downtime_seconds,
+            kv_bytes_moved=self.kv_bytes_moved + report.kv_bytes_moved,
+            weight_bytes_loaded=self.weight_bytes_loaded + report.weight_bytes_loaded,
+            num_requests_preempted=self.num_requests_preempted + report.num_requests_preempted,
+            last=report,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     """A snapshot of the engine for /metrics, Stats and reconfigctl."""
 
@@ -80,4 +135,8 @@ class EngineProtocol(Protocol):
         ...
 
     def stats(self) -> EngineStats:
+        ...
+
+    def switch_totals(self) -> SwitchTotals:
+        """Layout switches the controller reported since start (/metrics; router-local, not in RouterStats)."""
         ...

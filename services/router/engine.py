@@ -126,8 +126,11 @@ class Engine:
             extra={"num_step_errors": float(self.num_step_errors),
                    "num_full_prefills": float(self.num_full_prefills),
                    "num_inflight_batches": float(len(self._inflight))},
-            switches=self.switches,
         )
+
+    def switch_totals(self) -> SwitchTotals:
+        """Layout switches the controller reported since start."""
+        return self.switches
 
     # ---- admin (controller) ----------------------------------------------------------------------------------
     async def freeze(self, timeout_s: float = 60.0) -> None:

@@ -11,7 +11,13 @@ import grpc
 import structlog
 
 from services.model.tokenizer import Tokenizer
-from services.router.contracts import EngineProtocol, EngineStats, GenerationDelta, GenerationRequest
+from services.router.contracts import (
+    EngineProtocol,
+    EngineStats,
+    GenerationDelta,
+    GenerationRequest,
+    SwitchReport,
+)
 from services.rpc.auth import TokenAuthInterceptor, generate_token, protect_methods
 from services.rpc.errors import ErrorInterceptor
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc
@@ -37,6 +43,10 @@ class AdminEngine(EngineProtocol, Protocol):
 
     def resume(self) -> object:
         """Schedule again; may return an awaitable."""
+        ...
+
+    def record_switch(self, report: SwitchReport) -> None:
+        """Count a finished layout switch (for /metrics)."""
         ...
 
 
@@ -108,6 +118,15 @@ def stats_from_pb(pb: router_pb2.RouterStats) -> EngineStats:
     )
 
 
+def switch_report_from_pb(pb: router_pb2.SwitchReport) -> SwitchReport:
+    """SwitchReport (wire) → SwitchReport (contract)."""
+    return SwitchReport(
+        operation_id=pb.operation_id, from_topology=pb.from_topology, to_topology=pb.to_topology, state=pb.state,
+        phase_seconds=dict(pb.phase_seconds), kv_bytes_moved=pb.kv_bytes_moved,
+        weight_bytes_loaded=pb.weight_bytes_loaded, num_requests_preempted=pb.num_requests_preempted,
+    )
+
+
 async def _maybe_await(value: object) -> None:
     if inspect.isawaitable(value):
         await value
@@ -141,7 +160,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                          used_block_ids=self.engine.used_block_ids())
 
     async def Resume(self, request, context):  # noqa: N802
-        """Schedule again."""
+        """Schedule again; a switch report that comes with it is counted first (it shows on the next scrape)."""
+        if request.HasField("switch"):
+            self.engine.record_switch(switch_report_from_pb(request.switch))
         await _maybe_await(self.engine.resume())
         return router_pb2.ResumeResponse(stats=stats_to_pb(self.engine.stats()))
 

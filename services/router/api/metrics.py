@@ -6,17 +6,18 @@ import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.registry import Collector
 
-from services.router.contracts import EngineProtocol
+from services.router.contracts import EngineProtocol, SwitchTotals
 
 PREFIX = "reconfig:"
 LABELS = ("model_name",)
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+SWITCH_STATES = ("SUCCEEDED", "ROLLED_BACK", "FAILED")  # exported from zero, so rate() works before the first switch
 
 
 class EngineStatsCollector(Collector):
@@ -54,6 +55,40 @@ class EngineStatsCollector(Collector):
         topology.add_metric([*labels, stats.topology], 1.0)
         yield topology
         yield gauge("is_frozen", "1 while a reconfiguration has scheduling paused.", float(stats.is_frozen))
+        yield from switch_metrics(self._engine.switch_totals(), self._model_name)
+
+
+def switch_metrics(switches: SwitchTotals, model_name: str) -> Iterator[Metric]:
+    """Layout switches: downtime overall and by phase (summaries), bytes and preemptions, outcomes by state."""
+    labels = [model_name]
+    phases = SummaryMetricFamily(PREFIX + "switch_phase_seconds", "Time spent in each phase of layout switches.",
+                                 labels=(*LABELS, "phase"))
+    for phase in sorted(switches.phase_seconds):
+        phases.add_metric([model_name, phase], switches.phase_counts[phase], switches.phase_seconds[phase])
+    yield phases
+    downtime = SummaryMetricFamily(PREFIX + "switch_seconds", "Downtime of layout switches: freeze to resume.",
+                                   labels=LABELS)
+    downtime.add_metric(labels, switches.num_total, switches.downtime_seconds)
+    yield downtime
+    last = GaugeMetricFamily(PREFIX + "last_switch_seconds", "Downtime of the latest layout switch (0: none yet).",
+                             labels=LABELS)
+    last.add_metric(labels, switches.last.downtime_seconds if switches.last else 0.0)
+    yield last
+    for name, documentation, value in (
+        ("kv_migrated_bytes", "KV-cache bytes moved by layout switches.", switches.kv_bytes_moved),
+        ("weight_loaded_bytes", "Weight bytes loaded from the weight store by layout switches.",
+         switches.weight_bytes_loaded),
+        ("switch_preempted_requests", "Requests preempted by layout switches (re-prefilled later).",
+         switches.num_requests_preempted),
+    ):
+        family = CounterMetricFamily(PREFIX + name, documentation, labels=LABELS)
+        family.add_metric(labels, value)
+        yield family
+    outcomes = CounterMetricFamily(PREFIX + "switches", "Layout switches by how they ended.",
+                                   labels=(*LABELS, "state"))
+    for state in dict.fromkeys((*SWITCH_STATES, *sorted(switches.num_switches))):
+        outcomes.add_metric([model_name, state], switches.num_switches.get(state, 0))
+    yield outcomes
 
 
 class RequestTimer:

@@ -1,0 +1,130 @@
+"""The controller as `reconfigctl` talks to it: finding it, its RPCs, and what their failures mean to an operator."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from services.controller.progress import PhaseDisplay
+from services.controller.status import OperationStatus, StackStatus
+from services.launch.stackfile import StackFile, StackNotFoundError
+from services.rpc.auth import auth_metadata, read_token_file
+from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc
+
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2   # 2 is also argparse's usage error
+WATCH_INTERVAL_S = 0.1     # how often the progress display hears from the controller while a phase runs
+_REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+class CommandFailed(RuntimeError):
+    """A command that could not do its job; `exit_code` says how (1: failed or unreachable, 2: refused)."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Unreachable(CommandFailed):
+    """The stack cannot be found or reached (exit 1)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where the controller is and the token it wants."""
+
+    controller_address: str
+    token: str
+
+
+def resolve_target(controller: str | None, token_file: Path | None) -> Target:
+    """Flags first; what they leave open comes from the stack file written by `reconfig up`."""
+    if controller is None or token_file is None:
+        try:
+            stack = StackFile.load()
+        except StackNotFoundError as exc:
+            raise Unreachable(f"{exc} (or pass --controller and --token-file)") from None
+        controller = controller or stack.controller_address
+        token_file = token_file or Path(stack.token_file)
+    try:
+        return Target(controller, read_token_file(token_file))
+    except (OSError, ValueError) as exc:
+        raise Unreachable(f"cannot read the control-plane token: {exc}") from None
+
+
+def _rpc_failure(exc: grpc.RpcError, target: Target) -> CommandFailed:
+    """What a failed call means to the operator: unreachable (1), refused (2, the server's message) or failed."""
+    code, details = exc.code(), exc.details()
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        return Unreachable(f"the controller at {target.controller_address} refused the token: {details}")
+    if code in _REFUSALS:
+        return CommandFailed(f"refused ({code.name}): {details}", EXIT_REFUSED)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return Unreachable(f"cannot reach the controller at {target.controller_address}: {code.name}: {details}")
+    return CommandFailed(f"the controller at {target.controller_address} failed: {code.name}: {details}")
+
+
+def fetch_status(target: Target, timeout_s: float) -> StackStatus:
+    """GetStatus from the controller; Unreachable with a readable reason on failure."""
+    with grpc.insecure_channel(target.controller_address) as channel:
+        stub = controller_pb2_grpc.ControllerStub(channel)
+        try:
+            pb = stub.GetStatus(controller_pb2.GetStatusRequest(), timeout=timeout_s,
+                                metadata=auth_metadata(target.token))
+        except grpc.RpcError as exc:
+            raise _rpc_failure(exc, target) from None
+    return StackStatus.from_pb(pb)
+
+
+def fetch_plan(target: Target, topology: str, layer_partition: tuple[int, ...],
+               timeout_s: float) -> controller_pb2.PlanResponse:
+    """Controller.Plan; CommandFailed (exit 2 for a target the controller refuses) on failure."""
+    with grpc.insecure_channel(target.controller_address) as channel:
+        stub = controller_pb2_grpc.ControllerStub(channel)
+        try:
+            return stub.Plan(controller_pb2.PlanRequest(topology=topology, layer_partition=layer_partition),
+                             timeout=timeout_s, metadata=auth_metadata(target.token))
+        except grpc.RpcError as exc:
+            raise _rpc_failure(exc, target) from None
+
+
+def run_reconfigure(target: Target, request: controller_pb2.ReconfigureRequest, timeout_s: float | None,
+                    display: PhaseDisplay | None = None) -> OperationStatus:
+    """Controller.Reconfigure; with a display, WatchStatus runs alongside and feeds it every status of this
+    operation (subscribed before the operation starts, so no phase is missed)."""
+    metadata = auth_metadata(target.token)
+    with grpc.insecure_channel(target.controller_address) as channel:
+        stub = controller_pb2_grpc.ControllerStub(channel)
+        watch, follower = None, None
+        try:
+            if display is not None:
+                watch = stub.WatchStatus(controller_pb2.WatchStatusRequest(interval_seconds=WATCH_INTERVAL_S),
+                                         metadata=metadata)
+                next(watch)  # the status before the operation: the stream is open
+                follower = threading.Thread(target=_follow, args=(watch, request.operation_id, display),
+                                            name="reconfigctl-watch", daemon=True)
+                follower.start()
+            pb = stub.Reconfigure(request, timeout=timeout_s, metadata=metadata)
+        except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:  # our --timeout, not the operation's deadline
+                raise CommandFailed(f"no answer within {timeout_s:g} s; operation {request.operation_id} may go "
+                                    "on in the controller (`reconfigctl status` follows it)") from None
+            raise _rpc_failure(exc, target) from None
+        finally:
+            if watch is not None:
+                watch.cancel()
+            if follower is not None:
+                follower.join()
+    return OperationStatus.from_pb(pb)
+
+
+def _follow(watch, operation_id: str, display: PhaseDisplay) -> None:
+    """Feed the display every status of one operation until the stream is cancelled."""
+    try:
+        for status in watch:
+            if status.HasField("last_operation") and status.last_operation.operation_id == operation_id:
+                display.update(OperationStatus.from_pb(status.last_operation))
+    except grpc.RpcError:
+        pass  # cancelled once Reconfigure returned (or the controller went away: Reconfigure reports that)
