@@ -89,6 +89,8 @@ class PhaseDisplay:
         phases = ordered_phases(op.phase_seconds)
         width = max(len(phase) for phase in PHASES)
         for phase, seconds in phases:
+            if phase == "APPLYING_TOPOLOGY" and "MIGRATING" not in op.phase_seconds and op.phase:
+                break  # both run in one worker RPC: the pair's split is known once MIGRATING has closed
             if phase not in self._done:
                 self._done.add(phase)
                 self._line(f"  {self.mark} {phase.ljust(width)}  {seconds:8.3f} s")

@@ -37,6 +37,10 @@ class OperationBusy(RuntimeError):
     """Another operation is running (FAILED_PRECONDITION)."""
 
 
+class DeadlineExceeded(TimeoutError):
+    """The operation did not reach its commit point in time (the old layout is restored)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SwitchTarget:
     """A validated target layout."""
@@ -96,12 +100,12 @@ class Reconfigurer:
                 self.running = None
 
     async def _run(self, status: OperationStatus, target: SwitchTarget, deadline_s: float) -> OperationStatus:
-        progress = _Progress(self.state, status)
+        progress = _Progress(self.state, status, time.monotonic() + deadline_s)
         try:
-            return await asyncio.wait_for(self._transaction(progress, target), deadline_s)
+            return await self._transaction(progress, target)
         except Exception as exc:  # the deadline, an RPC error, a worker failure
-            error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, asyncio.TimeoutError) else \
-                f"deadline of {deadline_s:.0f}s exceeded in {progress.status.phase}"
+            error = (f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError)
+                     else f"{type(exc).__name__}: {exc}")
             log.error("controller.reconfigure_failed", operation_id=status.operation_id, error=error)
             state = OperationState.ROLLED_BACK if progress.rolled_back else OperationState.FAILED
             return progress.finish(state, error)
@@ -109,22 +113,32 @@ class Reconfigurer:
             self.running = None
 
     async def _transaction(self, progress: _Progress, target: SwitchTarget) -> OperationStatus:
-        timeout, meta = self.rpc_timeout_s, self.metadata
+        """Until APPLYING_TOPOLOGY the operation's deadline bounds every call (and expiring means: restore and
+        resume); from there on it is past its commit point and runs to the end (each RPC has its own timeout)."""
+        meta = self.metadata
         progress.enter("QUIESCING")
-        frozen = await self.router.Freeze(router_pb2.FreezeRequest(), timeout=timeout, metadata=meta)
+        try:
+            frozen = await self.router.Freeze(router_pb2.FreezeRequest(), timeout=progress.timeout(self),
+                                              metadata=meta)
+        except BaseException:  # a Freeze that timed out may still have frozen the router
+            progress.rolled_back = True
+            await self._resume(progress.report(OperationState.ROLLED_BACK))
+            raise
         old_capacity = frozen.stats.num_kv_blocks_total
         try:
             progress.enter("PREPARING_WORKERS")
-            prepared, capacity = await prepare_workers(self.workers, target, timeout, meta)
+            prepared, capacity = await prepare_workers(self.workers, target, progress.timeout(self), meta)
             before = frozen.stats.num_preemptions
-            rebound = await self.router.Rebind(router_pb2.RebindRequest(num_kv_blocks=capacity), timeout=timeout,
-                                               metadata=meta)
+            rebound = await self.router.Rebind(router_pb2.RebindRequest(num_kv_blocks=capacity),
+                                               timeout=progress.timeout(self), metadata=meta)
+            progress.timeout(self)  # the last chance to give up cleanly
             progress.status = dataclasses.replace(
                 progress.status, num_requests_preempted=rebound.stats.num_preemptions - before)
         except BaseException:
             progress.rolled_back = True  # nothing moved yet: restore the capacity, resume the old layout
             await self._restore(old_capacity, progress.report(OperationState.ROLLED_BACK))
             raise
+        timeout = self.rpc_timeout_s
         progress.enter("APPLYING_TOPOLOGY")
         # One RPC per worker runs both phases (the groups are selected, then KV moves layer by layer).
         switching = asyncio.ensure_future(apply_workers(self.workers, target, prepared, capacity,
@@ -147,7 +161,8 @@ class Reconfigurer:
             weight_bytes_loaded=sum(r.weight_bytes_loaded for r in results),
         )
         self.state.set_topology(target.topology, target.layer_partition)  # the workers hold the new layout now
-        progress.enter("REBINDING")
+        # Both phases ran in one RPC: the workers say how long selecting groups and allocating took.
+        progress.enter("REBINDING", split=("MIGRATING", "APPLYING_TOPOLOGY", max(r.apply_seconds for r in results)))
         await self.router.Rebind(router_pb2.RebindRequest(num_kv_blocks=capacity,
                                                           worker_addresses=self.state.config.worker_addresses),
                                  timeout=timeout, metadata=meta)
@@ -156,6 +171,10 @@ class Reconfigurer:
         log.info("controller.reconfigured", operation_id=progress.status.operation_id,
                  topology=str(target.topology), phases=progress.status.phase_seconds)
         return progress.finish(OperationState.SUCCEEDED)
+
+    async def _resume(self, report: router_pb2.SwitchReport) -> None:
+        await self.router.Resume(router_pb2.ResumeRequest(switch=report), timeout=self.rpc_timeout_s,
+                                 metadata=self.metadata)
 
     async def _restore(self, old_capacity: int, report: router_pb2.SwitchReport) -> None:
         with_timeout = dict(timeout=self.rpc_timeout_s, metadata=self.metadata)
@@ -238,15 +257,34 @@ async def plan_switch(reconfigurer: Reconfigurer, topology: str, layer_partition
 class _Progress:
     """Phase bookkeeping of one operation, published to the controller state at every change."""
 
-    def __init__(self, state, status: OperationStatus) -> None:
+    def __init__(self, state, status: OperationStatus, deadline: float = float("inf")) -> None:
+        self.deadline = deadline  # time.monotonic() by which the operation must have reached its commit point
         self.state = state
         self.status = status
         self.rolled_back = False
         self._phase_started = time.perf_counter()
         state.record_operation(status)
 
-    def enter(self, phase: str) -> None:
+    def timeout(self, reconfigurer: Reconfigurer) -> float:
+        """The RPC timeout within the operation's deadline; DeadlineExceeded once it has passed."""
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceeded(f"the operation's deadline passed in {self.status.phase}")
+        return min(reconfigurer.rpc_timeout_s, remaining)
+
+    def _move_seconds(self, source: str, target: str, seconds: float) -> None:
+        """Attribute `seconds` measured under phase `source` to phase `target` instead."""
+        phases = dict(self.status.phase_seconds)
+        moved = min(seconds, phases.get(source, 0.0))
+        phases[source] = phases.get(source, 0.0) - moved
+        phases[target] = phases.get(target, 0.0) + moved
+        self.status = dataclasses.replace(self.status, phase_seconds=phases)
+
+    def enter(self, phase: str, split: tuple[str, str, float] | None = None) -> None:
+        """Close the running phase (moving `split`'s seconds from one closed phase to another) and start `phase`."""
         self._close_phase()
+        if split is not None:
+            self._move_seconds(*split)
         self.status = dataclasses.replace(self.status, phase=phase)
         self.state.record_operation(self.status)
 

@@ -11,6 +11,7 @@ import structlog
 
 from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
 from services.rpc.auth import TokenAuthInterceptor, protect_all
+from services.worker.faults import FAULTS
 from services.worker.shard import SwitchFailed, WorkerShard
 from services.worker.step import StepBatch, StepOutput
 
@@ -71,7 +72,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def PrepareSwitch(self, request, context):  # noqa: N802
         """What this worker would hold in a target layout; changes nothing."""
         try:
-            return await self._on_model_thread(self.shard.prepare_switch, request)
+            return await self._on_model_thread(self._with_faults, "PrepareSwitch", request, self.shard.prepare_switch)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
@@ -79,7 +80,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Switch layout: groups, KV migration, shard reload. Runs on the model thread, between steps."""
         log.info("worker.switch_start", rank=self.rank, operation_id=request.operation_id, topology=request.topology)
         try:
-            return await self._on_model_thread(self.shard.apply_switch, request)
+            return await self._on_model_thread(self._with_faults, "ApplySwitch", request, self.shard.apply_switch)
         except SwitchFailed as exc:  # every worker is in the old layout again
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
         except ValueError as exc:
@@ -87,6 +88,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except Exception as exc:
             log.exception("worker.switch_failed", rank=self.rank, operation_id=request.operation_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"switch failed on rank {self.rank}: {exc}")
+
+    def _with_faults(self, method: str, request, handler):
+        FAULTS.check("rpc", method=method, rank=self.rank, topology=request.topology)
+        return handler(request)
 
     async def _on_model_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.model_thread, fn, *args)

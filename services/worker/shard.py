@@ -114,6 +114,7 @@ class WorkerShard:
 
     def _apply(self, request, target: Topology, partition, rank: int,
                old: ModelRunner | None) -> worker_pb2.ApplySwitchResponse:
+        started = time.perf_counter()
         built_groups = target not in self.parallel.candidates
         if built_groups:
             self.parallel.build_groups([target])  # slow path: every rank builds the same groups, in order
@@ -132,6 +133,7 @@ class WorkerShard:
             error = f"{type(exc).__name__}: {exc}"
         if not self.agree(not error):  # nothing has changed anywhere yet
             raise SwitchFailed(f"switch to {target} refused before any KV moved: {error or 'another rank failed'}")
+        apply_seconds = time.perf_counter() - started
         used = list(request.used_block_ids)
         with MappedCheckpoint(self.manifest) as checkpoint, ThreadPoolExecutor(1, "reload") as pool:
             # The shard reload overlaps the KV migration (both copy memory; torch releases the GIL).
@@ -162,6 +164,7 @@ class WorkerShard:
             kv_bytes_received=stats.bytes_received, kv_bytes_local=stats.bytes_local, weight_bytes_loaded=loaded,
             weight_bytes_reused=reused, migrate_seconds=stats.seconds, reload_seconds=reload_seconds,
             peak_extra_bytes=stats.peak_extra_bytes, built_groups=built_groups, info=self.info(),
+            apply_seconds=apply_seconds,
         )
 
     def _rollback(self, plan, layers: list[int], old: ModelRunner | None, new_cache: KVCache | None,

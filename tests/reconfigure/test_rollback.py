@@ -29,7 +29,8 @@ def _second_layer(model_dir) -> int:
 @pytest.fixture(scope="module")
 def faulty_cluster(switch_checkpoint):
     """Rank 1 refuses its first ApplySwitch; rank 2 fails migrating a layer of its second one."""
-    faults = f"apply:rank=1:action=raise:once=1;migrate:rank=2:layer={_second_layer(switch_checkpoint)}:once=1"
+    faults = (f"apply:rank=1:action=raise:once=1;migrate:rank=2:layer={_second_layer(switch_checkpoint)}:once=1;"
+              "rpc:method=PrepareSwitch:rank=0:topology=tp1pp2:delay=3")
     config = ClusterConfig(model=str(switch_checkpoint), num_workers=4, topology="tp2pp2", kv_cache_bytes=1 << 20,
                            block_size=4, faults=faults)
     with LocalCluster(config) as cluster:
@@ -76,3 +77,17 @@ def _filled_slots(engine) -> set[tuple[int, int]]:
 
 async def _tokens(engine, request):
     return [t for d in [d async for d in engine.generate(request)] for t in d.token_ids]
+
+
+async def test_a_deadline_before_the_commit_point_restores_and_resumes(faulty_cluster, switch_checkpoint):
+    async with open_live_stack(faulty_cluster) as stack:
+        engine = stack.engine
+        task = asyncio.ensure_future(_tokens(engine, GenerationRequest("d", (5, 6, 7, 8), 30)))
+        while engine.stats().num_generation_tokens < 3:
+            await asyncio.sleep(0.01)
+        operation = await stack.reconfigurer.reconfigure("tp1pp2", deadline_s=1.0)  # rank 0 prepares for 3 s
+        assert operation.state is OperationState.ROLLED_BACK
+        assert operation.error.startswith("DEADLINE_EXCEEDED")
+        assert str(stack.state.topology) == "tp2pp2" and not engine.stats().is_frozen  # serving again
+        expected, _ = hf_greedy(switch_checkpoint, [[5, 6, 7, 8]], 30)
+        assert await task == expected[0]

@@ -84,8 +84,15 @@ async def test_watch_status_streams_every_phase_in_order(live_stack, controller)
     for event in events:
         closed = _prefix_length(event)
         assert closed >= closed_before  # phases only ever close, in order
+        # A closed phase's time is final — except that APPLYING_TOPOLOGY and MIGRATING run in one worker RPC:
+        # when it returns, the workers' own timing splits the pair (their sum stays as measured).
+        pair = ("APPLYING_TOPOLOGY", "MIGRATING")
         for phase in PHASES[:closed]:
-            assert event.phase_seconds[phase] == final.phase_seconds[phase]  # a closed phase's time is final
+            if phase in pair and "MIGRATING" not in PHASES[:closed]:
+                continue
+            assert event.phase_seconds[phase] == final.phase_seconds[phase]
+        if set(pair) <= set(PHASES[:closed]):
+            assert sum(event.phase_seconds[p] for p in pair) == pytest.approx(sum(final.phase_seconds[p] for p in pair))
         if event.state == controller_pb2.OPERATION_STATE_RUNNING and event.phase:
             assert event.phase == PHASES[closed]  # the running phase is the next one
             if event.phase not in running_seen:
