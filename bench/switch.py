@@ -216,7 +216,7 @@ async def _switch(config: BenchConfig, stack: _Stack, target: str, prompts: list
                   ) -> Switch:
     """Plan, then run one transition with the live requests; collect its numbers."""
     from services.controller.status import OperationState
-    from services.controller.transaction import plan_switch
+    from services.controller.plan import plan_switch
     from services.rpc.reconfig.v1 import worker_pb2
 
     source = str(stack.state.topology)

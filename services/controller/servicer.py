@@ -8,7 +8,8 @@ import grpc
 
 from services.controller.state import ControllerState
 from services.controller.status import OperationState, OperationStatus
-from services.controller.transaction import OperationBusy, Reconfigurer, plan_switch, status_code_for
+from services.controller.plan import plan_switch
+from services.controller.transaction import OperationBusy, Reconfigurer, status_code_for
 from services.topology import TopologyError
 from services.rpc.reconfig.v1 import controller_pb2_grpc
 

@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.controller.cli import main
 from services.controller.progress import PhaseDisplay, format_bytes
 from services.controller.status import OperationState, OperationStatus
-from services.controller.transaction import PHASES, plan_switch
+from services.controller.plan import plan_switch
+from services.controller.transaction import PHASES
 from services.router.api import create_app
 from services.router.contracts import GenerationRequest
 from services.rpc.auth import auth_metadata
