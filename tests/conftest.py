@@ -24,6 +24,8 @@ def _config(style: str):
         return transformers.LlamaConfig(**common, tie_word_embeddings=False)
     if style == "qwen2":
         return transformers.Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
+    if style == "mistral":  # a window shorter than the test sequences, so it actually masks
+        return transformers.MistralConfig(**common, tie_word_embeddings=False, sliding_window=6)
     if style == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
     raise ValueError(style)
