@@ -1,6 +1,7 @@
 """Load: 200 concurrent streaming clients while 20 back-to-back switches run, two of them injected to fail.
 
-0 lost, 0 hung, every output equal to the oracle. Loopback only; bounded in requests (400) and time.
+0 lost, 0 hung, every output equal to the oracle. Loopback only; bounded in requests (at most 6 per client, sent
+until the switches are done) and in time.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc
 from tests.conftest import hf_greedy, make_checkpoint
 
 pytestmark = pytest.mark.multiprocess
-NUM_CLIENTS, REQUESTS_PER_CLIENT, NUM_SWITCHES = 200, 2, 20
+NUM_CLIENTS, MAX_REQUESTS_PER_CLIENT, NUM_SWITCHES = 200, 6, 20
 CYCLE = ["tp4pp1", "tp2pp1", "tp1pp3", "tp2pp2"]
 # Rank 3 refuses its first ApplySwitch; rank 0 fails the first time it migrates layer 2: two switches roll back.
 FAULTS = "apply:rank=3:action=raise:once=1;migrate:rank=0:layer=2:action=raise:once=1"
@@ -94,17 +95,20 @@ def test_200_streaming_clients_through_20_switches(stack):
     model, info = stack
     rng = random.Random(3)
     pool = [[rng.randrange(3, 256) for _ in range(rng.randrange(1, 24))] for _ in range(40)]
-    jobs = [[(rng.randrange(len(pool)), rng.randrange(4, 17)) for _ in range(REQUESTS_PER_CLIENT)]
+    jobs = [[(rng.randrange(len(pool)), rng.randrange(4, 17)) for _ in range(MAX_REQUESTS_PER_CLIENT)]
             for _ in range(NUM_CLIENTS)]
     expected_tokens, _ = hf_greedy(model, pool, 16)
     tokenizer = Tokenizer.from_dir(model)
     url = info["router_http_address"] + "/v1/completions"
 
-    finished = []
+    started, finished, switching = [], [], asyncio.Event()
 
     async def client_loop(client, my_jobs):
         done = []
-        for p, n in my_jobs:
+        for p, n in my_jobs:  # keep the load on until the switches are over (at most MAX_REQUESTS_PER_CLIENT)
+            if switching.is_set() and done:
+                break
+            started.append(p)
             done.append((p, n, await _stream(client, url, pool[p], n)))
             finished.append(p)
         return done
@@ -114,14 +118,15 @@ def test_200_streaming_clients_through_20_switches(stack):
         async with httpx.AsyncClient(limits=limits) as client:
             clients = asyncio.gather(*(client_loop(client, j) for j in jobs))
             operations = await _switches(info)
-            finished_during_switches = len(finished)
-            return await asyncio.wait_for(clients, 300), operations, finished_during_switches
+            in_flight_at_end = len(started) - len(finished)
+            switching.set()
+            return await asyncio.wait_for(clients, 300), operations, in_flight_at_end
 
-    results, operations, finished_during_switches = asyncio.run(run())
+    results, operations, in_flight_at_end = asyncio.run(run())
     # The switches ran under load: when the last one ended, requests were still streaming.
-    assert finished_during_switches < NUM_CLIENTS * REQUESTS_PER_CLIENT
+    assert in_flight_at_end > 0
     outputs = [r for per_client in results for r in per_client]
-    assert len(outputs) == NUM_CLIENTS * REQUESTS_PER_CLIENT  # none lost, none hung
+    assert len(outputs) == len(started) >= NUM_CLIENTS  # every request sent came back: none lost, none hung
     wrong = [(p, n) for p, n, text in outputs if text != tokenizer.decode(expected_tokens[p][:n])]
     assert not wrong, f"{len(wrong)} outputs differ from the oracle"
     states = [op.state for op in operations]

@@ -9,7 +9,7 @@ import grpc
 from services.controller.state import ControllerState
 from services.controller.status import OperationState, OperationStatus
 from services.controller.plan import plan_switch
-from services.controller.transaction import OperationBusy, Reconfigurer, status_code_for
+from services.controller.transaction import OperationBusy, Reconfigurer, check_deadline, status_code_for
 from services.topology import TopologyError
 from services.rpc.reconfig.v1 import controller_pb2_grpc
 
@@ -41,6 +41,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         """Run (or join, by operation_id) a switch of the live layout."""
         reconfigurer = await self._reconfigurer(context)
         try:
+            check_deadline(request.deadline_seconds)  # for dry runs too: a plan accepts what the switch would
             if request.dry_run:
                 plan = await plan_switch(reconfigurer, request.topology, request.layer_partition)
                 return OperationStatus(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ class Reconfigurer:
         """Run (or join, for a repeated operation_id) a switch; returns the operation when it has ended."""
         if strategy not in ("", "in-place"):
             raise ValueError(f"strategy {strategy!r} is not supported (supported: in-place)")
+        check_deadline(deadline_s)
         if operation_id and operation_id in self.operations:
             return await asyncio.shield(self.operations[operation_id])  # idempotent retry
         target = self.target(topology, layer_partition)
@@ -174,6 +176,12 @@ class Reconfigurer:
             await self.router.Rebind(router_pb2.RebindRequest(num_kv_blocks=old_capacity), **with_timeout)
         finally:
             await self.router.Resume(router_pb2.ResumeRequest(switch=report), **with_timeout)
+
+
+def check_deadline(deadline_s: float) -> None:
+    """ValueError unless `deadline_s` is a finite number >= 0 (0: the controller's default)."""
+    if not (math.isfinite(deadline_s) and deadline_s >= 0):
+        raise ValueError(f"deadline_seconds must be a finite number >= 0 (0: the default), got {deadline_s}")
 
 
 async def prepare_workers(workers: list[worker_pb2_grpc.WorkerStub], target: SwitchTarget, timeout: float,

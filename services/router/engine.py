@@ -144,9 +144,14 @@ class Engine:
         if worker_addresses is not None:
             if self._inflight:
                 raise RuntimeError("rebind with steps in flight: freeze first")
+            driver = Driver(list(worker_addresses), self.driver.step_timeout_s, self.driver.token)
+            try:
+                await driver.connect()  # connect first: an unreachable address leaves the old streams in place
+            except BaseException:
+                await driver.close()
+                raise
             await self.driver.close()
-            self.driver = Driver(list(worker_addresses), self.driver.step_timeout_s, self.driver.token)
-            await self.driver.connect()
+            self.driver = driver
             self.topology = Topology.parse(self.driver.infos[0].topology)
             self.num_inflight_batches = max(self.scheduler.config.num_inflight_batches, self.topology.pp)
         self.scheduler.rebind(num_kv_blocks)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import uuid
+from collections.abc import Sequence
 from typing import Protocol
 
 import grpc
 import structlog
 
 from services.model.tokenizer import Tokenizer
+from services.router.api.limits import MIN_TEMPERATURE, encode_text
 from services.router.contracts import (
     EngineProtocol,
     EngineStats,
@@ -28,6 +31,7 @@ log = structlog.get_logger(__name__)
 _SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name  # "reconfig.v1.Router"
 ADMIN_METHODS = tuple(f"/{_SERVICE}/{name}" for name in ("Freeze", "Rebind", "Resume", "Stats"))
 DEFAULT_FREEZE_TIMEOUT_S = 60.0
+MAX_KV_BLOCKS = 1 << 22       # the block manager lists its free ids: a larger capacity is a bad request, not a GiB
 
 
 class AdminEngine(EngineProtocol, Protocol):
@@ -55,21 +59,27 @@ def sampling_from_pb(pb: router_pb2.GenerateRequest) -> SamplingParams:
     if not pb.HasField("sampling"):
         return SamplingParams()
     s = pb.sampling
-    if s.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {s.temperature}")
+    if not (math.isfinite(s.temperature) and s.temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {s.temperature}")
     if not 0 <= s.top_p <= 1:
         raise ValueError(f"top_p must be in [0, 1], got {s.top_p}")
     if s.top_k < 0:
         raise ValueError(f"top_k must be >= 0, got {s.top_k}")
-    return SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+    temperature = s.temperature if s.temperature >= MIN_TEMPERATURE else 0.0
+    return SamplingParams(temperature=temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
                           seed=s.seed if s.HasField("seed") else None)
 
 
-def request_from_pb(pb: router_pb2.GenerateRequest, tokenizer: Tokenizer) -> GenerationRequest:
-    """A GenerationRequest from the wire; ValueError on malformed input (the engine checks lengths)."""
+def request_from_pb(pb: router_pb2.GenerateRequest, tokenizer: Tokenizer,
+                    encoded_prompt: Sequence[int] | None = None) -> GenerationRequest:
+    """A GenerationRequest from the wire; ValueError on malformed input (the engine checks lengths).
+    `encoded_prompt`: pb.prompt already tokenized (else it is tokenized here)."""
     if bool(pb.prompt_token_ids) == bool(pb.prompt):
         raise ValueError("set exactly one of prompt_token_ids and prompt")
-    prompt_token_ids = tuple(pb.prompt_token_ids) if pb.prompt_token_ids else tuple(tokenizer.encode(pb.prompt))
+    if pb.prompt_token_ids:
+        prompt_token_ids = tuple(pb.prompt_token_ids)
+    else:
+        prompt_token_ids = tuple(encoded_prompt if encoded_prompt is not None else tokenizer.encode(pb.prompt))
     bad = [t for t in prompt_token_ids if not 0 <= t < tokenizer.vocab_size]
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})")
@@ -84,6 +94,17 @@ def request_from_pb(pb: router_pb2.GenerateRequest, tokenizer: Tokenizer) -> Gen
         stop_token_ids=stop_token_ids,
         stop_strings=tuple(s for s in pb.stop if s),
     )
+
+
+def check_rebind(pb: router_pb2.RebindRequest) -> None:
+    """ValueError unless the capacity is not absurd and every worker address reads host:port (the scheduler
+    refuses a capacity below 1)."""
+    if pb.num_kv_blocks > MAX_KV_BLOCKS:
+        raise ValueError(f"num_kv_blocks must be at most {MAX_KV_BLOCKS}, got {pb.num_kv_blocks}")
+    for address in pb.worker_addresses:
+        host, _, port = address.rpartition(":")
+        if not host or any(c.isspace() for c in host) or not port.isdigit() or not 0 < int(port) < 1 << 16:
+            raise ValueError(f"worker address {address!r} is not host:port")
 
 
 def delta_to_pb(request_id: str, delta: GenerationDelta) -> router_pb2.GenerateResponse:
@@ -140,7 +161,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC naming)
         """Stream a request's deltas; a cancelled call closes the engine's stream, which frees the blocks."""
-        generation = request_from_pb(request, self.engine.tokenizer)
+        tokenizer = self.engine.tokenizer
+        # A long prompt is tokenized off the loop (a 4 MB message would stall every stream for seconds).
+        is_text = request.prompt and not request.prompt_token_ids
+        encoded = await encode_text(tokenizer, request.prompt) if is_text else None
+        generation = request_from_pb(request, tokenizer, encoded)
         async with contextlib.aclosing(self.engine.generate(generation)) as deltas:
             async for delta in deltas:
                 yield delta_to_pb(generation.request_id, delta)
@@ -153,6 +178,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Rebind(self, request, context):  # noqa: N802
         """Take a new KV capacity; only while frozen."""
+        check_rebind(request)
         if not self.engine.stats().is_frozen:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Rebind needs a frozen router: call Freeze first")
         await _maybe_await(self.engine.rebind(request.num_kv_blocks, tuple(request.worker_addresses) or None))

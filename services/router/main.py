@@ -77,7 +77,9 @@ async def serve_router(config: RouterConfig, on_ready: Callable[[dict], None] | 
 
     engine = await build_engine(config)
     app = create_app(engine, ApiConfig(model_name=engine.model_name, api_key=config.api_key))
-    http_socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only for sockets it can tell are TCP; otherwise
+    # every response and SSE event waits ~40 ms for a delayed ACK.
+    http_socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     http_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     http_socket.bind((config.host, config.http_port))
     http = _Uvicorn(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))

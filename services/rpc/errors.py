@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -23,6 +24,42 @@ STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (NotImplementedError, grpc.StatusCode.UNIMPLEMENTED),
 )
 RETRY_AFTER_KEY = "retry-after"  # trailing metadata of RESOURCE_EXHAUSTED: whole seconds to wait
+
+
+class MalformedRequest(ValueError):
+    """The request bytes are not a protobuf message of the method's request type (INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Undecodable:
+    """Stands for a request message that failed to parse, so the call can end INVALID_ARGUMENT, not UNKNOWN."""
+
+    error: str
+
+
+def _tolerant(deserializer: Callable[[bytes], object] | None) -> Callable[[bytes], object] | None:
+    """`deserializer`, returning _Undecodable instead of raising (gRPC would answer a raise with UNKNOWN)."""
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> object:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # DecodeError: corrupt wire format, bad UTF-8 in a string field, ...
+            return _Undecodable(str(exc) or type(exc).__name__)
+
+    return deserialize
+
+
+def _decoded(request: object) -> object:
+    if isinstance(request, _Undecodable):
+        raise MalformedRequest(f"malformed request message: {request.error}")
+    return request
+
+
+async def _decoded_stream(requests: AsyncIterator[object]) -> AsyncIterator[object]:
+    async for request in requests:
+        yield _decoded(request)
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -47,10 +84,11 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: Exception, method: 
     await context.abort(code, message, trailing_metadata=trailing)
 
 
-def _wrap_unary_response(behavior, method: str):
+def _wrap_unary_response(behavior, method: str, is_request_stream: bool):
     async def wrapped(request_or_iterator, context):
         try:
-            result = behavior(request_or_iterator, context)
+            request = _decoded_stream(request_or_iterator) if is_request_stream else _decoded(request_or_iterator)
+            result = behavior(request, context)
             return (await result) if inspect.isawaitable(result) else result
         except grpc.aio.AbortError:  # the servicer chose its own status
             raise
@@ -60,10 +98,11 @@ def _wrap_unary_response(behavior, method: str):
     return wrapped
 
 
-def _wrap_stream_response(behavior, method: str):
+def _wrap_stream_response(behavior, method: str, is_request_stream: bool):
     async def wrapped(request_or_iterator, context):
         try:
-            result = behavior(request_or_iterator, context)
+            request = _decoded_stream(request_or_iterator) if is_request_stream else _decoded(request_or_iterator)
+            result = behavior(request, context)
             if inspect.isasyncgen(result):
                 async with contextlib.aclosing(result):  # a cancelled call closes the servicer's generator now
                     async for response in result:
@@ -79,7 +118,11 @@ def _wrap_stream_response(behavior, method: str):
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Turns exceptions escaping a method into status codes (STATUS_CODES; anything else INTERNAL)."""
+    """Turns exceptions escaping a method into status codes (STATUS_CODES; anything else INTERNAL), and request
+    bytes that do not parse into INVALID_ARGUMENT."""
+
+    def __init__(self, exclude: Collection[str] = ()) -> None:
+        self._exclude = frozenset(exclude)  # full method names left as they are (a hot stream that maps its own)
 
     async def intercept_service(
         self,
@@ -87,13 +130,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
         method = handler_call_details.method
+        if handler is None or method in self._exclude:
+            return handler
+        handler = handler._replace(request_deserializer=_tolerant(handler.request_deserializer))
         if handler.unary_unary is not None:
-            return handler._replace(unary_unary=_wrap_unary_response(handler.unary_unary, method))
+            return handler._replace(unary_unary=_wrap_unary_response(handler.unary_unary, method, False))
         if handler.stream_unary is not None:
-            return handler._replace(stream_unary=_wrap_unary_response(handler.stream_unary, method))
+            return handler._replace(stream_unary=_wrap_unary_response(handler.stream_unary, method, True))
         if handler.unary_stream is not None:
-            return handler._replace(unary_stream=_wrap_stream_response(handler.unary_stream, method))
-        return handler._replace(stream_stream=_wrap_stream_response(handler.stream_stream, method))
+            return handler._replace(unary_stream=_wrap_stream_response(handler.unary_stream, method, False))
+        return handler._replace(stream_stream=_wrap_stream_response(handler.stream_stream, method, True))

@@ -14,8 +14,9 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.router.api.chat import chat_prompt_token_ids
+from services.router.api.chat import chat_prompt
 from services.router.api.errors import ApiError, error_response, install_error_handlers
+from services.router.api.limits import DEFAULT_MAX_REQUEST_BYTES, MIN_TEMPERATURE, BodyLimitMiddleware, encode_text
 from services.router.api.metrics import ApiMetrics
 from services.router.api.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -33,13 +34,21 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     for status, description in (
         (400, "Malformed JSON, bad parameter values, unknown model, prompt longer than the context"),
         (401, "Missing or wrong API key"),
+        (413, "Request body larger than the server accepts"),
         (429, "Queue full (see Retry-After)"),
         (500, "Unexpected server error"),
         (503, "Request aborted by the engine"),
     )
 }
+# One server-sent event, as schema tools read `text/event-stream` before OpenAPI 3.2 (3.2 calls it itemSchema):
+# the stream is not one string but events whose `data` is a JSON chunk, an error object, or the final "[DONE]".
+SSE_EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a JSON chunk, an error object, or [DONE]"},
+                   "event": {"type": "string"}},
+}
 STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "JSON, or SSE when stream"}
+    200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}, "description": "JSON, or SSE when stream"}
 }
 
 
@@ -53,6 +62,7 @@ class ApiConfig:
     default_max_tokens: int = 16          # completions without max_tokens (OpenAI's default); chat: rest of the context
     default_temperature: float = 1.0      # OpenAI's default when a request names none
     request_id_prefix: str = ""           # prepended to the "cmpl-..." / "chatcmpl-..." ids
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger request bodies get 413
 
     def __post_init__(self) -> None:
         if self.default_max_tokens < 1:
@@ -61,6 +71,8 @@ class ApiConfig:
             raise ValueError("default_temperature must be in [0, 2]")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty (or None to disable authentication)")
+        if self.max_request_bytes < 1:
+            raise ValueError("max_request_bytes must be >= 1")
 
 
 class BearerAuthMiddleware:
@@ -96,13 +108,13 @@ class OpenAIServing:
             raise ApiError(400, f"the model '{model}' does not exist; served: {', '.join(self.model_ids)}",
                            param="model", code="model_not_found")
 
-    def _prompt_ids(self, prompt: str | Sequence[Any]) -> list[int]:
+    async def _prompt_ids(self, prompt: str | Sequence[Any]) -> list[int]:
         if isinstance(prompt, str):
-            return self.engine.tokenizer.encode(prompt)
+            return await encode_text(self.engine.tokenizer, prompt)
         if prompt and isinstance(prompt[0], str | list):  # a batch of prompts
             if len(prompt) != 1:
                 raise ApiError(400, "only one prompt per request is supported", param="prompt")
-            return self._prompt_ids(prompt[0])
+            return await self._prompt_ids(prompt[0])
         return list(prompt)
 
     def _generation_request(
@@ -128,6 +140,7 @@ class OpenAIServing:
         if max_tokens is None:
             max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
         temperature = body.temperature if body.temperature is not None else self.config.default_temperature
+        temperature = temperature if temperature >= MIN_TEMPERATURE else 0.0
         sampling = SamplingParams(
             temperature=temperature, top_p=body.top_p if body.top_p is not None else 1.0,
             top_k=max(body.top_k or 0, 0), seed=body.seed,
@@ -144,7 +157,7 @@ class OpenAIServing:
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         """POST /v1/completions."""
         self._check_model(body.model)
-        prompt_ids = self._prompt_ids(body.prompt)
+        prompt_ids = await self._prompt_ids(body.prompt)
         generation = self._generation_request(body, prompt_ids, self.config.default_max_tokens, "cmpl")
         run = await start_generation(self.engine, generation, self.metrics.request_timer(), request)
         header = {"id": generation.request_id, "created": int(time.time()), "model": body.model}
@@ -168,7 +181,8 @@ class OpenAIServing:
     async def chat_completion(self, body: ChatCompletionRequest, request: Request) -> Response:
         """POST /v1/chat/completions."""
         self._check_model(body.model)
-        prompt_ids = chat_prompt_token_ids(self.engine.tokenizer, body.messages)
+        text, add_bos = chat_prompt(self.engine.tokenizer, body.messages)
+        prompt_ids = await encode_text(self.engine.tokenizer, text, add_bos)
         generation = self._generation_request(body, prompt_ids, None, "chatcmpl")  # default: the rest of the context
         run = await start_generation(self.engine, generation, self.metrics.request_timer(), request)
         header = {"id": generation.request_id, "created": int(time.time()), "model": body.model}
@@ -216,6 +230,7 @@ def create_app(engine: EngineProtocol, config: ApiConfig = ApiConfig()) -> FastA
     install_error_handlers(app)
     if config.api_key is not None:
         app.add_middleware(BearerAuthMiddleware, api_key=config.api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)  # outermost: before the key check
 
     v1 = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
     v1.add_api_route("/completions", serving.completion, methods=["POST"], response_model=CompletionResponse,

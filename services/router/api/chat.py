@@ -67,9 +67,14 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[ChatMessage]) -> str:
         raise ApiError(400, f"the chat template refused the messages: {exc}", param="messages") from exc
 
 
-def chat_prompt_token_ids(tokenizer: Tokenizer, messages: Sequence[ChatMessage]) -> list[int]:
-    """Token ids of a conversation's prompt."""
-    text = render_chat(tokenizer, messages)
+def chat_prompt(tokenizer: Tokenizer, messages: Sequence[ChatMessage]) -> tuple[str, bool]:
+    """A conversation's prompt text, and whether bos must be added when it is tokenized."""
     # As transformers' apply_chat_template: a template writes its own bos (if any), so none is added here;
     # the plain default has none, so it gets the checkpoint's bos like any completion prompt.
-    return tokenizer.encode(text, add_bos=tokenizer.chat_template is None)
+    return render_chat(tokenizer, messages), tokenizer.chat_template is None
+
+
+def chat_prompt_token_ids(tokenizer: Tokenizer, messages: Sequence[ChatMessage]) -> list[int]:
+    """Token ids of a conversation's prompt."""
+    text, add_bos = chat_prompt(tokenizer, messages)
+    return tokenizer.encode(text, add_bos=add_bos)

@@ -21,6 +21,10 @@ def _check_utf8(text: str) -> str:
     return text
 
 
+# Request models: as OpenAI, an unknown argument is a 400, not silently ignored; strict, as the schema says: JSON
+# `true` is not the token id 1 and "16" is not the count 16 (pydantic's lax mode would coerce both).
+REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True)
+
 Text = Annotated[str, AfterValidator(_check_utf8)]
 TokenIds = list[Annotated[int, Field(ge=0)]]
 StopStrings = Text | list[Annotated[Text, Field(min_length=1)]] | None
@@ -40,7 +44,7 @@ def _only(*allowed: Any, message: str) -> AfterValidator:
 class StreamOptions(BaseModel):
     """Options of a streamed response."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_CONFIG
 
     include_usage: bool = False  # one more chunk before [DONE]: empty choices, the request's usage
 
@@ -48,7 +52,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions; unsupported OpenAI options must keep their defaults."""
 
-    model_config = ConfigDict(extra="forbid")  # as OpenAI: an unknown argument is a 400, not silently ignored
+    model_config = REQUEST_CONFIG
 
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -105,7 +109,7 @@ class CompletionRequest(SamplingFields):
 class TextContentPart(BaseModel):
     """One text part of a message's content."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_CONFIG
 
     type: Literal["text"]
     text: Text
@@ -114,7 +118,7 @@ class TextContentPart(BaseModel):
 class ChatMessage(BaseModel):
     """One message of a conversation."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_CONFIG
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContentPart]
