@@ -98,6 +98,8 @@ def _operation_line(op: OperationStatus | None) -> str:
         line += f", now {op.phase}"
     if op.phase_seconds:
         line += "; " + ", ".join(f"{phase} {seconds:.3f} s" for phase, seconds in ordered_phases(op.phase_seconds))
+    if op.built_groups:
+        line += "; slow path: the target's process groups were built during the switch"
     if op.error:
         line += f"; error: {op.error}"
     return line

@@ -90,6 +90,7 @@ class OperationStatus:
     kv_bytes_moved: int = 0
     weight_bytes_loaded: int = 0
     num_requests_preempted: int = 0
+    built_groups: bool = False         # slow path: the target's process groups were built during the switch
 
     @property
     def downtime_seconds(self) -> float:

@@ -153,6 +153,7 @@ class Reconfigurer:
             progress.status,
             kv_bytes_moved=sum(r.kv_bytes_received for r in results),
             weight_bytes_loaded=sum(r.weight_bytes_loaded for r in results),
+            built_groups=any(r.built_groups for r in results),
         )
         self.state.set_topology(target.topology, target.layer_partition)  # the workers hold the new layout now
         # Both phases ran in one RPC: the workers say how long selecting groups and allocating took.

@@ -68,3 +68,16 @@ async def test_non_candidate_target_builds_groups_and_keeps_requests_exact(narro
 
 async def _tokens(engine, request):
     return [t for d in [d async for d in engine.generate(request)] for t in d.token_ids]
+
+
+async def test_the_operation_reports_the_slow_path(narrow_cluster):
+    from services.controller.cli import _operation_line
+    from services.controller.status import OperationState
+    from tests.reconfigure.conftest import open_live_stack
+
+    async with open_live_stack(narrow_cluster) as stack:
+        operation = await stack.reconfigurer.reconfigure("tp1pp2")  # not a candidate of this cluster
+        assert operation.state is OperationState.SUCCEEDED and operation.built_groups
+        assert "slow path" in _operation_line(operation)
+        back = await stack.reconfigurer.reconfigure("tp2pp2")  # a candidate: the fast path
+        assert back.state is OperationState.SUCCEEDED and not back.built_groups
