@@ -78,6 +78,7 @@ class RequestResult:
 
     index: int
     ttft: float | None = None                 # first chunk carrying text
+    first_text_token: int = 0                 # index of the token that chunk ends with (from the HF tokens)
     e2e: float | None = None
     num_tokens: int = 0                       # completion tokens (usage)
     send_lag: float = 0.0                     # client-side lateness of the send vs the scheduled arrival
@@ -88,9 +89,10 @@ class RequestResult:
 
     @property
     def tpot(self) -> float | None:
-        if self.error or self.ttft is None or self.e2e is None or self.num_tokens < 2:
+        num_later_tokens = self.num_tokens - 1 - self.first_text_token  # tokens after the first chunk's
+        if self.error or self.ttft is None or self.e2e is None or num_later_tokens < 1:
             return None
-        return (self.e2e - self.ttft) / (self.num_tokens - 1)
+        return (self.e2e - self.ttft) / num_later_tokens
 
 
 @dataclass(slots=True)
@@ -115,8 +117,10 @@ class ConfigResult:
                      if self.wall_seconds else 0.0}
         for metric in ("ttft", "tpot", "e2e"):
             values = [v for v in (getattr(r, metric) for r in done) if v is not None]
+            out[f"num_{metric}"] = len(values)
             for q in (50, 99):
                 out[f"{metric}_p{q}_ms"] = float(1e3 * np.percentile(values, q)) if values else None
+        out["send_lag_max_ms"] = 1e3 * max((r.send_lag for r in self.requests), default=0.0)
         return out
 
 
@@ -145,7 +149,7 @@ def load_requests(config: ReplayConfig, vocab_size: int) -> list[TraceRequest]:
     return requests
 
 
-def run_transformers(config: ReplayConfig, requests: list[TraceRequest]) -> tuple[ConfigResult, list[list[int]]]:
+def run_transformers(config: ReplayConfig, requests: list[TraceRequest]) -> ConfigResult:
     """HF greedy generate, one request at a time in arrival order, against the same arrival times."""
     import torch
     import transformers
@@ -183,7 +187,7 @@ def run_transformers(config: ReplayConfig, requests: list[TraceRequest]) -> tupl
     torch.set_num_threads(1)
     try:
         generate(requests[0].prompt, 4)  # warm-up
-        result, all_tokens, free_at = ConfigResult(HF, 0), [], 0.0
+        result, free_at = ConfigResult(HF, 0), 0.0
         for request in requests:
             started, times, tokens = generate(request.prompt, request.max_tokens)
             if len(tokens) != request.max_tokens:
@@ -192,15 +196,14 @@ def run_transformers(config: ReplayConfig, requests: list[TraceRequest]) -> tupl
             first = _first_text_token(tokenizer, tokens)
             end = begin + times[-1] - started
             result.requests.append(RequestResult(
-                request.index, ttft=begin - request.arrival + times[first] - started,
+                request.index, ttft=begin - request.arrival + times[first] - started, first_text_token=first,
                 e2e=end - request.arrival, num_tokens=len(tokens), finished_at=end, text=tokenizer.decode(tokens),
             ))
-            all_tokens.append(tokens)
             free_at = end
         result.wall_seconds = free_at - requests[0].arrival
     finally:
         torch.set_num_threads(previous_threads)
-    return result, all_tokens
+    return result
 
 
 def _first_text_token(tokenizer, tokens: list[int]) -> int:
@@ -352,21 +355,27 @@ def format_table(results: list[ConfigResult], config: ReplayConfig, requests: li
             + " | ".join(ms(s[f"{m}_p{q}_ms"]) for m in ("ttft", "tpot", "e2e") for q in (50, 99)) + " |")
     prompts, outputs = [len(r.prompt) for r in requests], [r.max_tokens for r in requests]
     span = requests[-1].arrival
+    num_late = sum(r.first_text_token > 0 for r in results[0].requests)
     lines += [
-        "", f"Notes: {config.model}, {len(requests)} requests (trace rows {config.start}..{config.start + len(requests) - 1})"
-        f" over {span:.1f}s ({len(requests) / span:.1f} req/s offered); prompt tokens = context x {config.prompt_scale}"
-        f" in [1, {config.max_prompt_tokens}] (mean {sum(prompts) / len(prompts):.0f}), output tokens = generated x "
-        f"{config.output_scale} in [{MIN_OUTPUT_TOKENS}, {config.max_output_tokens}] (mean "
+        "", f"Notes: {config.model}, {len(requests)} requests (trace rows {config.start}.."
+        f"{config.start + len(requests) - 1}) over {span:.1f}s ({len(requests) / span:.1f} req/s offered); "
+        f"prompt tokens = context x {config.prompt_scale:g} in [1, {config.max_prompt_tokens}] "
+        f"(mean {sum(prompts) / len(prompts):.0f}), output tokens = generated x {config.output_scale:g} "
+        f"in [{MIN_OUTPUT_TOKENS}, {config.max_output_tokens}] (mean "
         f"{sum(outputs) / len(outputs):.0f}), arrivals = trace offsets x {config.time_scale}. {num_cpus} CPUs. "
         "Latencies in ms.",
         "- reconfig: `reconfig up` per config (1 torch thread per worker); each request streamed through the openai "
-        "client (greedy, ignore_eos) at its arrival time. TTFT = send to first chunk with text (a token that only "
-        "begins a UTF-8 character carries none); TPOT = (e2e - TTFT) / (tokens - 1); throughput over first arrival "
-        "to last completion.",
+        "client (greedy, ignore_eos) at its arrival time, timed from its send (client send lag up to "
+        f"{max(r.summary()['send_lag_max_ms'] for r in results):.0f} ms, not counted). Throughput: completed requests "
+        "and tokens over first arrival to last completion.",
+        f"- TTFT = time to the first chunk with text. The router sends no chunk for a token without text (one that "
+        f"begins a UTF-8 character, or a special token): for {num_late} of {len(requests)} requests that is token 2 "
+        "or later (same tokens on every side). TPOT = (e2e - TTFT) / tokens after that first chunk's; requests "
+        "with none have no TPOT.",
         f"- {HF}: transformers float32, 1 torch thread, greedy, eos off, one request at a time in arrival order. "
-        "Each generate is timed for real; the queue is simulated on the same arrival times: a request starts when "
-        "it arrives or the previous one finishes; TTFT = wait + time to its first text-carrying token (prefill for "
-        "most), e2e = wait + generate time.",
+        "Each generate is timed for real (every token timestamped); the queue is simulated on the same arrival "
+        "times: a request starts when it arrives or the previous one finishes; TTFT = wait + time to the same "
+        "first text-carrying token (prefill alone when that is the first token), e2e = wait + generate time.",
         "- = HF: completed requests whose streamed text equals the decoded HF tokens.",
     ]
     oversubscribed = [r.name for r in results if r.num_workers + 1 > num_cpus]
@@ -404,19 +413,20 @@ def plot(results: list[ConfigResult], path: Path, title: str) -> None:
 def parse_args(argv: list[str] | None = None) -> ReplayConfig:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-llama", help="preset (tiny-llama, llama-135m) or checkpoint dir")
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="CSV: TIMESTAMP,ContextTokens,GeneratedTokens")
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
+                        help="TIMESTAMP,ContextTokens,GeneratedTokens CSV [../shared/traces/azure_llm_2023_conv.csv]")
     parser.add_argument("--start", type=int, default=0, help="first trace row")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--prompt-scale", type=float, default=1 / 16)
-    parser.add_argument("--output-scale", type=float, default=1 / 8)
-    parser.add_argument("--time-scale", type=float, default=0.5, help="< 1 compresses the arrivals")
+    parser.add_argument("--num-requests", type=int, default=64, help="consecutive trace rows replayed")
+    parser.add_argument("--prompt-scale", type=float, default=1 / 16, help="x ContextTokens")
+    parser.add_argument("--output-scale", type=float, default=1 / 8, help="x GeneratedTokens")
+    parser.add_argument("--time-scale", type=float, default=0.25, help="< 1 compresses the arrivals")
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
     parser.add_argument("--max-output-tokens", type=int, default=64)
     parser.add_argument("--configs", default="tp2pp2:4,tp1pp1:1", help="topology:workers, comma-separated")
     parser.add_argument("--kv-cache-mb", type=int, default=64, help="KV cache per worker")
-    parser.add_argument("--request-timeout", type=float, default=60.0)
-    parser.add_argument("--startup-timeout", type=float, default=120.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--request-timeout", type=float, default=60.0, help="seconds per request")
+    parser.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to /ready")
+    parser.add_argument("--seed", type=int, default=0, help="of the random prompts")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "serve.json")
     args = parser.parse_args(argv)
     layouts = []
@@ -457,7 +467,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     requests = load_requests(config, Tokenizer.from_dir(resolve_model(config.model)).vocab_size)
     print(f"serve bench: {config.model}, {len(requests)} requests over {requests[-1].arrival:.1f}s", file=sys.stderr)
-    baseline, _ = run_transformers(config, requests)
+    baseline = run_transformers(config, requests)
     print(f"  {HF}: done", file=sys.stderr, flush=True)
     gc.collect()  # drop the HF model before the stacks start
     results = [baseline]
@@ -465,6 +475,7 @@ def main(argv: list[str] | None = None) -> None:
         result = run_stack(config, topology, num_workers, requests)
         for mine, reference in zip(result.requests, baseline.requests):
             mine.matches_hf = mine.error is None and mine.text == reference.text
+            mine.first_text_token = reference.first_text_token  # same tokens when the text matches
         results.append(result)
     info = machine_info()
     table = format_table(results, config, requests, info["usable_cpus"])
