@@ -13,7 +13,7 @@ import grpc
 import structlog
 
 from services.model.tokenizer import Tokenizer
-from services.router.api.limits import MIN_TEMPERATURE, encode_text
+from services.router.api.limits import encode_text
 from services.router.contracts import (
     EngineProtocol,
     EngineStats,
@@ -65,8 +65,7 @@ def sampling_from_pb(pb: router_pb2.GenerateRequest) -> SamplingParams:
         raise ValueError(f"top_p must be in [0, 1], got {s.top_p}")
     if s.top_k < 0:
         raise ValueError(f"top_k must be >= 0, got {s.top_k}")
-    temperature = s.temperature if s.temperature >= MIN_TEMPERATURE else 0.0
-    return SamplingParams(temperature=temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
                           seed=s.seed if s.HasField("seed") else None)
 
 

@@ -7,18 +7,22 @@ from dataclasses import dataclass, field
 from services.rpc.reconfig.v1 import worker_pb2
 
 
+# Below this temperature sampling is greedy, as in vLLM: logits / 1e-40 overflow to inf and the softmax is NaN.
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick a request's next token."""
 
-    temperature: float = 0.0   # 0 = greedy
+    temperature: float = 0.0   # 0 (or anything below MIN_TEMPERATURE) = greedy
     top_p: float = 1.0         # nucleus mass; 1 disables
     top_k: int = 0             # 0 disables
     seed: int | None = None    # set: the request's tokens do not depend on the batch it shares
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < MIN_TEMPERATURE
 
 
 GREEDY = SamplingParams()

@@ -37,3 +37,10 @@ def test_top_p_keeps_smallest_prefix_reaching_mass():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     drawn = {sample(logits, [SamplingParams(temperature=1.0, top_p=0.7, seed=s)], [0])[0] for s in range(80)}
     assert drawn == {0, 1}
+
+
+def test_a_tiny_temperature_samples_greedily_instead_of_nan():
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(5))
+    tiny = SamplingParams(temperature=1e-40, seed=1)  # logits / 1e-40 would overflow to inf, softmax to NaN
+    assert tiny.is_greedy
+    assert sample(logits, [tiny, tiny], [0, 0]) == logits.argmax(-1).tolist()

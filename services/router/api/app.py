@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.router.api.chat import chat_prompt
 from services.router.api.errors import ApiError, error_response, install_error_handlers
-from services.router.api.limits import DEFAULT_MAX_REQUEST_BYTES, MIN_TEMPERATURE, BodyLimitMiddleware, encode_text
+from services.router.api.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware, encode_text
 from services.router.api.metrics import ApiMetrics
 from services.router.api.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -140,7 +140,6 @@ class OpenAIServing:
         if max_tokens is None:
             max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
         temperature = body.temperature if body.temperature is not None else self.config.default_temperature
-        temperature = temperature if temperature >= MIN_TEMPERATURE else 0.0
         sampling = SamplingParams(
             temperature=temperature, top_p=body.top_p if body.top_p is not None else 1.0,
             top_k=max(body.top_k or 0, 0), seed=body.seed,

@@ -13,7 +13,6 @@ from services.router.api.errors import ApiError, error_response
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a 128k-token prompt is a few MiB of JSON at most, even \u-escaped
 INLINE_ENCODE_CHARS = 16_384          # shorter texts are tokenized on the loop: a thread hop costs more
-MIN_TEMPERATURE = 1e-5                # as vLLM: below it sampling is greedy (logits / 1e-40 overflow, then NaN)
 
 
 def _too_large_message(max_bytes: int) -> str:
