@@ -62,6 +62,15 @@ def make_checkpoint(directory: Path, style: str, seed: int = 0) -> Path:
     return directory
 
 
+def process_running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie awaiting its parent's wait() does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leaked_shared_memory():
     """The suite as a whole leaves no weight-store segment behind: no new segment outlives its owner process.

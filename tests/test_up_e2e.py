@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import hf_greedy, make_checkpoint
+from tests.conftest import hf_greedy, make_checkpoint, process_running
 
 pytestmark = pytest.mark.multiprocess
 NUM_TOKENS = 16
@@ -160,17 +160,6 @@ def test_sigterm_stops_everything(stack):
     process.send_signal(signal.SIGTERM)
     assert process.wait(30) == 0
     time.sleep(0.5)
-    alive = [pid for pid in pids if pid != process.pid and _alive(pid)]
+    alive = [pid for pid in pids if pid != process.pid and process_running(pid)]
     assert not alive, f"orphans left behind: {alive}"
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie awaiting its parent's wait() is not a running orphan
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 
 from services.controller.transaction import Reconfigurer, prepare_workers
 from services.rpc.reconfig.v1 import controller_pb2, router_pb2

@@ -16,7 +16,9 @@ import torch.distributed as dist
 from services.model.presets import resolve_model
 from services.model.spec import ModelSpec
 from services.topology import Topology, validate
+from services.weightstore.shm import cleanup_stale_segments
 from services.worker.config import WorkerConfig
+from services.worker.kv_cache import cleanup_stale_kv_segments
 
 log = structlog.get_logger(__name__)
 
@@ -196,8 +198,5 @@ class LocalCluster:
         self._processes.clear()
         self._store = None
         # A child killed with SIGKILL could not unlink its segments: remove whatever has a dead owner.
-        from services.weightstore.shm import cleanup_stale_segments
-        from services.worker.kv_cache import cleanup_stale_kv_segments
-
         cleanup_stale_segments()
         cleanup_stale_kv_segments()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.launch.driver import Driver
+from services.router.block_manager import num_blocks_for
 from services.worker.step import GREEDY, SamplingParams, SequenceStep
 
 
@@ -41,13 +42,13 @@ async def generate(driver: Driver, prompts: list[list[int]], max_tokens: int, sa
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise ValueError(f"prompt {i} is empty")
-        if _blocks_for(len(prompt) + max_tokens, block_size) > driver.num_kv_blocks:
+        if num_blocks_for(len(prompt) + max_tokens, block_size) > driver.num_kv_blocks:
             raise ValueError(f"prompt {i} needs more KV blocks than the workers have ({driver.num_kv_blocks})")
     waiting, running = list(range(len(prompts))), []
     while waiting or running:
         # Admit in order while each admitted request's whole KV fits (no preemption needed in this loop).
-        while waiting and _blocks_for(len(prompts[waiting[0]]) + max_tokens, block_size) <= len(free):
-            need = _blocks_for(len(prompts[waiting[0]]) + max_tokens, block_size)
+        while waiting and num_blocks_for(len(prompts[waiting[0]]) + max_tokens, block_size) <= len(free):
+            need = num_blocks_for(len(prompts[waiting[0]]) + max_tokens, block_size)
             running.append(_Running(waiting.pop(0), [free.pop() for _ in range(need)]))
         steps = []
         for seq in running:
@@ -74,7 +75,3 @@ async def generate(driver: Driver, prompts: list[list[int]], max_tokens: int, sa
             running.remove(seq)
             free.extend(seq.blocks)
     return results
-
-
-def _blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)

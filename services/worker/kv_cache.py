@@ -22,11 +22,16 @@ def cleanup_stale_kv_segments() -> list[str]:
     return cleanup_stale_segments(prefix=KV_SEGMENT_PREFIX)
 
 
+def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                       dtype: torch.dtype) -> int:
+    """Bytes one block id costs on a worker: K and V of every local layer and KV head."""
+    return 2 * block_size * num_kv_heads * head_dim * dtype.itemsize * max(num_layers, 1)
+
+
 def num_blocks_for_budget(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                           budget_bytes: int) -> int:
     """How many blocks fit in the budget when every local layer holds them."""
-    bytes_per_block = 2 * block_size * num_kv_heads * head_dim * dtype.itemsize * max(num_layers, 1)
-    return budget_bytes // bytes_per_block
+    return budget_bytes // kv_bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
 
 
 class KVLayer:
@@ -67,10 +72,9 @@ class KVCache:
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
-        self.bytes_per_block = 2 * block_size * num_kv_heads * head_dim * dtype.itemsize * max(len(layers), 1)
+        self.bytes_per_block = kv_bytes_per_block(len(layers), num_kv_heads, head_dim, block_size, dtype)
         if num_blocks is None:
-            num_blocks = num_blocks_for_budget(len(layers), num_kv_heads, head_dim, block_size, dtype,
-                                               budget_bytes or 0)
+            num_blocks = (budget_bytes or 0) // self.bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"KV budget of {budget_bytes} bytes is below one block ({self.bytes_per_block} bytes)")
         self.num_blocks = num_blocks

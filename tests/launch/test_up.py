@@ -14,7 +14,7 @@ import pytest
 from services.launch.up import UpConfig
 from services.weightstore.shm import list_segments
 from services.worker.kv_cache import KV_SEGMENT_PREFIX
-from tests.conftest import make_checkpoint
+from tests.conftest import make_checkpoint, process_running
 
 
 @pytest.mark.multiprocess
@@ -38,18 +38,10 @@ def test_a_killed_worker_stops_the_stack_and_is_named(tmp_path):
     assert process.wait(60) == 1
     stderr = process.stderr.read()
     assert f"worker-1 (pid {victim}, exit code -9) exited; stopping the stack" in stderr
-    alive = [pid for name, pid in pids.items() if name != "launcher" and _running(pid)]
+    alive = [pid for name, pid in pids.items() if name != "launcher" and process_running(pid)]
     assert not alive, f"left running: {alive}"
     assert not [s for s in kv_segments if s in list_segments(KV_SEGMENT_PREFIX)]
     assert not stack_file.exists()
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_config_file_and_flags(tmp_path):

@@ -6,7 +6,6 @@ import contextlib
 
 from dataclasses import dataclass
 
-import grpc
 import pytest
 import pytest_asyncio
 
@@ -19,7 +18,6 @@ from services.router.engine import Engine
 from services.router.grpc_server import start_router_grpc
 from services.router.main import RouterConfig, build_engine
 from services.rpc.auth import write_token_file
-from services.rpc.reconfig.v1 import router_pb2_grpc
 from tests.conftest import make_checkpoint
 
 TOKEN = "switch-test-token"
@@ -97,3 +95,8 @@ async def controller(live_stack, tmp_path):
     server, port = await start_controller_grpc(live_stack.state, "127.0.0.1", 0, TOKEN)
     yield ControllerEndpoint(f"127.0.0.1:{port}", str(token_file))
     await server.stop(0)
+
+
+async def generated_tokens(engine: Engine, request) -> list[int]:
+    """Every token a request produced, once it has finished."""
+    return [t for delta in [d async for d in engine.generate(request)] for t in delta.token_ids]

@@ -18,6 +18,7 @@ from services.rpc.reconfig.v1 import worker_pb2
 from services.topology import Topology
 from services.weightstore.shm import ShmSegment
 from tests.conftest import hf_greedy
+from tests.reconfigure.conftest import generated_tokens
 
 pytestmark = pytest.mark.multiprocess
 
@@ -61,7 +62,7 @@ async def test_there_and_back_keeps_every_kv_byte(live_stack, switch_checkpoint,
     engine, stubs = live_stack.engine, live_stack.state.worker_stubs
     head_dim = ModelSpec.from_dir(switch_checkpoint).head_dim
     prompts = [[7 + i, 40, 3 * i + 5, 99, 12] * (i + 1) for i in range(6)]
-    tasks = [asyncio.ensure_future(_collect(engine, GenerationRequest(f"b{i}", tuple(p), 30)))
+    tasks = [asyncio.ensure_future(generated_tokens(engine, GenerationRequest(f"b{i}", tuple(p), 30)))
              for i, p in enumerate(prompts)]
     while engine.stats().num_generation_tokens < 6 * 5:  # every request has KV of prompt + some output
         await asyncio.sleep(0.01)
@@ -81,10 +82,6 @@ async def test_there_and_back_keeps_every_kv_byte(live_stack, switch_checkpoint,
 
 def _equal(after: dict, before: dict) -> bool:
     return after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
-
-
-async def _collect(engine, request):
-    return [t for d in [d async for d in engine.generate(request)] for t in d.token_ids]
 
 
 def test_block_runs():

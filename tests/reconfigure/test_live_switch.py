@@ -12,15 +12,12 @@ from services.controller.transaction import OperationBusy
 from services.router.contracts import GenerationRequest
 from services.topology import TopologyError
 from tests.conftest import hf_greedy
+from tests.reconfigure.conftest import generated_tokens
 
 pytestmark = pytest.mark.multiprocess
 
 # Same size with KV replication (4 ranks, 2 KV heads), shrink, grow into an uneven split, same size, grow.
 CHAIN = ["tp4pp1", "tp2pp1", "tp1pp3", "tp1pp2", "tp2pp2"]
-
-
-async def _generate(engine, request):
-    return [t for delta in [d async for d in engine.generate(request)] for t in delta.token_ids]
 
 
 async def test_requests_in_flight_survive_a_chain_of_switches(live_stack, switch_checkpoint):
@@ -29,7 +26,7 @@ async def test_requests_in_flight_survive_a_chain_of_switches(live_stack, switch
     lengths = [rng.randrange(40, 80) for _ in prompts]
     expected, _ = hf_greedy(switch_checkpoint, prompts, max(lengths))
     engine = live_stack.engine
-    tasks = [asyncio.ensure_future(_generate(engine, GenerationRequest(f"r{i}", tuple(p), n)))
+    tasks = [asyncio.ensure_future(generated_tokens(engine, GenerationRequest(f"r{i}", tuple(p), n)))
              for i, (p, n) in enumerate(zip(prompts, lengths))]
     await asyncio.sleep(0.3)  # every request is running before the first switch
     for target in CHAIN:

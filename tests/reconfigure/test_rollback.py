@@ -13,7 +13,7 @@ from services.model.spec import ModelSpec
 from services.router.contracts import GenerationRequest
 from services.topology import Topology, place, plan_kv_migration
 from tests.conftest import hf_greedy
-from tests.reconfigure.conftest import open_live_stack
+from tests.reconfigure.conftest import generated_tokens, open_live_stack
 from tests.reconfigure.test_kv_bytes import _equal, _snapshot
 
 pytestmark = pytest.mark.multiprocess
@@ -42,7 +42,7 @@ async def test_failed_switches_roll_back_with_kv_intact(faulty_cluster, switch_c
     async with open_live_stack(faulty_cluster) as stack:
         engine, stubs = stack.engine, stack.state.worker_stubs
         prompts = [[11, 3 * i + 2, 70, 9, 250 - i] * 2 for i in range(6)]
-        tasks = [asyncio.ensure_future(_tokens(engine, GenerationRequest(f"f{i}", tuple(p), 40)))
+        tasks = [asyncio.ensure_future(generated_tokens(engine, GenerationRequest(f"f{i}", tuple(p), 40)))
                  for i, p in enumerate(prompts)]
         while engine.stats().num_generation_tokens < 12:
             await asyncio.sleep(0.01)
@@ -75,14 +75,10 @@ def _filled_slots(engine) -> set[tuple[int, int]]:
             for pos in range(seq.num_computed_tokens)}
 
 
-async def _tokens(engine, request):
-    return [t for d in [d async for d in engine.generate(request)] for t in d.token_ids]
-
-
 async def test_a_deadline_before_the_commit_point_restores_and_resumes(faulty_cluster, switch_checkpoint):
     async with open_live_stack(faulty_cluster) as stack:
         engine = stack.engine
-        task = asyncio.ensure_future(_tokens(engine, GenerationRequest("d", (5, 6, 7, 8), 30)))
+        task = asyncio.ensure_future(generated_tokens(engine, GenerationRequest("d", (5, 6, 7, 8), 30)))
         while engine.stats().num_generation_tokens < 3:
             await asyncio.sleep(0.01)
         operation = await stack.reconfigurer.reconfigure("tp1pp2", deadline_s=1.0)  # rank 0 prepares for 3 s

@@ -13,6 +13,7 @@ from services.router.main import RouterConfig, build_engine
 from services.rpc.reconfig.v1 import worker_pb2
 from services.topology import Topology
 from tests.conftest import hf_greedy
+from tests.reconfigure.conftest import generated_tokens, open_live_stack
 
 pytestmark = pytest.mark.multiprocess
 
@@ -43,7 +44,7 @@ async def test_non_candidate_target_builds_groups_and_keeps_requests_exact(narro
     stubs = [worker_pb2_grpc.WorkerStub(c) for c in channels]
     try:
         prompts = [[5, 9, 14, 3 + i] * 3 for i in range(4)]
-        tasks = [asyncio.ensure_future(_tokens(engine, GenerationRequest(f"s{i}", tuple(p), 24)))
+        tasks = [asyncio.ensure_future(generated_tokens(engine, GenerationRequest(f"s{i}", tuple(p), 24)))
                  for i, p in enumerate(prompts)]
         while engine.stats().num_generation_tokens < 8:
             await asyncio.sleep(0.01)
@@ -66,14 +67,9 @@ async def test_non_candidate_target_builds_groups_and_keeps_requests_exact(narro
             await channel.close()
 
 
-async def _tokens(engine, request):
-    return [t for d in [d async for d in engine.generate(request)] for t in d.token_ids]
-
-
 async def test_the_operation_reports_the_slow_path(narrow_cluster):
     from services.controller.cli import _operation_line
     from services.controller.status import OperationState
-    from tests.reconfigure.conftest import open_live_stack
 
     async with open_live_stack(narrow_cluster) as stack:
         operation = await stack.reconfigurer.reconfigure("tp1pp2")  # not a candidate of this cluster
