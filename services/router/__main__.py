@@ -21,6 +21,9 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-waiting", type=int, default=1024)
+    parser.add_argument("--recovery-timeout-s", type=float, default=60.0,
+                        help="after a worker fails a step, wait this long for the controller to recover the "
+                             "workers before failing the requests [60]")
     args = parser.parse_args()
     token = None
     if args.token_file:
@@ -32,6 +35,7 @@ def main() -> None:
         model_name=args.model_name, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         token=token, api_key=args.api_key, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
+        recovery_timeout_s=args.recovery_timeout_s,
     )
     run_service("router", serve_router(config), None)
 

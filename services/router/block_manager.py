@@ -84,12 +84,17 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Return all of seq's blocks; seq.block_ids becomes empty."""
-        for block_id in seq.block_ids:
+        self.truncate(seq, 0)
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Return seq's blocks past those holding its first `num_tokens` tokens (a failed step's new slots)."""
+        keep = num_blocks_for(num_tokens, self.block_size)
+        for block_id in seq.block_ids[keep:]:
             if self._owner.get(block_id) != seq.request_id:
                 raise RuntimeError(f"block {block_id} is not owned by {seq.request_id}")
             del self._owner[block_id]
             heapq.heappush(self._free, block_id)
-        seq.block_ids.clear()
+        del seq.block_ids[keep:]
 
     def resize(self, num_blocks: int) -> list[int]:
         """Rebind to `num_blocks`: grow, or shrink when every id >= num_blocks is free.

@@ -115,6 +115,7 @@ class EngineStats:
     topology: str = ""
     is_frozen: bool = False
     extra: dict[str, float] = field(default_factory=dict)
+    stalled: str = ""                  # why no step can run (a worker failed a step); "" when steps can run
 
 
 class EngineProtocol(Protocol):

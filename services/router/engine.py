@@ -1,8 +1,16 @@
-"""The router's engine: the step loop (schedule → workers → postprocess) and per-request output streams."""
+"""The router's engine: the step loop (schedule → workers → postprocess) and per-request output streams.
+
+A failed step (a worker died or errored) does not fail its requests when recovery_timeout_s > 0: the engine
+*stalls* (no new step; admission stays open) and hands the batch back to the scheduler unadvanced, waiting for
+the controller to recover the workers and resume it. If nobody does within recovery_timeout_s, every unfinished
+request ends with an error, so nothing waits forever.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -38,7 +46,9 @@ class Engine:
     """Owns the scheduler and the driver; front ends call generate() and read deltas."""
 
     def __init__(self, driver: Driver, tokenizer: Tokenizer, model_name: str, max_model_len: int,
-                 scheduler_config: SchedulerConfig | None = None, vocab_size: int | None = None) -> None:
+                 scheduler_config: SchedulerConfig | None = None, vocab_size: int | None = None,
+                 recovery_timeout_s: float = 0.0) -> None:
+        _check_seconds("recovery_timeout_s", recovery_timeout_s)
         self.driver = driver
         self.vocab_size = vocab_size  # the model's (may differ from the tokenizer's); ids past it would fail a step
         self.tokenizer = tokenizer
@@ -59,6 +69,14 @@ class Engine:
         self.num_step_errors = 0
         self.num_full_prefills = 0  # prefills from position 0: once per request unless it was preempted
         self.switches = SwitchTotals()  # layout switches the controller reported (record_switch)
+        self.recovery_timeout_s = recovery_timeout_s  # 0: a failed step fails its requests at once (no stall)
+        self.stalled = ""  # the first error of the current stall; "" while steps can run
+        self._stalled_at = 0.0
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._lease_timer: asyncio.TimerHandle | None = None
+        # The controller's Freeze, apart from the scheduler's frozen flag, which a stall sets too: a stall
+        # that times out must not unfreeze a router the controller holds.
+        self._is_held = False
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -67,6 +85,8 @@ class Engine:
     async def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Finish the steps in flight (workers must see whole steps), then stop the loop and the streams."""
         self.scheduler.freeze()
+        self._cancel_lease()
+        self._clear_stall()  # its timer must not fire into a stopped engine
         try:
             await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
         except asyncio.TimeoutError:
@@ -123,6 +143,7 @@ class Engine:
             num_generation_tokens=self.num_generation_tokens,
             topology=str(self.topology),
             is_frozen=self.scheduler.is_frozen,
+            stalled=self.stalled,
             extra={"num_step_errors": float(self.num_step_errors),
                    "num_full_prefills": float(self.num_full_prefills),
                    "num_inflight_batches": float(len(self._inflight))},
@@ -133,28 +154,50 @@ class Engine:
         return self.switches
 
     # ---- admin (controller) ----------------------------------------------------------------------------------
-    async def freeze(self, timeout_s: float = 60.0) -> None:
-        """Stop scheduling new steps and wait until the in-flight ones are done. Admission stays open."""
+    async def freeze(self, timeout_s: float = 60.0, lease_s: float = 0.0) -> None:
+        """Stop scheduling new steps and wait until the in-flight ones are done. Admission stays open.
+
+        lease_s > 0: unless resume() or another freeze() comes within lease_s, the engine resumes by itself, so
+        a controller that dies mid-operation cannot leave the router frozen.
+        """
+        _check_seconds("lease_s", lease_s)
+        self._is_held = True
         self.scheduler.freeze()
+        self._cancel_lease()
+        if lease_s > 0:
+            self._lease_timer = asyncio.get_running_loop().call_later(lease_s, self._lease_expired, lease_s)
         await asyncio.wait_for(self._idle.wait(), timeout_s)
 
-    async def rebind(self, num_kv_blocks: int, worker_addresses: tuple[str, ...] | None = None) -> None:
+    async def rebind(self, num_kv_blocks: int, worker_addresses: tuple[str, ...] | None = None,
+                     drop_kv: bool = False) -> None:
         """Frozen only. Take a new KV capacity (the newest requests are preempted if live blocks exceed it) and,
-        with worker_addresses, re-open the step streams to the active workers of the new layout."""
+        with worker_addresses, re-open the step streams to the active workers of the new layout. drop_kv: the
+        workers lost the KV of the running requests, so every one of them is preempted (re-prefilled later)."""
         if worker_addresses is not None:
             if self._inflight:
                 raise RuntimeError("rebind with steps in flight: freeze first")
-            driver = Driver(list(worker_addresses), self.driver.step_timeout_s, self.driver.token)
-            try:
-                await driver.connect()  # connect first: an unreachable address leaves the old streams in place
-            except BaseException:
-                await driver.close()
-                raise
-            await self.driver.close()
-            self.driver = driver
-            self.topology = Topology.parse(self.driver.infos[0].topology)
-            self.num_inflight_batches = max(self.scheduler.config.num_inflight_batches, self.topology.pp)
+            await self._swap_driver(worker_addresses)
         self.scheduler.rebind(num_kv_blocks)
+        if drop_kv:
+            preempted = self.scheduler.preempt_all()
+            log.info("engine.kv_dropped", num_preempted=len(preempted))
+
+    async def _swap_driver(self, worker_addresses: tuple[str, ...]) -> None:
+        driver = Driver(list(worker_addresses), self.driver.step_timeout_s, self.driver.token)
+        try:
+            await driver.connect()  # connect first: an unreachable address leaves the old streams in place
+            if not self.scheduler.is_frozen:  # the freeze's lease ran out while connecting
+                raise RuntimeError("the router was resumed during the rebind: freeze first")
+        except BaseException:
+            await driver.close()
+            raise
+        try:
+            await self.driver.close()
+        except Exception as exc:  # noqa: BLE001 (the old streams may be broken: a worker died)
+            log.warning("engine.old_driver_close_failed", error=str(exc))
+        self.driver = driver
+        self.topology = Topology.parse(self.driver.infos[0].topology)
+        self.num_inflight_batches = max(self.scheduler.config.num_inflight_batches, self.topology.pp)
 
     def used_block_ids(self) -> list[int]:
         return self.scheduler.block_manager.used_block_ids()
@@ -166,8 +209,24 @@ class Engine:
                  topology=f"{report.from_topology}->{report.to_topology}", downtime_s=report.downtime_seconds)
 
     def resume(self) -> None:
+        """End the controller's freeze and any stall (the controller recovered the workers): schedule again."""
+        self._cancel_lease()
+        self._is_held = False
+        if self.stalled:
+            log.info("engine.recovered", error=self.stalled, stalled_s=round(time.monotonic() - self._stalled_at, 3))
+            self._clear_stall()
         self.scheduler.unfreeze()
         self._wakeup.set()
+
+    def _lease_expired(self, lease_s: float) -> None:
+        self._lease_timer = None
+        log.warning("engine.freeze_lease_expired", lease_s=lease_s)
+        self.resume()
+
+    def _cancel_lease(self) -> None:
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+            self._lease_timer = None
 
     # ---- the step loop ---------------------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -193,14 +252,18 @@ class Engine:
                 return
             self._idle.clear()
             self.num_full_prefills += sum(1 for item in batch.items if item.step.start_position == 0)
-            future = await self.driver.submit([item.step for item in batch.items])
+            try:
+                future = await self.driver.submit([item.step for item in batch.items])
+            except Exception as exc:  # noqa: BLE001 (a broken stream can fail the write: the loop lives on)
+                self._on_step_failed(batch, f"cannot send step {batch.batch_id} to the workers: {_describe(exc)}")
+                continue
             self._inflight.append(_InFlight(batch, future))
 
     def _complete(self, inflight: _InFlight) -> None:
         try:
             output = inflight.future.result()
-        except StepError as exc:
-            self._fail_batch(inflight.batch, exc)
+        except (Exception, asyncio.CancelledError) as exc:  # StepError, or anything else: never end the loop
+            self._on_step_failed(inflight.batch, _describe(exc))
             return
         sampled = {o.request_id: o.token_id for o in output.outputs if o.token_id >= 0}
         for update in self.scheduler.on_batch_done(inflight.batch, sampled):
@@ -212,14 +275,59 @@ class Engine:
             if stopped and not update.finished:  # a stop string: the scheduler has not finished it yet
                 self.scheduler.finish(update.seq.request_id, SequenceStatus.FINISHED_STOPPED)
 
-    def _fail_batch(self, batch: ScheduledBatch, exc: Exception) -> None:
-        """A step failed on a worker: its requests end with an explicit error instead of hanging."""
+    # ---- failed steps ----------------------------------------------------------------------------------------
+    def _on_step_failed(self, batch: ScheduledBatch, error: str) -> None:
+        """A step failed (a worker died or errored): stall until the controller recovers the workers, or, with no
+        recovery timeout, end the batch's requests with an error at once."""
         self.num_step_errors += 1
-        log.error("engine.step_failed", error=str(exc), requests=len(batch.items))
+        log.warning("engine.step_failed", error=error, requests=len(batch.items))
+        if self.recovery_timeout_s <= 0:
+            self._fail_batch(batch, error)
+            return
+        self.scheduler.on_batch_failed(batch)  # unadvanced: the same positions run again after the recovery
+        self.scheduler.freeze()
+        if self.stalled:  # a later batch of the same failure: the first error and its timer stand
+            return
+        self.stalled, self._stalled_at = error, time.monotonic()
+        log.error("engine.stalled", error=error, recovery_timeout_s=self.recovery_timeout_s)
+        self._stall_timer = asyncio.get_running_loop().call_later(self.recovery_timeout_s, self._recovery_expired)
+
+    def _recovery_expired(self) -> None:
+        """Nobody recovered the workers in time: end every unfinished request with an error, then let new
+        requests try again (if the workers are still broken, they stall again)."""
+        error = (f"the workers failed ({self.stalled}) and were not recovered within "
+                 f"{self.recovery_timeout_s:g} s")
+        log.error("engine.recovery_timeout", error=self.stalled, recovery_timeout_s=self.recovery_timeout_s,
+                  requests=len(self._streams))
+        for request_id, stream in list(self._streams.items()):
+            self.scheduler.abort(request_id)  # in flight: marked now, freed when its step returns
+            stream.finish("error", error=error)
+        self._clear_stall()
+        if not self._is_held:
+            self.scheduler.unfreeze()
+        self._wakeup.set()
+
+    def _clear_stall(self) -> None:
+        self.stalled = ""
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def _fail_batch(self, batch: ScheduledBatch, error: str) -> None:
+        """Without recovery: the batch's requests end with an explicit error instead of hanging."""
         for item in batch.items:
             self.scheduler.abort(item.seq.request_id)  # in flight: marked now, freed by on_batch_done
         self.scheduler.on_batch_done(batch, {})
         for item in batch.items:
             stream = self._streams.get(item.seq.request_id)
             if stream is not None:
-                stream.finish("error", error=str(exc))
+                stream.finish("error", error=error)
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, StepError) else f"{type(exc).__name__}: {exc}"
+
+
+def _check_seconds(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}")

@@ -37,12 +37,15 @@ MAX_KV_BLOCKS = 1 << 22       # the block manager lists its free ids: a larger c
 class AdminEngine(EngineProtocol, Protocol):
     """The engine as the controller drives it (services.router.engine.Engine implements it)."""
 
-    async def freeze(self, timeout_s: float = DEFAULT_FREEZE_TIMEOUT_S) -> None:
-        """Stop scheduling; return once the in-flight steps are done (TimeoutError past timeout_s)."""
+    async def freeze(self, timeout_s: float = DEFAULT_FREEZE_TIMEOUT_S, lease_s: float = 0.0) -> None:
+        """Stop scheduling; return once the in-flight steps are done (TimeoutError past timeout_s). lease_s > 0:
+        resume by itself unless resumed or frozen again within lease_s."""
         ...
 
-    def rebind(self, num_kv_blocks: int) -> object:
-        """Take a new KV capacity (frozen only); may return an awaitable."""
+    def rebind(self, num_kv_blocks: int, worker_addresses: tuple[str, ...] | None = None,
+               drop_kv: bool = False) -> object:
+        """Take a new KV capacity (frozen only), optionally new workers and dropping the KV; may return an
+        awaitable."""
         ...
 
     def resume(self) -> object:
@@ -95,6 +98,12 @@ def request_from_pb(pb: router_pb2.GenerateRequest, tokenizer: Tokenizer,
     )
 
 
+def check_freeze(pb: router_pb2.FreezeRequest) -> None:
+    """ValueError unless the lease is a finite number of seconds >= 0."""
+    if not (math.isfinite(pb.lease_seconds) and pb.lease_seconds >= 0):
+        raise ValueError(f"lease_seconds must be a finite number >= 0, got {pb.lease_seconds}")
+
+
 def check_rebind(pb: router_pb2.RebindRequest) -> None:
     """ValueError unless the capacity is not absurd and every worker address reads host:port (the scheduler
     refuses a capacity below 1)."""
@@ -123,7 +132,7 @@ def stats_to_pb(stats: EngineStats) -> router_pb2.RouterStats:
         num_kv_blocks_total=stats.num_kv_blocks_total, num_kv_blocks_used=stats.num_kv_blocks_used,
         num_preemptions=stats.num_preemptions, num_prompt_tokens=stats.num_prompt_tokens,
         num_generation_tokens=stats.num_generation_tokens, topology=stats.topology,
-        is_frozen=stats.is_frozen, extra=stats.extra,
+        is_frozen=stats.is_frozen, extra=stats.extra, stalled=stats.stalled,
     )
 
 
@@ -134,7 +143,7 @@ def stats_from_pb(pb: router_pb2.RouterStats) -> EngineStats:
         num_kv_blocks_total=pb.num_kv_blocks_total, num_kv_blocks_used=pb.num_kv_blocks_used,
         num_preemptions=pb.num_preemptions, num_prompt_tokens=pb.num_prompt_tokens,
         num_generation_tokens=pb.num_generation_tokens, topology=pb.topology,
-        is_frozen=pb.is_frozen, extra=dict(pb.extra),
+        is_frozen=pb.is_frozen, extra=dict(pb.extra), stalled=pb.stalled,
     )
 
 
@@ -170,17 +179,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 yield delta_to_pb(generation.request_id, delta)
 
     async def Freeze(self, request, context):  # noqa: N802
-        """Stop scheduling; return once in-flight steps are done."""
+        """Stop scheduling (under a lease when lease_seconds > 0); return once in-flight steps are done."""
+        check_freeze(request)
         timeout_s = request.timeout_seconds if request.timeout_seconds > 0 else DEFAULT_FREEZE_TIMEOUT_S
-        await self.engine.freeze(timeout_s)
+        await self.engine.freeze(timeout_s, request.lease_seconds)
         return router_pb2.FreezeResponse(stats=stats_to_pb(self.engine.stats()))
 
     async def Rebind(self, request, context):  # noqa: N802
-        """Take a new KV capacity; only while frozen."""
+        """Take a new KV capacity (and workers, and drop the KV they lost); only while frozen."""
         check_rebind(request)
         if not self.engine.stats().is_frozen:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Rebind needs a frozen router: call Freeze first")
-        await _maybe_await(self.engine.rebind(request.num_kv_blocks, tuple(request.worker_addresses) or None))
+        await _maybe_await(self.engine.rebind(request.num_kv_blocks, tuple(request.worker_addresses) or None,
+                                              request.drop_kv))
         return router_pb2.RebindResponse(stats=stats_to_pb(self.engine.stats()),
                                          used_block_ids=self.engine.used_block_ids())
 

@@ -38,6 +38,7 @@ class RouterConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_waiting: int = 1024
+    recovery_timeout_s: float = 60.0     # a stalled engine (a worker failed a step) fails its requests past this
 
 
 class _Uvicorn(uvicorn.Server):
@@ -65,7 +66,8 @@ async def build_engine(config: RouterConfig) -> Engine:
         num_inflight_batches=Topology.parse(driver.infos[0].topology).pp,  # one micro-batch per PP stage
     )
     engine = Engine(driver, Tokenizer.from_dir(model_dir), config.model_name or model_dir.name,
-                    max_model_len, scheduler_config, vocab_size=spec.vocab_size)
+                    max_model_len, scheduler_config, vocab_size=spec.vocab_size,
+                    recovery_timeout_s=config.recovery_timeout_s)
     await engine.start()
     return engine
 

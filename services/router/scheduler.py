@@ -5,7 +5,9 @@ then the rest of running chunked prefills, then new prefills from the waiting qu
 budget, max_num_seqs and the free KV blocks. When a running sequence cannot get a block, the newest running
 sequence not in flight is preempted by recompute: its blocks are freed and it re-prefills its whole prefix
 later, ahead of every other waiting request. With pipeline parallelism up to num_inflight_batches (= pp)
-disjoint micro-batches are in flight. The scheduler never touches tensors.
+disjoint micro-batches are in flight. A step the workers failed is taken back unadvanced (on_batch_failed); when
+the workers lost their KV, preempt_all sends every running sequence back to re-prefill. The scheduler never
+touches tensors.
 """
 
 from __future__ import annotations
@@ -191,6 +193,20 @@ class Scheduler:
             updates.append(SequenceUpdate(seq, (token_id,), seq.is_finished))
         return updates
 
+    def on_batch_failed(self, batch: ScheduledBatch) -> None:
+        """Take back a step the workers did not finish: its sequences advance nothing and can be scheduled again.
+
+        Re-running the same positions is safe: workers overwrite the KV slots a step rewrites. The blocks the
+        step added are returned (a sequence holds blocks for its cached tokens only); sequences aborted or
+        finished while in flight are freed, as in on_batch_done.
+        """
+        if self._inflight.pop(batch.batch_id, None) is None:
+            raise ValueError(f"batch {batch.batch_id} is not in flight")
+        for item in batch.items:
+            seq = item.seq
+            self._inflight_ids.discard(seq.request_id)
+            self.block_manager.truncate(seq, 0 if seq.is_finished else seq.num_computed_tokens)
+
     def abort(self, request_id: str) -> bool:
         """Abort a request in any state (its blocks are freed now, or when its in-flight step returns)."""
         return self.finish(request_id, SequenceStatus.FINISHED_ABORTED)
@@ -260,6 +276,18 @@ class Scheduler:
             self.num_switch_preemptions += 1
             preempted.append(victim)
         return preempted
+
+    def preempt_all(self) -> list[Sequence]:
+        """Preempt every running sequence by recompute (the workers lost their KV); returns them, oldest first.
+
+        They go to the front of the waiting queue in admission order, ahead of the requests never scheduled.
+        """
+        if not self._is_frozen or self._inflight:
+            raise RuntimeError("preempt_all needs a frozen scheduler with nothing in flight")
+        newest_first = sorted(self.running, key=lambda s: self._admission_index[s.request_id], reverse=True)
+        for seq in newest_first:  # each goes to the front: the oldest ends up first
+            self._preempt(seq)
+        return newest_first[::-1]
 
     def _max_blocks(self, seq: Sequence) -> int:
         # The KV a sequence ever holds: every token but the last one sampled.

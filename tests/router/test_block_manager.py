@@ -68,6 +68,18 @@ def test_free_returns_blocks_and_lowest_ids_are_reused_first():
         manager.free(Sequence("x", [1], 1, block_ids=[2]))  # block 2 belongs to b
 
 
+def test_truncate_returns_only_the_blocks_past_the_kept_tokens():
+    manager = BlockManager(num_blocks=6, block_size=4)
+    seq = _seq("a", 13)
+    manager.allocate(seq)  # a failed step fed all 13 tokens; 5 of them were cached before it
+    manager.truncate(seq, 5)
+    assert seq.block_ids == [0, 1] and manager.num_used == 2
+    manager.truncate(seq, 8)  # nothing past 8 tokens: no change
+    assert seq.block_ids == [0, 1]
+    manager.truncate(seq, 0)
+    assert seq.block_ids == [] and manager.num_free == 6
+
+
 def test_resize_grows_and_shrinks_when_the_tail_is_free():
     manager = BlockManager(num_blocks=4, block_size=2)
     a = _seq("a", 4)

@@ -241,6 +241,40 @@ async def test_admin_rpcs_with_the_token(router, oracle):
                                                                                        "tp1pp2")
 
 
+@pytest.mark.parametrize("lease_seconds", [-1.0, float("nan"), float("inf")])
+async def test_freeze_with_a_bad_lease_is_invalid_argument(router, lease_seconds):
+    stub, engine, token = router
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await stub.Freeze(router_pb2.FreezeRequest(lease_seconds=lease_seconds), metadata=auth_metadata(token),
+                          timeout=5)
+    assert error.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details().startswith("lease_seconds must be a finite number >= 0")
+    assert not engine.stats().is_frozen
+
+
+async def test_rebind_drop_kv_re_prefills_and_a_freeze_lease_resumes_by_itself(router, oracle):
+    stub, engine, token = router
+    metadata = auth_metadata(token)
+    call = stub.Generate(router_pb2.GenerateRequest(prompt_token_ids=PROMPT, max_tokens=NUM_ORACLE_TOKENS,
+                                                    ignore_eos=True))
+    first = await call.read()
+    frozen = await stub.Freeze(router_pb2.FreezeRequest(timeout_seconds=5, lease_seconds=30), metadata=metadata,
+                               timeout=10)
+    assert frozen.stats.num_running == 1 and frozen.stats.num_kv_blocks_used >= 3
+    rebound = await stub.Rebind(router_pb2.RebindRequest(num_kv_blocks=frozen.stats.num_kv_blocks_total,
+                                                         drop_kv=True), metadata=metadata, timeout=5)
+    assert rebound.stats.num_preemptions == frozen.stats.num_preemptions + 1
+    assert (rebound.stats.num_running, rebound.stats.num_waiting, list(rebound.used_block_ids)) == (0, 1, [])
+    # Another Freeze replaces the 30 s lease with a short one: nobody calls Resume, yet the request finishes.
+    await stub.Freeze(router_pb2.FreezeRequest(timeout_seconds=5, lease_seconds=0.2), metadata=metadata, timeout=5)
+    rest = []
+    while (response := await asyncio.wait_for(call.read(), 10)) is not grpc.aio.EOF:
+        rest.append(response)
+    assert list(first.token_ids) + _tokens(rest) == oracle.tokens and rest[-1].finish_reason == "length"
+    stats = engine.stats()
+    assert not stats.is_frozen and engine.num_full_prefills == 2
+
+
 async def test_without_a_token_admin_is_unreachable(serving_engine, oracle):
     server, channel = await _serve(serving_engine, None)
     async with channel:
@@ -258,7 +292,7 @@ async def test_without_a_token_admin_is_unreachable(serving_engine, oracle):
 def test_stats_round_trip():
     stats = EngineStats(num_running=3, num_waiting=4, num_kv_blocks_total=512, num_kv_blocks_used=9,
                         num_preemptions=1, num_prompt_tokens=70, num_generation_tokens=80, topology="tp1pp4",
-                        is_frozen=True, extra={"a": 1.5})
+                        is_frozen=True, extra={"a": 1.5}, stalled="worker 127.0.0.1:1 stream failed")
     assert stats_from_pb(stats_to_pb(stats)) == stats
     field_names = {f.name for f in dataclasses.fields(EngineStats)}
     assert field_names <= set(router_pb2.RouterStats.DESCRIPTOR.fields_by_name), "RouterStats must mirror EngineStats"

@@ -55,6 +55,8 @@ class EngineStatsCollector(Collector):
         topology.add_metric([*labels, stats.topology], 1.0)
         yield topology
         yield gauge("is_frozen", "1 while a reconfiguration has scheduling paused.", float(stats.is_frozen))
+        yield gauge("router_stalled", "1 while a failed worker step has the engine waiting for a recovery.",
+                    float(bool(stats.stalled)))
         yield from switch_metrics(self._engine.switch_totals(), self._model_name)
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.rpc.reconfig.v1 import router_pb2 as reconfig_dot_v1_dot_router__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1creconfig/v1/controller.proto\x12\x0breconfig.v1\x1a\x18reconfig/v1/router.proto\"\x92\x01\n\x12ReconfigureRequest\x12\x10\n\x08topology\x18\x01 \x01(\t\x12\x14\n\x0coperation_id\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x61\x64line_seconds\x18\x03 \x01(\x01\x12\x10\n\x08strategy\x18\x04 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x05 \x01(\x08\x12\x17\n\x0flayer_partition\x18\x06 \x03(\x05\"8\n\x0bPlanRequest\x12\x10\n\x08topology\x18\x01 \x01(\t\x12\x17\n\x0flayer_partition\x18\x02 \x03(\x05\"\xdf\x01\n\nWorkerPlan\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x14\n\x0cstate_before\x18\x02 \x01(\t\x12\x13\n\x0bstate_after\x18\x03 \x01(\t\x12\x13\n\x0bkv_bytes_in\x18\x04 \x01(\x04\x12\x16\n\x0ekv_bytes_local\x18\x05 \x01(\x04\x12\x19\n\x11weight_bytes_load\x18\x06 \x01(\x04\x12\x19\n\x11weight_bytes_keep\x18\x07 \x01(\x04\x12\x18\n\x10peak_extra_bytes\x18\x08 \x01(\x04\x12\x1b\n\x13num_kv_blocks_after\x18\t \x01(\x05\"\xde\x01\n\x0cPlanResponse\x12\x15\n\rfrom_topology\x18\x01 \x01(\t\x12\x13\n\x0bto_topology\x18\x02 \x01(\t\x12(\n\x07workers\x18\x03 \x03(\x0b\x32\x17.reconfig.v1.WorkerPlan\x12\x17\n\x0fnum_used_blocks\x18\x04 \x01(\x05\x12\x1b\n\x13num_kv_blocks_after\x18\x05 \x01(\x05\x12\x1e\n\x16num_requests_preempted\x18\x06 \x01(\x05\x12\x0c\n\x04\x66its\x18\x07 \x01(\x08\x12\x14\n\x0cis_candidate\x18\x08 \x01(\x08\"\x12\n\x10GetStatusRequest\".\n\x12WatchStatusRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\"\xde\x02\n\x0cWorkerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x03\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.reconfig.v1.WorkerState\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x0f\n\x07pp_rank\x18\x06 \x01(\x05\x12\x0f\n\x07tp_rank\x18\x07 \x01(\x05\x12\x13\n\x0blayer_start\x18\x08 \x01(\x05\x12\x11\n\tlayer_end\x18\t \x01(\x05\x12\x15\n\rkv_head_start\x18\n \x01(\x05\x12\x13\n\x0bkv_head_end\x18\x0b \x01(\x05\x12\x1a\n\x12num_kv_blocks_used\x18\x0c \x01(\x05\x12\x1b\n\x13num_kv_blocks_total\x18\r \x01(\x05\x12\x13\n\x0bparam_bytes\x18\x0e \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x0f \x01(\x04\x12\r\n\x05\x65rror\x18\x10 \x01(\t\"\xb8\x03\n\x0fOperationStatus\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12*\n\x05state\x18\x03 \x01(\x0e\x32\x1b.reconfig.v1.OperationState\x12\x12\n\nstarted_at\x18\x04 \x01(\x01\x12\x10\n\x08\x65nded_at\x18\x05 \x01(\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x45\n\rphase_seconds\x18\x07 \x03(\x0b\x32..reconfig.v1.OperationStatus.PhaseSecondsEntry\x12\x15\n\rfrom_topology\x18\x08 \x01(\t\x12\x13\n\x0bto_topology\x18\t \x01(\t\x12\r\n\x05phase\x18\n \x01(\t\x12\x16\n\x0ekv_bytes_moved\x18\x0b \x01(\x04\x12\x1b\n\x13weight_bytes_loaded\x18\x0c \x01(\x04\x12\x1e\n\x16num_requests_preempted\x18\r \x01(\x05\x12\x14\n\x0c\x62uilt_groups\x18\x0e \x01(\x08\x1a\x33\n\x11PhaseSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x9e\x02\n\x0bStackStatus\x12\x10\n\x08topology\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.reconfig.v1.StackState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12*\n\x07workers\x18\x05 \x03(\x0b\x32\x19.reconfig.v1.WorkerStatus\x12\x16\n\x0erouter_address\x18\x06 \x01(\t\x12(\n\x06router\x18\x07 \x01(\x0b\x32\x18.reconfig.v1.RouterStats\x12\x34\n\x0elast_operation\x18\x08 \x01(\x0b\x32\x1c.reconfig.v1.OperationStatus\x12\x12\n\nupdated_at\x18\t \x01(\x01*\x8e\x01\n\nStackState\x12\x1b\n\x17STACK_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14STACK_STATE_STARTING\x10\x01\x12\x17\n\x13STACK_STATE_SERVING\x10\x02\x12\x16\n\x12STACK_STATE_FROZEN\x10\x03\x12\x18\n\x14STACK_STATE_DEGRADED\x10\x04*|\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_STATE_ACTIVE\x10\x01\x12\x18\n\x14WORKER_STATE_STANDBY\x10\x02\x12\x1c\n\x18WORKER_STATE_UNREACHABLE\x10\x03*\xaa\x01\n\x0eOperationState\x12\x1f\n\x1bOPERATION_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17OPERATION_STATE_RUNNING\x10\x01\x12\x1d\n\x19OPERATION_STATE_SUCCEEDED\x10\x02\x12\x1a\n\x16OPERATION_STATE_FAILED\x10\x03\x12\x1f\n\x1bOPERATION_STATE_ROLLED_BACK\x10\x04\x32\xa9\x02\n\nController\x12\x44\n\tGetStatus\x12\x1d.reconfig.v1.GetStatusRequest\x1a\x18.reconfig.v1.StackStatus\x12J\n\x0bWatchStatus\x12\x1f.reconfig.v1.WatchStatusRequest\x1a\x18.reconfig.v1.StackStatus0\x01\x12L\n\x0bReconfigure\x12\x1f.reconfig.v1.ReconfigureRequest\x1a\x1c.reconfig.v1.OperationStatus\x12;\n\x04Plan\x12\x18.reconfig.v1.PlanRequest\x1a\x19.reconfig.v1.PlanResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1creconfig/v1/controller.proto\x12\x0breconfig.v1\x1a\x18reconfig/v1/router.proto\"K\n\x10\x41\x64\x64WorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08topology\x18\x02 \x01(\t\x12\x14\n\x0coperation_id\x18\x03 \x01(\t\"\x92\x01\n\x12ReconfigureRequest\x12\x10\n\x08topology\x18\x01 \x01(\t\x12\x14\n\x0coperation_id\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x61\x64line_seconds\x18\x03 \x01(\x01\x12\x10\n\x08strategy\x18\x04 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x05 \x01(\x08\x12\x17\n\x0flayer_partition\x18\x06 \x03(\x05\"8\n\x0bPlanRequest\x12\x10\n\x08topology\x18\x01 \x01(\t\x12\x17\n\x0flayer_partition\x18\x02 \x03(\x05\"\xdf\x01\n\nWorkerPlan\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x14\n\x0cstate_before\x18\x02 \x01(\t\x12\x13\n\x0bstate_after\x18\x03 \x01(\t\x12\x13\n\x0bkv_bytes_in\x18\x04 \x01(\x04\x12\x16\n\x0ekv_bytes_local\x18\x05 \x01(\x04\x12\x19\n\x11weight_bytes_load\x18\x06 \x01(\x04\x12\x19\n\x11weight_bytes_keep\x18\x07 \x01(\x04\x12\x18\n\x10peak_extra_bytes\x18\x08 \x01(\x04\x12\x1b\n\x13num_kv_blocks_after\x18\t \x01(\x05\"\xde\x01\n\x0cPlanResponse\x12\x15\n\rfrom_topology\x18\x01 \x01(\t\x12\x13\n\x0bto_topology\x18\x02 \x01(\t\x12(\n\x07workers\x18\x03 \x03(\x0b\x32\x17.reconfig.v1.WorkerPlan\x12\x17\n\x0fnum_used_blocks\x18\x04 \x01(\x05\x12\x1b\n\x13num_kv_blocks_after\x18\x05 \x01(\x05\x12\x1e\n\x16num_requests_preempted\x18\x06 \x01(\x05\x12\x0c\n\x04\x66its\x18\x07 \x01(\x08\x12\x14\n\x0cis_candidate\x18\x08 \x01(\x08\"\x12\n\x10GetStatusRequest\".\n\x12WatchStatusRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\"\xde\x02\n\x0cWorkerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x03\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.reconfig.v1.WorkerState\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x0f\n\x07pp_rank\x18\x06 \x01(\x05\x12\x0f\n\x07tp_rank\x18\x07 \x01(\x05\x12\x13\n\x0blayer_start\x18\x08 \x01(\x05\x12\x11\n\tlayer_end\x18\t \x01(\x05\x12\x15\n\rkv_head_start\x18\n \x01(\x05\x12\x13\n\x0bkv_head_end\x18\x0b \x01(\x05\x12\x1a\n\x12num_kv_blocks_used\x18\x0c \x01(\x05\x12\x1b\n\x13num_kv_blocks_total\x18\r \x01(\x05\x12\x13\n\x0bparam_bytes\x18\x0e \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x0f \x01(\x04\x12\r\n\x05\x65rror\x18\x10 \x01(\t\"\xe2\x03\n\x0fOperationStatus\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12*\n\x05state\x18\x03 \x01(\x0e\x32\x1b.reconfig.v1.OperationState\x12\x12\n\nstarted_at\x18\x04 \x01(\x01\x12\x10\n\x08\x65nded_at\x18\x05 \x01(\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x45\n\rphase_seconds\x18\x07 \x03(\x0b\x32..reconfig.v1.OperationStatus.PhaseSecondsEntry\x12\x15\n\rfrom_topology\x18\x08 \x01(\t\x12\x13\n\x0bto_topology\x18\t \x01(\t\x12\r\n\x05phase\x18\n \x01(\t\x12\x16\n\x0ekv_bytes_moved\x18\x0b \x01(\x04\x12\x1b\n\x13weight_bytes_loaded\x18\x0c \x01(\x04\x12\x1e\n\x16num_requests_preempted\x18\r \x01(\x05\x12\x14\n\x0c\x62uilt_groups\x18\x0e \x01(\x08\x12\x14\n\x0clost_workers\x18\x0f \x03(\t\x12\x12\n\nkv_dropped\x18\x10 \x01(\x08\x1a\x33\n\x11PhaseSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb4\x02\n\x0bStackStatus\x12\x10\n\x08topology\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.reconfig.v1.StackState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12*\n\x07workers\x18\x05 \x03(\x0b\x32\x19.reconfig.v1.WorkerStatus\x12\x16\n\x0erouter_address\x18\x06 \x01(\t\x12(\n\x06router\x18\x07 \x01(\x0b\x32\x18.reconfig.v1.RouterStats\x12\x34\n\x0elast_operation\x18\x08 \x01(\x0b\x32\x1c.reconfig.v1.OperationStatus\x12\x12\n\nupdated_at\x18\t \x01(\x01\x12\x14\n\x0clost_workers\x18\n \x03(\t*\x8e\x01\n\nStackState\x12\x1b\n\x17STACK_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14STACK_STATE_STARTING\x10\x01\x12\x17\n\x13STACK_STATE_SERVING\x10\x02\x12\x16\n\x12STACK_STATE_FROZEN\x10\x03\x12\x18\n\x14STACK_STATE_DEGRADED\x10\x04*|\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_STATE_ACTIVE\x10\x01\x12\x18\n\x14WORKER_STATE_STANDBY\x10\x02\x12\x1c\n\x18WORKER_STATE_UNREACHABLE\x10\x03*\xaa\x01\n\x0eOperationState\x12\x1f\n\x1bOPERATION_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17OPERATION_STATE_RUNNING\x10\x01\x12\x1d\n\x19OPERATION_STATE_SUCCEEDED\x10\x02\x12\x1a\n\x16OPERATION_STATE_FAILED\x10\x03\x12\x1f\n\x1bOPERATION_STATE_ROLLED_BACK\x10\x04\x32\xf3\x02\n\nController\x12\x44\n\tGetStatus\x12\x1d.reconfig.v1.GetStatusRequest\x1a\x18.reconfig.v1.StackStatus\x12J\n\x0bWatchStatus\x12\x1f.reconfig.v1.WatchStatusRequest\x1a\x18.reconfig.v1.StackStatus0\x01\x12L\n\x0bReconfigure\x12\x1f.reconfig.v1.ReconfigureRequest\x1a\x1c.reconfig.v1.OperationStatus\x12;\n\x04Plan\x12\x18.reconfig.v1.PlanRequest\x1a\x19.reconfig.v1.PlanResponse\x12H\n\tAddWorker\x12\x1d.reconfig.v1.AddWorkerRequest\x1a\x1c.reconfig.v1.OperationStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,32 +34,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_OPERATIONSTATUS_PHASESECONDSENTRY']._loaded_options = None
   _globals['_OPERATIONSTATUS_PHASESECONDSENTRY']._serialized_options = b'8\001'
-  _globals['_STACKSTATE']._serialized_start=1883
-  _globals['_STACKSTATE']._serialized_end=2025
-  _globals['_WORKERSTATE']._serialized_start=2027
-  _globals['_WORKERSTATE']._serialized_end=2151
-  _globals['_OPERATIONSTATE']._serialized_start=2154
-  _globals['_OPERATIONSTATE']._serialized_end=2324
-  _globals['_RECONFIGUREREQUEST']._serialized_start=72
-  _globals['_RECONFIGUREREQUEST']._serialized_end=218
-  _globals['_PLANREQUEST']._serialized_start=220
-  _globals['_PLANREQUEST']._serialized_end=276
-  _globals['_WORKERPLAN']._serialized_start=279
-  _globals['_WORKERPLAN']._serialized_end=502
-  _globals['_PLANRESPONSE']._serialized_start=505
-  _globals['_PLANRESPONSE']._serialized_end=727
-  _globals['_GETSTATUSREQUEST']._serialized_start=729
-  _globals['_GETSTATUSREQUEST']._serialized_end=747
-  _globals['_WATCHSTATUSREQUEST']._serialized_start=749
-  _globals['_WATCHSTATUSREQUEST']._serialized_end=795
-  _globals['_WORKERSTATUS']._serialized_start=798
-  _globals['_WORKERSTATUS']._serialized_end=1148
-  _globals['_OPERATIONSTATUS']._serialized_start=1151
-  _globals['_OPERATIONSTATUS']._serialized_end=1591
-  _globals['_OPERATIONSTATUS_PHASESECONDSENTRY']._serialized_start=1540
-  _globals['_OPERATIONSTATUS_PHASESECONDSENTRY']._serialized_end=1591
-  _globals['_STACKSTATUS']._serialized_start=1594
-  _globals['_STACKSTATUS']._serialized_end=1880
-  _globals['_CONTROLLER']._serialized_start=2327
-  _globals['_CONTROLLER']._serialized_end=2624
+  _globals['_STACKSTATE']._serialized_start=2024
+  _globals['_STACKSTATE']._serialized_end=2166
+  _globals['_WORKERSTATE']._serialized_start=2168
+  _globals['_WORKERSTATE']._serialized_end=2292
+  _globals['_OPERATIONSTATE']._serialized_start=2295
+  _globals['_OPERATIONSTATE']._serialized_end=2465
+  _globals['_ADDWORKERREQUEST']._serialized_start=71
+  _globals['_ADDWORKERREQUEST']._serialized_end=146
+  _globals['_RECONFIGUREREQUEST']._serialized_start=149
+  _globals['_RECONFIGUREREQUEST']._serialized_end=295
+  _globals['_PLANREQUEST']._serialized_start=297
+  _globals['_PLANREQUEST']._serialized_end=353
+  _globals['_WORKERPLAN']._serialized_start=356
+  _globals['_WORKERPLAN']._serialized_end=579
+  _globals['_PLANRESPONSE']._serialized_start=582
+  _globals['_PLANRESPONSE']._serialized_end=804
+  _globals['_GETSTATUSREQUEST']._serialized_start=806
+  _globals['_GETSTATUSREQUEST']._serialized_end=824
+  _globals['_WATCHSTATUSREQUEST']._serialized_start=826
+  _globals['_WATCHSTATUSREQUEST']._serialized_end=872
+  _globals['_WORKERSTATUS']._serialized_start=875
+  _globals['_WORKERSTATUS']._serialized_end=1225
+  _globals['_OPERATIONSTATUS']._serialized_start=1228
+  _globals['_OPERATIONSTATUS']._serialized_end=1710
+  _globals['_OPERATIONSTATUS_PHASESECONDSENTRY']._serialized_start=1659
+  _globals['_OPERATIONSTATUS_PHASESECONDSENTRY']._serialized_end=1710
+  _globals['_STACKSTATUS']._serialized_start=1713
+  _globals['_STACKSTATUS']._serialized_end=2021
+  _globals['_CONTROLLER']._serialized_start=2468
+  _globals['_CONTROLLER']._serialized_end=2839
 # @@protoc_insertion_point(module_scope)

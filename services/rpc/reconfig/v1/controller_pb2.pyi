@@ -45,6 +45,16 @@ OPERATION_STATE_SUCCEEDED: OperationState
 OPERATION_STATE_FAILED: OperationState
 OPERATION_STATE_ROLLED_BACK: OperationState
 
+class AddWorkerRequest(_message.Message):
+    __slots__ = ("address", "topology", "operation_id")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    topology: str
+    operation_id: str
+    def __init__(self, address: _Optional[str] = ..., topology: _Optional[str] = ..., operation_id: _Optional[str] = ...) -> None: ...
+
 class ReconfigureRequest(_message.Message):
     __slots__ = ("topology", "operation_id", "deadline_seconds", "strategy", "dry_run", "layer_partition")
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
@@ -158,7 +168,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., device: _Optional[str] = ..., address: _Optional[str] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., param_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class OperationStatus(_message.Message):
-    __slots__ = ("operation_id", "kind", "state", "started_at", "ended_at", "error", "phase_seconds", "from_topology", "to_topology", "phase", "kv_bytes_moved", "weight_bytes_loaded", "num_requests_preempted", "built_groups")
+    __slots__ = ("operation_id", "kind", "state", "started_at", "ended_at", "error", "phase_seconds", "from_topology", "to_topology", "phase", "kv_bytes_moved", "weight_bytes_loaded", "num_requests_preempted", "built_groups", "lost_workers", "kv_dropped")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +190,8 @@ class OperationStatus(_message.Message):
     WEIGHT_BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     BUILT_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    LOST_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    KV_DROPPED_FIELD_NUMBER: _ClassVar[int]
     operation_id: str
     kind: str
     state: OperationState
@@ -194,10 +206,12 @@ class OperationStatus(_message.Message):
     weight_bytes_loaded: int
     num_requests_preempted: int
     built_groups: bool
-    def __init__(self, operation_id: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[_Union[OperationState, str]] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., error: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., from_topology: _Optional[str] = ..., to_topology: _Optional[str] = ..., phase: _Optional[str] = ..., kv_bytes_moved: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., num_requests_preempted: _Optional[int] = ..., built_groups: _Optional[bool] = ...) -> None: ...
+    lost_workers: _containers.RepeatedScalarFieldContainer[str]
+    kv_dropped: bool
+    def __init__(self, operation_id: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[_Union[OperationState, str]] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., error: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., from_topology: _Optional[str] = ..., to_topology: _Optional[str] = ..., phase: _Optional[str] = ..., kv_bytes_moved: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., num_requests_preempted: _Optional[int] = ..., built_groups: _Optional[bool] = ..., lost_workers: _Optional[_Iterable[str]] = ..., kv_dropped: _Optional[bool] = ...) -> None: ...
 
 class StackStatus(_message.Message):
-    __slots__ = ("topology", "state", "reason", "model", "workers", "router_address", "router", "last_operation", "updated_at")
+    __slots__ = ("topology", "state", "reason", "model", "workers", "router_address", "router", "last_operation", "updated_at", "lost_workers")
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +221,7 @@ class StackStatus(_message.Message):
     ROUTER_FIELD_NUMBER: _ClassVar[int]
     LAST_OPERATION_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    LOST_WORKERS_FIELD_NUMBER: _ClassVar[int]
     topology: str
     state: StackState
     reason: str
@@ -216,4 +231,5 @@ class StackStatus(_message.Message):
     router: _router_pb2.RouterStats
     last_operation: OperationStatus
     updated_at: float
-    def __init__(self, topology: _Optional[str] = ..., state: _Optional[_Union[StackState, str]] = ..., reason: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., router_address: _Optional[str] = ..., router: _Optional[_Union[_router_pb2.RouterStats, _Mapping]] = ..., last_operation: _Optional[_Union[OperationStatus, _Mapping]] = ..., updated_at: _Optional[float] = ...) -> None: ...
+    lost_workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, topology: _Optional[str] = ..., state: _Optional[_Union[StackState, str]] = ..., reason: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., router_address: _Optional[str] = ..., router: _Optional[_Union[_router_pb2.RouterStats, _Mapping]] = ..., last_operation: _Optional[_Union[OperationStatus, _Mapping]] = ..., updated_at: _Optional[float] = ..., lost_workers: _Optional[_Iterable[str]] = ...) -> None: ...

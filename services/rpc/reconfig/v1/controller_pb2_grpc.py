@@ -56,6 +56,11 @@ class ControllerStub:
                 request_serializer=reconfig_dot_v1_dot_controller__pb2.PlanRequest.SerializeToString,
                 response_deserializer=reconfig_dot_v1_dot_controller__pb2.PlanResponse.FromString,
                 _registered_method=True)
+        self.AddWorker = channel.unary_unary(
+                '/reconfig.v1.Controller/AddWorker',
+                request_serializer=reconfig_dot_v1_dot_controller__pb2.AddWorkerRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_controller__pb2.OperationStatus.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -98,6 +103,16 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddWorker(self, request, context):
+        """Brings a new worker (started in join mode, e.g. to replace a lost one) into the world as a
+        standby; with `topology`, switches into it afterwards (an ordinary Reconfigure). Returns when
+        the operation ended. INVALID_ARGUMENT: not a joining worker, or a bad address or topology.
+        FAILED_PRECONDITION: another operation is running.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -120,6 +135,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.Plan,
                     request_deserializer=reconfig_dot_v1_dot_controller__pb2.PlanRequest.FromString,
                     response_serializer=reconfig_dot_v1_dot_controller__pb2.PlanResponse.SerializeToString,
+            ),
+            'AddWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddWorker,
+                    request_deserializer=reconfig_dot_v1_dot_controller__pb2.AddWorkerRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_controller__pb2.OperationStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -232,6 +252,33 @@ class Controller:
             '/reconfig.v1.Controller/Plan',
             reconfig_dot_v1_dot_controller__pb2.PlanRequest.SerializeToString,
             reconfig_dot_v1_dot_controller__pb2.PlanResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Controller/AddWorker',
+            reconfig_dot_v1_dot_controller__pb2.AddWorkerRequest.SerializeToString,
+            reconfig_dot_v1_dot_controller__pb2.OperationStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.rpc.reconfig.v1 import worker_pb2 as reconfig_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18reconfig/v1/router.proto\x12\x0breconfig.v1\x1a\x18reconfig/v1/worker.proto\"\xcc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.reconfig.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\x90\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.reconfig.v1.Usage\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"(\n\rFreezeRequest\x12\x17\n\x0ftimeout_seconds\x18\x01 \x01(\x01\"9\n\x0e\x46reezeResponse\x12\'\n\x05stats\x18\x01 \x01(\x0b\x32\x18.reconfig.v1.RouterStats\"@\n\rRebindRequest\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\x05\x12\x18\n\x10worker_addresses\x18\x02 \x03(\t\"Q\n\x0eRebindResponse\x12\'\n\x05stats\x18\x01 \x01(\x0b\x32\x18.reconfig.v1.RouterStats\x12\x16\n\x0eused_block_ids\x18\x02 \x03(\x05\"\xad\x02\n\x0cSwitchReport\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x15\n\rfrom_topology\x18\x02 \x01(\t\x12\x13\n\x0bto_topology\x18\x03 \x01(\t\x12\x42\n\rphase_seconds\x18\x04 \x03(\x0b\x32+.reconfig.v1.SwitchReport.PhaseSecondsEntry\x12\x16\n\x0ekv_bytes_moved\x18\x05 \x01(\x04\x12\x1b\n\x13weight_bytes_loaded\x18\x06 \x01(\x04\x12\x1e\n\x16num_requests_preempted\x18\x07 \x01(\x05\x12\r\n\x05state\x18\x08 \x01(\t\x1a\x33\n\x11PhaseSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\":\n\rResumeRequest\x12)\n\x06switch\x18\x01 \x01(\x0b\x32\x19.reconfig.v1.SwitchReport\"9\n\x0eResumeResponse\x12\'\n\x05stats\x18\x01 \x01(\x0b\x32\x18.reconfig.v1.RouterStats\"\x0e\n\x0cStatsRequest\"\xca\x02\n\x0bRouterStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x1b\n\x13num_kv_blocks_total\x18\x03 \x01(\x05\x12\x1a\n\x12num_kv_blocks_used\x18\x04 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\x04\x12\x1d\n\x15num_generation_tokens\x18\x07 \x01(\x04\x12\x10\n\x08topology\x18\x08 \x01(\t\x12\x11\n\tis_frozen\x18\t \x01(\x08\x12\x32\n\x05\x65xtra\x18\n \x03(\x0b\x32#.reconfig.v1.RouterStats.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xda\x02\n\x06Router\x12I\n\x08Generate\x12\x1c.reconfig.v1.GenerateRequest\x1a\x1d.reconfig.v1.GenerateResponse0\x01\x12\x41\n\x06\x46reeze\x12\x1a.reconfig.v1.FreezeRequest\x1a\x1b.reconfig.v1.FreezeResponse\x12\x41\n\x06Rebind\x12\x1a.reconfig.v1.RebindRequest\x1a\x1b.reconfig.v1.RebindResponse\x12\x41\n\x06Resume\x12\x1a.reconfig.v1.ResumeRequest\x1a\x1b.reconfig.v1.ResumeResponse\x12<\n\x05Stats\x12\x19.reconfig.v1.StatsRequest\x1a\x18.reconfig.v1.RouterStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18reconfig/v1/router.proto\x12\x0breconfig.v1\x1a\x18reconfig/v1/worker.proto\"\xcc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.reconfig.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\x90\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.reconfig.v1.Usage\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"?\n\rFreezeRequest\x12\x17\n\x0ftimeout_seconds\x18\x01 \x01(\x01\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\"9\n\x0e\x46reezeResponse\x12\'\n\x05stats\x18\x01 \x01(\x0b\x32\x18.reconfig.v1.RouterStats\"Q\n\rRebindRequest\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\x05\x12\x18\n\x10worker_addresses\x18\x02 \x03(\t\x12\x0f\n\x07\x64rop_kv\x18\x03 \x01(\x08\"Q\n\x0eRebindResponse\x12\'\n\x05stats\x18\x01 \x01(\x0b\x32\x18.reconfig.v1.RouterStats\x12\x16\n\x0eused_block_ids\x18\x02 \x03(\x05\"\xad\x02\n\x0cSwitchReport\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x15\n\rfrom_topology\x18\x02 \x01(\t\x12\x13\n\x0bto_topology\x18\x03 \x01(\t\x12\x42\n\rphase_seconds\x18\x04 \x03(\x0b\x32+.reconfig.v1.SwitchReport.PhaseSecondsEntry\x12\x16\n\x0ekv_bytes_moved\x18\x05 \x01(\x04\x12\x1b\n\x13weight_bytes_loaded\x18\x06 \x01(\x04\x12\x1e\n\x16num_requests_preempted\x18\x07 \x01(\x05\x12\r\n\x05state\x18\x08 \x01(\t\x1a\x33\n\x11PhaseSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\":\n\rResumeRequest\x12)\n\x06switch\x18\x01 \x01(\x0b\x32\x19.reconfig.v1.SwitchReport\"9\n\x0eResumeResponse\x12\'\n\x05stats\x18\x01 \x01(\x0b\x32\x18.reconfig.v1.RouterStats\"\x0e\n\x0cStatsRequest\"\xdb\x02\n\x0bRouterStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x1b\n\x13num_kv_blocks_total\x18\x03 \x01(\x05\x12\x1a\n\x12num_kv_blocks_used\x18\x04 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\x04\x12\x1d\n\x15num_generation_tokens\x18\x07 \x01(\x04\x12\x10\n\x08topology\x18\x08 \x01(\t\x12\x11\n\tis_frozen\x18\t \x01(\x08\x12\x32\n\x05\x65xtra\x18\n \x03(\x0b\x32#.reconfig.v1.RouterStats.ExtraEntry\x12\x0f\n\x07stalled\x18\x0b \x01(\t\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xda\x02\n\x06Router\x12I\n\x08Generate\x12\x1c.reconfig.v1.GenerateRequest\x1a\x1d.reconfig.v1.GenerateResponse0\x01\x12\x41\n\x06\x46reeze\x12\x1a.reconfig.v1.FreezeRequest\x1a\x1b.reconfig.v1.FreezeResponse\x12\x41\n\x06Rebind\x12\x1a.reconfig.v1.RebindRequest\x1a\x1b.reconfig.v1.RebindResponse\x12\x41\n\x06Resume\x12\x1a.reconfig.v1.ResumeRequest\x1a\x1b.reconfig.v1.ResumeResponse\x12<\n\x05Stats\x12\x19.reconfig.v1.StatsRequest\x1a\x18.reconfig.v1.RouterStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,27 +43,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_start=334
   _globals['_GENERATERESPONSE']._serialized_end=478
   _globals['_FREEZEREQUEST']._serialized_start=480
-  _globals['_FREEZEREQUEST']._serialized_end=520
-  _globals['_FREEZERESPONSE']._serialized_start=522
-  _globals['_FREEZERESPONSE']._serialized_end=579
-  _globals['_REBINDREQUEST']._serialized_start=581
-  _globals['_REBINDREQUEST']._serialized_end=645
-  _globals['_REBINDRESPONSE']._serialized_start=647
-  _globals['_REBINDRESPONSE']._serialized_end=728
-  _globals['_SWITCHREPORT']._serialized_start=731
-  _globals['_SWITCHREPORT']._serialized_end=1032
-  _globals['_SWITCHREPORT_PHASESECONDSENTRY']._serialized_start=981
-  _globals['_SWITCHREPORT_PHASESECONDSENTRY']._serialized_end=1032
-  _globals['_RESUMEREQUEST']._serialized_start=1034
-  _globals['_RESUMEREQUEST']._serialized_end=1092
-  _globals['_RESUMERESPONSE']._serialized_start=1094
-  _globals['_RESUMERESPONSE']._serialized_end=1151
-  _globals['_STATSREQUEST']._serialized_start=1153
-  _globals['_STATSREQUEST']._serialized_end=1167
-  _globals['_ROUTERSTATS']._serialized_start=1170
-  _globals['_ROUTERSTATS']._serialized_end=1500
-  _globals['_ROUTERSTATS_EXTRAENTRY']._serialized_start=1456
-  _globals['_ROUTERSTATS_EXTRAENTRY']._serialized_end=1500
-  _globals['_ROUTER']._serialized_start=1503
-  _globals['_ROUTER']._serialized_end=1849
+  _globals['_FREEZEREQUEST']._serialized_end=543
+  _globals['_FREEZERESPONSE']._serialized_start=545
+  _globals['_FREEZERESPONSE']._serialized_end=602
+  _globals['_REBINDREQUEST']._serialized_start=604
+  _globals['_REBINDREQUEST']._serialized_end=685
+  _globals['_REBINDRESPONSE']._serialized_start=687
+  _globals['_REBINDRESPONSE']._serialized_end=768
+  _globals['_SWITCHREPORT']._serialized_start=771
+  _globals['_SWITCHREPORT']._serialized_end=1072
+  _globals['_SWITCHREPORT_PHASESECONDSENTRY']._serialized_start=1021
+  _globals['_SWITCHREPORT_PHASESECONDSENTRY']._serialized_end=1072
+  _globals['_RESUMEREQUEST']._serialized_start=1074
+  _globals['_RESUMEREQUEST']._serialized_end=1132
+  _globals['_RESUMERESPONSE']._serialized_start=1134
+  _globals['_RESUMERESPONSE']._serialized_end=1191
+  _globals['_STATSREQUEST']._serialized_start=1193
+  _globals['_STATSREQUEST']._serialized_end=1207
+  _globals['_ROUTERSTATS']._serialized_start=1210
+  _globals['_ROUTERSTATS']._serialized_end=1557
+  _globals['_ROUTERSTATS_EXTRAENTRY']._serialized_start=1513
+  _globals['_ROUTERSTATS_EXTRAENTRY']._serialized_end=1557
+  _globals['_ROUTER']._serialized_start=1560
+  _globals['_ROUTER']._serialized_end=1906
 # @@protoc_insertion_point(module_scope)

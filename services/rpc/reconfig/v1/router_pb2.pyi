@@ -52,10 +52,12 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class FreezeRequest(_message.Message):
-    __slots__ = ("timeout_seconds",)
+    __slots__ = ("timeout_seconds", "lease_seconds")
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     timeout_seconds: float
-    def __init__(self, timeout_seconds: _Optional[float] = ...) -> None: ...
+    lease_seconds: float
+    def __init__(self, timeout_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class FreezeResponse(_message.Message):
     __slots__ = ("stats",)
@@ -64,12 +66,14 @@ class FreezeResponse(_message.Message):
     def __init__(self, stats: _Optional[_Union[RouterStats, _Mapping]] = ...) -> None: ...
 
 class RebindRequest(_message.Message):
-    __slots__ = ("num_kv_blocks", "worker_addresses")
+    __slots__ = ("num_kv_blocks", "worker_addresses", "drop_kv")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    DROP_KV_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     worker_addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., worker_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    drop_kv: bool
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., worker_addresses: _Optional[_Iterable[str]] = ..., drop_kv: _Optional[bool] = ...) -> None: ...
 
 class RebindResponse(_message.Message):
     __slots__ = ("stats", "used_block_ids")
@@ -123,7 +127,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RouterStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_total", "num_kv_blocks_used", "num_preemptions", "num_prompt_tokens", "num_generation_tokens", "topology", "is_frozen", "extra")
+    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_total", "num_kv_blocks_used", "num_preemptions", "num_prompt_tokens", "num_generation_tokens", "topology", "is_frozen", "extra", "stalled")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +145,7 @@ class RouterStats(_message.Message):
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     IS_FROZEN_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_kv_blocks_total: int
@@ -151,4 +156,5 @@ class RouterStats(_message.Message):
     topology: str
     is_frozen: bool
     extra: _containers.ScalarMap[str, float]
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., topology: _Optional[str] = ..., is_frozen: _Optional[bool] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    stalled: str
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., topology: _Optional[str] = ..., is_frozen: _Optional[bool] = ..., extra: _Optional[_Mapping[str, float]] = ..., stalled: _Optional[str] = ...) -> None: ...

@@ -6,6 +6,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RegroupRequest(_message.Message):
+    __slots__ = ("generation", "rank", "world_size", "topology", "layer_partition", "operation_id")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    LAYER_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    rank: int
+    world_size: int
+    topology: str
+    layer_partition: _containers.RepeatedScalarFieldContainer[int]
+    operation_id: str
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ..., operation_id: _Optional[str] = ...) -> None: ...
+
+class RegroupResponse(_message.Message):
+    __slots__ = ("previous_rank", "kv_intact", "info")
+    PREVIOUS_RANK_FIELD_NUMBER: _ClassVar[int]
+    KV_INTACT_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    previous_rank: int
+    kv_intact: bool
+    info: WorkerInfo
+    def __init__(self, previous_rank: _Optional[int] = ..., kv_intact: _Optional[bool] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
+
 class PrepareSwitchRequest(_message.Message):
     __slots__ = ("topology", "layer_partition")
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
@@ -51,7 +77,7 @@ class PeerPool(_message.Message):
     def __init__(self, kv_segments: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class ApplySwitchRequest(_message.Message):
-    __slots__ = ("operation_id", "topology", "layer_partition", "num_kv_blocks", "used_block_ids", "peers", "kv_channel")
+    __slots__ = ("operation_id", "topology", "layer_partition", "num_kv_blocks", "used_block_ids", "peers", "kv_channel", "old_ranks", "drop_kv")
     class PeersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +92,8 @@ class ApplySwitchRequest(_message.Message):
     USED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     KV_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    OLD_RANKS_FIELD_NUMBER: _ClassVar[int]
+    DROP_KV_FIELD_NUMBER: _ClassVar[int]
     operation_id: str
     topology: str
     layer_partition: _containers.RepeatedScalarFieldContainer[int]
@@ -73,7 +101,9 @@ class ApplySwitchRequest(_message.Message):
     used_block_ids: _containers.RepeatedScalarFieldContainer[int]
     peers: _containers.MessageMap[int, PeerPool]
     kv_channel: str
-    def __init__(self, operation_id: _Optional[str] = ..., topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., used_block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[_Mapping[int, PeerPool]] = ..., kv_channel: _Optional[str] = ...) -> None: ...
+    old_ranks: _containers.RepeatedScalarFieldContainer[int]
+    drop_kv: bool
+    def __init__(self, operation_id: _Optional[str] = ..., topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., used_block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[_Mapping[int, PeerPool]] = ..., kv_channel: _Optional[str] = ..., old_ranks: _Optional[_Iterable[int]] = ..., drop_kv: _Optional[bool] = ...) -> None: ...
 
 class ApplySwitchResponse(_message.Message):
     __slots__ = ("kv_bytes_received", "kv_bytes_local", "weight_bytes_loaded", "weight_bytes_reused", "migrate_seconds", "reload_seconds", "peak_extra_bytes", "built_groups", "info", "apply_seconds")
@@ -168,7 +198,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("rank", "world_size", "pid", "topology", "pp_rank", "tp_rank", "layer_start", "layer_end", "kv_head_start", "kv_head_end", "num_kv_blocks", "block_size", "kv_cache_bytes", "param_bytes", "device", "candidate_topologies", "rss_bytes", "state")
+    __slots__ = ("rank", "world_size", "pid", "topology", "pp_rank", "tp_rank", "layer_start", "layer_end", "kv_head_start", "kv_head_end", "num_kv_blocks", "block_size", "kv_cache_bytes", "param_bytes", "device", "candidate_topologies", "rss_bytes", "state", "generation")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +217,7 @@ class WorkerInfo(_message.Message):
     CANDIDATE_TOPOLOGIES_FIELD_NUMBER: _ClassVar[int]
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     pid: int
@@ -205,7 +236,8 @@ class WorkerInfo(_message.Message):
     candidate_topologies: _containers.RepeatedScalarFieldContainer[str]
     rss_bytes: int
     state: str
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., topology: _Optional[str] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., param_bytes: _Optional[int] = ..., device: _Optional[str] = ..., candidate_topologies: _Optional[_Iterable[str]] = ..., rss_bytes: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+    generation: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., topology: _Optional[str] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., param_bytes: _Optional[int] = ..., device: _Optional[str] = ..., candidate_topologies: _Optional[_Iterable[str]] = ..., rss_bytes: _Optional[int] = ..., state: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ()

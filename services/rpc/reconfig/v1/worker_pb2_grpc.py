@@ -61,6 +61,11 @@ class WorkerStub:
                 request_serializer=reconfig_dot_v1_dot_worker__pb2.ApplySwitchRequest.SerializeToString,
                 response_deserializer=reconfig_dot_v1_dot_worker__pb2.ApplySwitchResponse.FromString,
                 _registered_method=True)
+        self.Regroup = channel.unary_unary(
+                '/reconfig.v1.Worker/Regroup',
+                request_serializer=reconfig_dot_v1_dot_worker__pb2.RegroupRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_worker__pb2.RegroupResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -108,6 +113,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Regroup(self, request, context):
+        """Leaves the current torch.distributed world (after a worker was lost, or to let a new one in)
+        and joins a new one: generation `generation`, this worker at `rank` of `world_size`. Every
+        member of the new world must receive it. The shard and the KV cache are kept, but the layout
+        is not runnable until the next ApplySwitch (which rebuilds the groups' users).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -135,6 +150,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ApplySwitch,
                     request_deserializer=reconfig_dot_v1_dot_worker__pb2.ApplySwitchRequest.FromString,
                     response_serializer=reconfig_dot_v1_dot_worker__pb2.ApplySwitchResponse.SerializeToString,
+            ),
+            'Regroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Regroup,
+                    request_deserializer=reconfig_dot_v1_dot_worker__pb2.RegroupRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_worker__pb2.RegroupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -274,6 +294,33 @@ class Worker:
             '/reconfig.v1.Worker/ApplySwitch',
             reconfig_dot_v1_dot_worker__pb2.ApplySwitchRequest.SerializeToString,
             reconfig_dot_v1_dot_worker__pb2.ApplySwitchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Regroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Worker/Regroup',
+            reconfig_dot_v1_dot_worker__pb2.RegroupRequest.SerializeToString,
+            reconfig_dot_v1_dot_worker__pb2.RegroupResponse.FromString,
             options,
             channel_credentials,
             insecure,
