@@ -17,6 +17,7 @@ from services.controller.client import (
     fetch_plan,
     fetch_status,
     resolve_target,
+    run_add_worker,
     run_reconfigure,
 )
 from services.controller.progress import PhaseDisplay, format_bytes, operation_lines, ordered_phases, outcome_line
@@ -64,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     reconfigure.add_argument("--deadline", type=float, default=0.0, metavar="S",
                              help="give up and restore the old layout after S seconds (default: the controller's)")
     reconfigure.add_argument("--dry-run", action="store_true", help="only say what the switch would move")
+    add = commands.add_parser("add-worker", parents=[common],
+                              help="bring a worker started in join mode (a replacement) into the stack")
+    add.add_argument("address", metavar="ADDRESS", help="the joining worker's host:port")
+    add.add_argument("--topology", default="", help="switch into this layout once it has joined (e.g. tp2pp2)")
+    add.add_argument("--operation-id", default="", help="idempotency key (default: a new one)")
+    add.add_argument("--json", action="store_true", help="print the result as JSON")
     return parser
 
 
@@ -100,6 +107,10 @@ def _operation_line(op: OperationStatus | None) -> str:
         line += "; " + ", ".join(f"{phase} {seconds:.3f} s" for phase, seconds in ordered_phases(op.phase_seconds))
     if op.built_groups:
         line += "; slow path: the target's process groups were built during the switch"
+    if op.lost_workers:
+        line += f"; lost {', '.join(op.lost_workers)}"
+    if op.kv_dropped:
+        line += "; KV dropped: the running requests re-prefilled"
     if op.error:
         line += f"; error: {op.error}"
     return line
@@ -214,7 +225,18 @@ def _reconfigure_command(args: argparse.Namespace, target: Target) -> int:
     return EXIT_OK
 
 
-_COMMANDS = {"status": _status_command, "plan": _plan_command, "reconfigure": _reconfigure_command}
+def _add_worker_command(args: argparse.Namespace, target: Target) -> int:
+    request = controller_pb2.AddWorkerRequest(address=args.address, topology=args.topology,
+                                              operation_id=args.operation_id or uuid.uuid4().hex[:12])
+    op = run_add_worker(target, request, args.timeout)
+    print(json.dumps(op.to_json(), indent=2) if args.json else "\n".join([outcome_line(op), *operation_lines(op)]))
+    if op.state is not OperationState.SUCCEEDED:
+        raise CommandFailed(f"operation {op.operation_id} {op.state.name}: {op.error or 'no reason given'}")
+    return EXIT_OK
+
+
+_COMMANDS = {"status": _status_command, "plan": _plan_command, "reconfigure": _reconfigure_command,
+             "add-worker": _add_worker_command}
 
 
 def main(argv: list[str] | None = None) -> int:

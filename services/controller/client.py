@@ -120,6 +120,18 @@ def run_reconfigure(target: Target, request: controller_pb2.ReconfigureRequest, 
     return OperationStatus.from_pb(pb)
 
 
+def run_add_worker(target: Target, request: controller_pb2.AddWorkerRequest,
+                   timeout_s: float | None) -> OperationStatus:
+    """Controller.AddWorker: returns once the worker has joined (and the optional switch has ended)."""
+    with grpc.insecure_channel(target.controller_address) as channel:
+        stub = controller_pb2_grpc.ControllerStub(channel)
+        try:
+            pb = stub.AddWorker(request, timeout=timeout_s, metadata=auth_metadata(target.token))
+        except grpc.RpcError as exc:
+            raise _rpc_failure(exc, target) from None
+    return OperationStatus.from_pb(pb)
+
+
 def _follow(watch, operation_id: str, display: PhaseDisplay) -> None:
     """Feed the display every status of one operation until the stream is cancelled."""
     try:

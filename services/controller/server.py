@@ -31,15 +31,15 @@ def make_reconfigurer(state: ControllerState) -> Reconfigurer | None:
     config = state.config
     if not config.model_dir or state.router_stub is None:
         return None
-    return Reconfigurer(state, ModelSpec.from_dir(config.model_dir), state.worker_stubs, state.router_stub,
+    return Reconfigurer(state, ModelSpec.from_dir(config.model_dir), None, state.router_stub,
                         config.token, rpc_timeout_s=config.switch_rpc_timeout_s)
 
 
-async def start_controller_grpc(state: ControllerState, host: str, port: int,
-                                token: str) -> tuple[grpc.aio.Server, int]:
+async def start_controller_grpc(state: ControllerState, host: str, port: int, token: str,
+                                servicer: ControllerServicer | None = None) -> tuple[grpc.aio.Server, int]:
     """Start the Controller service (every RPC needs the token); returns the server and the bound port."""
     server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token, protect_all), ErrorInterceptor()])
-    servicer = ControllerServicer(state, make_reconfigurer(state))
+    servicer = servicer or ControllerServicer(state, make_reconfigurer(state))
     controller_pb2_grpc.add_ControllerServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
@@ -73,9 +73,13 @@ async def serve_controller(config: ControllerConfig, on_ready: Callable[[int], N
     remove_handlers = _stop_on_signals(stop) if handle_signals else (lambda: None)
     server: grpc.aio.Server | None = None
     refresher: asyncio.Task | None = None
+    watcher: asyncio.Task | None = None
     try:
-        server, port = await start_controller_grpc(state, config.host, config.port, config.token)
+        servicer = ControllerServicer(state, make_reconfigurer(state))
+        server, port = await start_controller_grpc(state, config.host, config.port, config.token, servicer)
         refresher = asyncio.create_task(state.run(), name="controller-refresh")
+        if servicer.recoverer is not None:  # heartbeats and router stalls trigger a recovery
+            watcher = asyncio.create_task(servicer.recoverer.watch(), name="controller-recovery")
         log.info("controller.ready", port=port, topology=config.topology, workers=len(config.worker_addresses),
                  router=config.router_grpc_address)
         if on_ready is not None:
@@ -84,10 +88,11 @@ async def serve_controller(config: ControllerConfig, on_ready: Callable[[int], N
         log.info("controller.stopping")
     finally:
         remove_handlers()
-        if refresher is not None:
-            refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await refresher
+        for task in (watcher, refresher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if server is not None:
             await server.stop(_GRACE_S)
         await state.close()

@@ -9,6 +9,7 @@ import grpc
 from services.controller.state import ControllerState
 from services.controller.status import OperationState, OperationStatus
 from services.controller.plan import plan_switch
+from services.controller.recovery import Recoverer
 from services.controller.transaction import OperationBusy, Reconfigurer, check_deadline, status_code_for
 from services.topology import TopologyError
 from services.rpc.reconfig.v1 import controller_pb2_grpc
@@ -16,12 +17,21 @@ from services.rpc.reconfig.v1 import controller_pb2_grpc
 MIN_WATCH_INTERVAL_S = 0.1  # a client cannot make the controller spin
 
 
+def check_address(address: str) -> None:
+    """ValueError unless `address` reads host:port."""
+    host, _, port = address.rpartition(":")
+    if not host or any(c.isspace() for c in host) or not port.isdigit() or not 0 < int(port) < 1 << 16:
+        raise ValueError(f"worker address {address!r} is not host:port")
+
+
 class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     """GetStatus and WatchStatus over ControllerState; Reconfigure and Plan over the Reconfigurer."""
 
-    def __init__(self, state: ControllerState, reconfigurer: Reconfigurer | None = None) -> None:
+    def __init__(self, state: ControllerState, reconfigurer: Reconfigurer | None = None,
+                 recoverer: Recoverer | None = None) -> None:
         self.state = state
         self.reconfigurer = reconfigurer
+        self.recoverer = recoverer or (Recoverer(reconfigurer) if reconfigurer is not None else None)
 
     async def GetStatus(self, request, context):  # noqa: N802 (gRPC naming)
         """The state of the stack, refreshed before answering."""
@@ -65,6 +75,16 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             return await plan_switch(reconfigurer, request.topology, request.layer_partition)
         except (TopologyError, ValueError) as exc:
             await context.abort(status_code_for(exc), str(exc))
+
+    async def AddWorker(self, request, context):  # noqa: N802
+        """Bring a joining worker into the world (and optionally switch into a layout that uses it)."""
+        await self._reconfigurer(context)
+        try:
+            check_address(request.address)
+            operation = await self.recoverer.add_worker(request.address, request.topology, request.operation_id)
+        except (TopologyError, ValueError, OperationBusy) as exc:
+            await context.abort(status_code_for(exc), str(exc))
+        return operation.to_pb()
 
     async def _reconfigurer(self, context) -> Reconfigurer:
         if self.reconfigurer is None:

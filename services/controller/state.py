@@ -39,6 +39,7 @@ class ControllerConfig:
     model_dir: str = ""                        # checkpoint directory: Reconfigure validates targets against it
     switch_rpc_timeout_s: float = 120.0        # deadline of each RPC of a Reconfigure transaction
     state_file: str = ""                       # where the live layout and the last operation survive a restart
+    heartbeat_misses: int = 2                  # refreshes a worker may miss in a row before it counts as lost
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -64,8 +65,14 @@ class ControllerState:
         self.topology = Topology.parse(config.topology)  # the controller is the only writer of the live layout
         self.layer_partition: tuple[int, ...] | None = None
         self.last_operation: OperationStatus | None = None
+        # The world: members by rank (a recovery renumbers them), its generation, and who was lost since start.
+        self.worker_addresses: list[str] = list(config.worker_addresses)
+        self.full_size = len(config.worker_addresses)  # full strength: DEGRADED while fewer members
+        self.generation = 0
+        self.lost_workers: list[str] = []
+        self.misses: dict[str, int] = {}  # heartbeats missed in a row, by member address
+        self._worker_channels: dict[str, grpc.aio.Channel] = {}
         self._channels: list[grpc.aio.Channel] = []
-        self._worker_stubs: list[worker_pb2_grpc.WorkerStub] = []
         self._router_stub: router_pb2_grpc.RouterStub | None = None
         self._status = StackStatus(topology=str(self.topology), state=StackState.STARTING, model=config.model,
                                    reason="waiting for the first refresh", router_address=self._router_address)
@@ -79,10 +86,8 @@ class ControllerState:
 
     async def open(self) -> None:
         """Open the channels to the workers and the router (they connect lazily)."""
-        for address in self.config.worker_addresses:
-            channel = grpc.aio.insecure_channel(address)
-            self._channels.append(channel)
-            self._worker_stubs.append(worker_pb2_grpc.WorkerStub(channel))
+        for address in self.worker_addresses:
+            self._worker_channels[address] = grpc.aio.insecure_channel(address)
         if self.config.router_grpc_address:
             channel = grpc.aio.insecure_channel(self.config.router_grpc_address)
             self._channels.append(channel)
@@ -94,9 +99,10 @@ class ControllerState:
             self._refresh.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresh
-        for channel in self._channels:
+        for channel in [*self._channels, *self._worker_channels.values()]:
             await channel.close()
         self._channels.clear()
+        self._worker_channels.clear()
 
     @property
     def status(self) -> StackStatus:
@@ -118,13 +124,37 @@ class ControllerState:
         """The status once its version differs from `version`, or after `timeout_s` whatever it is."""
         changed = self._changed
         if self._version == version:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), timeout_s)
+            # asyncio.wait, not wait_for: on Python 3.11 wait_for can swallow a cancellation that arrives as the
+            # wait ends, and a watcher loop would then never stop.
+            waiter = asyncio.ensure_future(changed.wait())
+            try:
+                await asyncio.wait({waiter}, timeout=timeout_s)
+            finally:
+                waiter.cancel()
         return self._status
 
     @property
     def worker_stubs(self) -> list[worker_pb2_grpc.WorkerStub]:
-        return self._worker_stubs
+        """One stub per member, by rank."""
+        return [worker_pb2_grpc.WorkerStub(self._worker_channels[a]) for a in self.worker_addresses]
+
+    def stub_for(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        """A stub for a member or a worker about to join (its channel is kept)."""
+        if address not in self._worker_channels:
+            self._worker_channels[address] = grpc.aio.insecure_channel(address)
+        return worker_pb2_grpc.WorkerStub(self._worker_channels[address])
+
+    async def set_members(self, addresses: list[str], generation: int, lost: list[str]) -> None:
+        """Commit a new world (only a recovery or AddWorker calls this): its members by rank and generation, and
+        the workers lost from it; channels of workers that left are closed."""
+        self.worker_addresses, self.generation = list(addresses), generation
+        self.lost_workers = [a for a in dict.fromkeys([*self.lost_workers, *lost]) if a not in addresses]
+        if len(self.worker_addresses) >= self.full_size:  # back at full strength: the lost ones are replaced
+            self.lost_workers = []
+        for address in [a for a in self._worker_channels if a not in addresses]:
+            await self._worker_channels.pop(address).close()
+        self.misses = {a: n for a, n in self.misses.items() if a in addresses}
+        self._save()  # the next refresh shows the new table
 
     @property
     def router_stub(self) -> router_pb2_grpc.RouterStub | None:
@@ -151,14 +181,19 @@ class ControllerState:
                 operation = saved.get("last_operation")
                 if operation:
                     operation["state"] = OperationState[operation["state"]]
+                    operation["lost_workers"] = tuple(operation.get("lost_workers", ()))
                     self.last_operation = OperationStatus(**operation)
                 self.layer_partition = tuple(saved["layer_partition"]) if saved.get("layer_partition") else None
+                if saved.get("worker_addresses"):  # the world after recoveries, not the start-up list
+                    await self.set_members(saved["worker_addresses"], int(saved.get("generation", 0)),
+                                           list(saved.get("lost_workers", ())))
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("controller.state_file_unreadable", path=self.config.state_file, error=str(exc))
-        infos = [i for i in await asyncio.gather(*(self._worker_info(s) for s in self._worker_stubs))
+        infos = [i for i in await asyncio.gather(*(self._worker_info(s) for s in self.worker_stubs))
                  if not isinstance(i, str)]
+        self.generation = max([self.generation, *(i.generation for i in infos)])
         live = {i.topology for i in infos if i.num_kv_blocks > 0}
-        if len(live) == 1 and len(infos) == len(self._worker_stubs):
+        if len(live) == 1 and len(infos) == len(self.worker_addresses):
             topology = Topology.parse(live.pop())
             if topology != self.topology:
                 log.warning("controller.recovered_topology", configured=str(self.topology), live=str(topology))
@@ -170,6 +205,8 @@ class ControllerState:
             return
         op = self.last_operation
         saved = {"topology": str(self.topology), "layer_partition": list(self.layer_partition or ()),
+                 "worker_addresses": self.worker_addresses, "generation": self.generation,
+                 "lost_workers": self.lost_workers,
                  "last_operation": None if op is None else {**dataclasses.asdict(op), "state": op.state.name}}
         temporary = f"{self.config.state_file}.tmp"
         with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
@@ -186,13 +223,22 @@ class ControllerState:
             await asyncio.sleep(self.config.refresh_interval_s)
 
     async def _refresh_once(self) -> StackStatus:
+        addresses = list(self.worker_addresses)
         infos, router = await asyncio.gather(
-            asyncio.gather(*(self._worker_info(stub) for stub in self._worker_stubs)),
+            asyncio.gather(*(self._worker_info(self.stub_for(a)) for a in addresses)),
             self._router_stats(),
         )
+        if addresses != self.worker_addresses:  # the world changed meanwhile: this round describes the old one
+            return self._status
+        for address, info in zip(addresses, infos, strict=True):  # heartbeats: GetInfo is the beat
+            self.misses[address] = self.misses.get(address, 0) + 1 if isinstance(info, str) else 0
         status = self._build(infos, router)
         self._publish(status)
         return status
+
+    def lost_members(self) -> list[str]:
+        """Members that missed `heartbeat_misses` heartbeats in a row."""
+        return [a for a in self.worker_addresses if self.misses.get(a, 0) >= self.config.heartbeat_misses]
 
     async def _worker_info(self, stub: worker_pb2_grpc.WorkerStub) -> worker_pb2.WorkerInfo | str:
         try:
@@ -222,11 +268,14 @@ class ControllerState:
             reasons.append(f"router schedules for {router.topology}, the live topology is {live}")
         used = router.num_kv_blocks_used if router is not None else 0
         workers = []
-        for rank, (address, info) in enumerate(zip(self.config.worker_addresses, infos, strict=True)):
+        for rank, (address, info) in enumerate(zip(self.worker_addresses, infos, strict=True)):
             worker = self._worker_status(rank, address, info, live, used)
             if worker.error:
                 reasons.append(f"worker {rank} ({address}) {worker.error}")
             workers.append(worker)
+        if router is not None and router.stalled:
+            reasons.append(f"the router cannot run steps: {router.stalled}")
+        reasons.extend(self._membership_reasons())
         if reasons:
             state, reason = StackState.DEGRADED, "; ".join(reasons)
         elif router is not None and router.is_frozen:
@@ -235,8 +284,15 @@ class ControllerState:
             state, reason = StackState.SERVING, ""
         status = StackStatus(topology=live, state=state, model=self.config.model, reason=reason,
                              workers=tuple(workers), router_address=self._router_address, router=router,
-                             updated_at=time.time())
+                             updated_at=time.time(), lost_workers=tuple(self.lost_workers))
         return self._with_operation(status)
+
+    def _membership_reasons(self) -> list[str]:
+        if not self.lost_workers and len(self.worker_addresses) >= self.full_size:
+            return []
+        lost = f"lost {', '.join(self.lost_workers)}; " if self.lost_workers else ""
+        return [f"{lost}serving on {len(self.worker_addresses)} of {self.full_size} workers "
+                "(start a replacement and `reconfigctl add-worker ADDRESS`)"]
 
     @staticmethod
     def _worker_status(rank: int, address: str, info: worker_pb2.WorkerInfo | str, live: str,

@@ -91,6 +91,8 @@ class OperationStatus:
     weight_bytes_loaded: int = 0
     num_requests_preempted: int = 0
     built_groups: bool = False         # slow path: the target's process groups were built during the switch
+    lost_workers: tuple[str, ...] = ()  # "recover": the workers it found gone and left out of the new world
+    kv_dropped: bool = False           # the running requests' KV was dropped (they re-prefill), not migrated
 
     @property
     def downtime_seconds(self) -> float:
@@ -113,6 +115,7 @@ class OperationStatus:
         values = {f.name: getattr(pb, f.name) for f in dataclasses.fields(cls)}
         values["state"] = OperationState(pb.state)
         values["phase_seconds"] = dict(pb.phase_seconds)
+        values["lost_workers"] = tuple(pb.lost_workers)
         return cls(**values)
 
 
@@ -129,6 +132,7 @@ class StackStatus:
     router: EngineStats | None = None  # None: no router, or it did not answer
     last_operation: OperationStatus | None = None
     updated_at: float = 0.0            # unix seconds of the refresh behind this snapshot
+    lost_workers: tuple[str, ...] = ()  # lost and not replaced yet: DEGRADED until as many have joined
 
     def same_as(self, other: StackStatus | None) -> bool:
         """Equal apart from the refresh time (what WatchStatus calls a change)."""
@@ -140,7 +144,7 @@ class StackStatus:
         pb = controller_pb2.StackStatus(
             topology=self.topology, state=self.state.value, reason=self.reason, model=self.model,
             workers=[w.to_pb() for w in self.workers], router_address=self.router_address,
-            updated_at=self.updated_at,
+            updated_at=self.updated_at, lost_workers=self.lost_workers,
         )
         if self.router is not None:
             pb.router.CopyFrom(stats_to_pb(self.router))
@@ -156,7 +160,7 @@ class StackStatus:
             workers=tuple(WorkerStatus.from_pb(w) for w in pb.workers), router_address=pb.router_address,
             router=stats_from_pb(pb.router) if pb.HasField("router") else None,
             last_operation=OperationStatus.from_pb(pb.last_operation) if pb.HasField("last_operation") else None,
-            updated_at=pb.updated_at,
+            updated_at=pb.updated_at, lost_workers=tuple(pb.lost_workers),
         )
 
     def to_json(self) -> dict[str, Any]:

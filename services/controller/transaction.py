@@ -24,6 +24,7 @@ from services.topology import Topology, TopologyError, validate
 
 log = structlog.get_logger(__name__)
 PHASES = ("QUIESCING", "PREPARING_WORKERS", "APPLYING_TOPOLOGY", "MIGRATING", "REBINDING")
+FREEZE_LEASE_S = 15.0  # the router waits this long for a renewal before it stops trusting a frozen operation
 
 
 class OperationBusy(RuntimeError):
@@ -45,18 +46,49 @@ class SwitchTarget:
 class Reconfigurer:
     """Runs Reconfigure transactions against the workers and the router."""
 
-    def __init__(self, state, spec: ModelSpec, worker_stubs: list[worker_pb2_grpc.WorkerStub],
+    def __init__(self, state, spec: ModelSpec, worker_stubs: list[worker_pb2_grpc.WorkerStub] | None,
                  router_stub: router_pb2_grpc.RouterStub | None, token: str, rpc_timeout_s: float = 60.0,
-                 default_deadline_s: float = 300.0) -> None:
-        self.state = state  # ControllerState: the live topology and the published status
+                 default_deadline_s: float = 300.0, freeze_lease_s: float = FREEZE_LEASE_S) -> None:
+        self.state = state  # ControllerState: the live topology, the members and the published status
         self.spec = spec
-        self.workers = worker_stubs
+        self._workers = worker_stubs  # None: the state's members (a recovery changes them)
         self.router = router_stub
+        self.freeze_lease_s = freeze_lease_s
         self.metadata = auth_metadata(token)
         self.rpc_timeout_s = rpc_timeout_s
         self.default_deadline_s = default_deadline_s
         self.operations: dict[str, asyncio.Future[OperationStatus]] = {}
         self.running: str | None = None
+        self._lease: _Lease | None = None
+
+    @property
+    def workers(self) -> list[worker_pb2_grpc.WorkerStub]:
+        """The members of the world, by rank."""
+        return self._workers if self._workers is not None else self.state.worker_stubs
+
+    def claim(self, operation_id: str) -> None:
+        """Become the running operation (OperationBusy if another one is)."""
+        if self.running is not None:
+            raise OperationBusy(f"operation {self.running!r} is running; retry when it has ended")
+        self.running = operation_id
+
+    async def freeze(self, timeout: float) -> router_pb2.FreezeResponse:
+        """Freeze the router under a lease that `renew_lease` keeps alive while the operation runs: if this
+        controller dies mid-operation, the router stops waiting for it once the lease runs out."""
+        return await self.router.Freeze(router_pb2.FreezeRequest(lease_seconds=self.freeze_lease_s),
+                                        timeout=timeout, metadata=self.metadata)
+
+    def hold_lease(self) -> _Lease:
+        """Renew the freeze's lease in the background until the operation resumes the router."""
+        self._lease = _Lease(self)
+        return self._lease
+
+    async def resume(self, report: router_pb2.SwitchReport) -> None:
+        """Resume the router; the lease stops first, so that no renewal can re-freeze it after this."""
+        if self._lease is not None:
+            await self._lease.stop()
+        await self.router.Resume(router_pb2.ResumeRequest(switch=report), timeout=self.rpc_timeout_s,
+                                 metadata=self.metadata)
 
     def target(self, topology: str, layer_partition=()) -> SwitchTarget:
         """Parse and validate against the model and the worker count (TopologyError says why not)."""
@@ -84,7 +116,7 @@ class Reconfigurer:
             self.state.record_operation(done)
             self.operations[operation_id] = _done(done)
             return done
-        self.running = operation_id
+        self.claim(operation_id)
         future = asyncio.ensure_future(self._run(status, target, deadline_s or self.default_deadline_s))
         self.operations[operation_id] = future
         try:
@@ -95,6 +127,7 @@ class Reconfigurer:
 
     async def _run(self, status: OperationStatus, target: SwitchTarget, deadline_s: float) -> OperationStatus:
         progress = _Progress(self.state, status, time.monotonic() + deadline_s)
+        lease = self.hold_lease()
         try:
             return await self._transaction(progress, target)
         except Exception as exc:  # the deadline, an RPC error, a worker failure
@@ -104,6 +137,7 @@ class Reconfigurer:
             state = OperationState.ROLLED_BACK if progress.rolled_back else OperationState.FAILED
             return progress.finish(state, error)
         finally:
+            await lease.stop()
             self.running = None
 
     async def _transaction(self, progress: _Progress, target: SwitchTarget) -> OperationStatus:
@@ -112,11 +146,10 @@ class Reconfigurer:
         meta = self.metadata
         progress.enter("QUIESCING")
         try:
-            frozen = await self.router.Freeze(router_pb2.FreezeRequest(), timeout=progress.timeout(self),
-                                              metadata=meta)
+            frozen = await self.freeze(progress.timeout(self))
         except BaseException:  # a Freeze that timed out may still have frozen the router
             progress.rolled_back = True
-            await self._resume(progress.report(OperationState.ROLLED_BACK))
+            await self.resume(progress.report(OperationState.ROLLED_BACK))
             raise
         old_capacity = frozen.stats.num_kv_blocks_total
         try:
@@ -158,25 +191,56 @@ class Reconfigurer:
         self.state.set_topology(target.topology, target.layer_partition)  # the workers hold the new layout now
         # Both phases ran in one RPC: the workers say how long selecting groups and allocating took.
         progress.enter("REBINDING", split=("MIGRATING", "APPLYING_TOPOLOGY", max(r.apply_seconds for r in results)))
-        await self.router.Rebind(router_pb2.RebindRequest(num_kv_blocks=capacity,
-                                                          worker_addresses=self.state.config.worker_addresses),
-                                 timeout=timeout, metadata=meta)
-        await self.router.Resume(router_pb2.ResumeRequest(switch=progress.report(OperationState.SUCCEEDED)),
-                                 timeout=timeout, metadata=meta)
+        await self.rebind_and_resume(capacity, progress.report(OperationState.SUCCEEDED))
         log.info("controller.reconfigured", operation_id=progress.status.operation_id,
                  topology=str(target.topology), phases=progress.status.phase_seconds)
         return progress.finish(OperationState.SUCCEEDED)
 
-    async def _resume(self, report: router_pb2.SwitchReport) -> None:
-        await self.router.Resume(router_pb2.ResumeRequest(switch=report), timeout=self.rpc_timeout_s,
-                                 metadata=self.metadata)
+    async def rebind_and_resume(self, capacity: int, report: router_pb2.SwitchReport) -> None:
+        """After the commit point: point the router at the members' new layout and resume it. A failure here
+        (a worker died just now) still resumes the router: its first step fails, it stalls, and the recovery
+        takes over; nothing stays frozen."""
+        with_timeout = dict(timeout=self.rpc_timeout_s, metadata=self.metadata)
+        try:
+            await self.router.Rebind(router_pb2.RebindRequest(num_kv_blocks=capacity,
+                                                              worker_addresses=self.state.worker_addresses),
+                                     **with_timeout)
+        finally:
+            await self.resume(report)
 
     async def _restore(self, old_capacity: int, report: router_pb2.SwitchReport) -> None:
         with_timeout = dict(timeout=self.rpc_timeout_s, metadata=self.metadata)
         try:
             await self.router.Rebind(router_pb2.RebindRequest(num_kv_blocks=old_capacity), **with_timeout)
         finally:
-            await self.router.Resume(router_pb2.ResumeRequest(switch=report), **with_timeout)
+            await self.resume(report)
+
+
+class _Lease:
+    """Keeps a frozen router's lease alive: re-freezes every third of it until stopped. Stopping waits for a
+    renewal in flight, so none reaches the router after the Resume that follows."""
+
+    def __init__(self, reconfigurer: Reconfigurer) -> None:
+        self.reconfigurer = reconfigurer
+        self.lock = asyncio.Lock()
+        self.stopped = False
+        self.task = asyncio.ensure_future(self._renew())
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(self.reconfigurer.freeze_lease_s / 3)
+            async with self.lock:
+                if self.stopped:
+                    return
+                try:
+                    await self.reconfigurer.freeze(self.reconfigurer.rpc_timeout_s)
+                except grpc.aio.AioRpcError as exc:
+                    log.warning("controller.lease_renewal_failed", error=f"{exc.code().name}: {exc.details()}")
+
+    async def stop(self) -> None:
+        async with self.lock:
+            self.stopped = True
+        self.task.cancel()
 
 
 def check_deadline(deadline_s: float) -> None:
@@ -198,12 +262,16 @@ async def prepare_workers(workers: list[worker_pb2_grpc.WorkerStub], target: Swi
 async def apply_workers(workers: list[worker_pb2_grpc.WorkerStub], target: SwitchTarget,
                         prepared: list[worker_pb2.PrepareSwitchResponse], capacity: int, used_block_ids,
                         operation_id: str, timeout: float, kv_channel: str = "",
-                        metadata: tuple = ()) -> list[worker_pb2.ApplySwitchResponse]:
-    """APPLYING_TOPOLOGY + MIGRATING on every worker at once (the router must be frozen)."""
+                        metadata: tuple = (), old_ranks=(), drop_kv: bool = False,
+                        ) -> list[worker_pb2.ApplySwitchResponse]:
+    """APPLYING_TOPOLOGY + MIGRATING on every worker at once (the router must be frozen). After a regroup,
+    `old_ranks` says which new rank holds each active index of the old layout (LOST: gone); with `drop_kv` the
+    workers start the target with empty caches."""
     request = worker_pb2.ApplySwitchRequest(
         operation_id=operation_id, topology=str(target.topology), layer_partition=target.layer_partition or (),
         num_kv_blocks=capacity, used_block_ids=used_block_ids, kv_channel=kv_channel,
         peers={rank: worker_pb2.PeerPool(kv_segments=p.kv_segments) for rank, p in enumerate(prepared)},
+        old_ranks=old_ranks, drop_kv=drop_kv,
     )
     results = await asyncio.gather(*(w.ApplySwitch(request, timeout=timeout, metadata=metadata) for w in workers),
                                    return_exceptions=True)  # every worker has finished (or rolled back) first

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -81,6 +82,7 @@ class LocalCluster:
         self.worker_addresses: list[str] = []
         self._processes: list[tuple[str, int, mp.process.BaseProcess]] = []  # (name, tier, process)
         self._store: dist.TCPStore | None = None
+        self._num_joiners = 0
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -91,6 +93,7 @@ class LocalCluster:
 
     @property
     def worker_pids(self) -> list[int]:
+        """Pids of the workers, in start order (the first num_workers by rank, then joiners)."""
         return [p.pid for _, tier, p in self._processes if tier == _TIER_WORKER]
 
     @property
@@ -120,6 +123,20 @@ class LocalCluster:
             raise
         log.info("cluster.ready", workers=cfg.num_workers, topology=cfg.topology,
                  seconds=round(time.perf_counter() - started, 2))
+
+    def start_joiner(self) -> str:
+        """Start a worker in join mode (in no world: a replacement for a lost one) and return its address;
+        the controller's AddWorker brings it in."""
+        if self._store is None:
+            raise ClusterError("the cluster is not running")
+        self._num_joiners += 1
+        rank = (self.config.num_workers + self._num_joiners - 1) % self.config.num_workers  # only picks a device
+        config = dataclasses.replace(self._worker_config(rank), join=True)
+        spawned = self._spawn(mp.get_context("forkserver"), f"worker-join-{self._num_joiners}", _run_worker, config,
+                              tier=_TIER_WORKER)
+        address = f"{self.config.host}:{self._wait_ready([spawned])[0]['port']}"
+        log.info("cluster.joiner_ready", address=address, pid=spawned[2].pid)
+        return address
 
     def _worker_config(self, rank: int) -> WorkerConfig:
         cfg = self.config
@@ -179,6 +196,17 @@ class LocalCluster:
     def dead_processes(self) -> list[str]:
         """Names (with exit codes) of processes that have exited."""
         return [f"{name} (pid {p.pid}, exit code {p.exitcode})" for name, _, p in self._processes if not p.is_alive()]
+
+    def reap_dead_workers(self) -> list[str]:
+        """Forget the workers that have exited (the controller moves the stack onto the others) and unlink the
+        shared memory they left; returns their names with exit codes."""
+        dead = [(name, p) for name, tier, p in self._processes if tier == _TIER_WORKER and not p.is_alive()]
+        if not dead:
+            return []
+        self._processes = [entry for entry in self._processes if entry[2] not in {p for _, p in dead}]
+        cleanup_stale_segments()  # a killed worker could not unlink its KV pool: remove what has a dead owner
+        cleanup_stale_kv_segments()
+        return [f"{name} (pid {p.pid}, exit code {p.exitcode})" for name, p in dead]
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM tier by tier, newest first (services, workers, then the weightstore, which unlinks its

@@ -67,6 +67,7 @@ class StackFile:
     model: str = ""
     topology: str = ""
     started_at: float = 0.0                # unix seconds
+    replacements: list[str] = field(default_factory=list)  # joining workers started for lost ones (add-worker)
 
     def write(self, path: Path | None = None) -> Path:
         """Save atomically with mode 0600 (its directory 0700); returns the path."""

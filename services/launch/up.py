@@ -37,6 +37,7 @@ class UpConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_waiting: int = 1024
+    replace_lost_workers: bool = True   # start a joining worker for each one lost (`reconfigctl add-worker` adds it)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -72,6 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-mb", type=int, help="KV cache per worker, MiB [64]")
     parser.add_argument("--block-size", type=int, help="tokens per KV block [16]")
     parser.add_argument("--api-key", help="require this bearer key on /v1/* (default: none)")
+    parser.add_argument("--no-replace-lost-workers", dest="replace_lost_workers", action="store_false", default=None,
+                        help="do not start a joining worker when one is lost (default: start one)")
     parser.add_argument("--verbose", action="store_true", help="show the services' structured logs")
 
 
@@ -84,7 +87,8 @@ def _raise_stop(signum, frame) -> None:
 
 
 def up(config: UpConfig) -> int:
-    """Start the stack and supervise it. 0 after Ctrl-C/SIGTERM; 1 if a process died (named on stderr)."""
+    """Start the stack and supervise it. 0 after Ctrl-C/SIGTERM; 1 if a service died (named on stderr). A lost
+    worker does not stop it: the controller recovers, and a replacement is started in join mode."""
     from services.controller.server import ControllerConfig, run_controller
     from services.launch.stackfile import StackFile, run_dir
     from services.router.main import RouterConfig, run_router
@@ -131,6 +135,17 @@ def up(config: UpConfig) -> int:
               f"  controller   {config.host}:{controller['port']}   (reconfigctl status)\n"
               f"Ctrl-C stops the stack.", flush=True)
         while True:
+            for lost in cluster.reap_dead_workers():  # the controller recovers onto the survivors
+                print(f"reconfig up: {lost} exited; the controller moves the stack onto the other workers",
+                      file=sys.stderr, flush=True)
+                if config.replace_lost_workers:
+                    address = cluster.start_joiner()
+                    stack_file = dataclasses.replace(stack_file, pids={"launcher": os.getpid(), **cluster.pids},
+                                                     replacements=[*stack_file.replacements, address])
+                    stack_file.write()
+                    print(f"reconfig up: a replacement worker is ready at {address}; bring it in with "
+                          f"`reconfigctl add-worker {address} --topology {config.topology}`", file=sys.stderr,
+                          flush=True)
             dead = cluster.dead_processes()
             if dead:
                 print(f"reconfig up: {', '.join(dead)} exited; stopping the stack", file=sys.stderr, flush=True)

@@ -1,8 +1,11 @@
 """Topologies (tp × pp), their validation for a model, the placement of a model on workers, migration plans."""
 
 from services.topology.migration_plan import (
+    LOST,
+    KVLostError,
     KVMigrationPlan,
     KVTransfer,
+    lost_kv,
     plan_kv_migration,
     workers_by_rank,
 )
@@ -18,6 +21,7 @@ from services.topology.topology import (
     Topology,
     TopologyError,
     candidate_topologies,
+    degraded_topology,
     validate,
 )
 from services.topology.weight_plan import (
@@ -29,6 +33,8 @@ from services.topology.weight_plan import (
 )
 
 __all__ = [
+    "LOST",
+    "KVLostError",
     "KVMigrationPlan",
     "KVTransfer",
     "ModelShape",
@@ -40,7 +46,9 @@ __all__ = [
     "WeightSlice",
     "WorkerPlacement",
     "candidate_topologies",
+    "degraded_topology",
     "layer_partition",
+    "lost_kv",
     "padded_vocab_size",
     "place",
     "plan_kv_migration",

@@ -35,16 +35,35 @@ class KVTransfer:
         return 2 * self.num_kv_heads * num_blocks * block_size * head_dim * dtype_bytes
 
 
-def workers_by_rank(placement: Placement, ranks: Sequence[int]) -> dict[int, WorkerPlacement]:
-    """World rank -> WorkerPlacement, where ranks[i] runs active index i; ValueError on bad ranks."""
+LOST = -1  # in old ranks: the worker that ran this active index is gone (its KV with it)
+
+
+class KVLostError(ValueError):
+    """Some KV of the old layout lived only on lost workers: it cannot be migrated (the requests re-prefill)."""
+
+
+def workers_by_rank(placement: Placement, ranks: Sequence[int], allow_lost: bool = False
+                    ) -> dict[int, WorkerPlacement]:
+    """World rank -> WorkerPlacement, where ranks[i] runs active index i; ValueError on bad ranks.
+    With allow_lost, LOST entries are accepted and left out (their slices have no holder)."""
     ranks = tuple(ranks)
-    if any(not isinstance(rank, int) or isinstance(rank, bool) or rank < 0 for rank in ranks):
-        raise ValueError(f"ranks must be ints >= 0, got {ranks}")
-    if len(set(ranks)) != len(ranks):
+    if any(not isinstance(rank, int) or isinstance(rank, bool) or (rank < 0 and not (allow_lost and rank == LOST))
+           for rank in ranks):
+        raise ValueError(f"ranks must be ints >= 0{' or LOST' if allow_lost else ''}, got {ranks}")
+    alive = [rank for rank in ranks if rank != LOST]
+    if len(set(alive)) != len(alive):
         raise ValueError(f"ranks must be unique, got {ranks}")
     if len(ranks) != placement.topology.num_workers:
         raise ValueError(f"{placement.topology} needs {placement.topology.num_workers} ranks, got {len(ranks)}")
-    return {rank: placement.workers[index] for index, rank in enumerate(ranks)}
+    return {rank: placement.workers[index] for index, rank in enumerate(ranks) if rank != LOST}
+
+
+def lost_kv(old: Placement, old_ranks: Sequence[int]) -> list[tuple[int, int]]:
+    """(layer, KV head) slices of the old layout that no surviving worker holds (old_ranks may hold LOST)."""
+    held = {(layer, head) for worker in workers_by_rank(old, old_ranks, allow_lost=True).values()
+            for layer in worker.layers for head in worker.kv_heads}
+    return [(layer, head) for layer in range(old.shape.num_layers) for head in range(old.shape.num_kv_heads)
+            if (layer, head) not in held]
 
 
 def check_same_model(old: Placement, new: Placement) -> None:
@@ -58,7 +77,7 @@ class KVMigrationPlan:
     """Which KV slices move where when the layout changes from (old, old_ranks) to (new, new_ranks)."""
 
     old: Placement
-    old_ranks: tuple[int, ...]
+    old_ranks: tuple[int, ...]  # LOST where the worker that held that active index is gone
     new: Placement
     new_ranks: tuple[int, ...]
     transfers: tuple[KVTransfer, ...]  # ordered by layer (execution order), then dst rank, then head
@@ -71,7 +90,7 @@ class KVMigrationPlan:
         check_same_model(self.old, self.new)
         if sorted(self.layer_order) != list(range(self.old.shape.num_layers)):
             raise ValueError(f"layer_order must hold every layer once, got {self.layer_order}")
-        object.__setattr__(self, "_old_workers", workers_by_rank(self.old, self.old_ranks))
+        object.__setattr__(self, "_old_workers", workers_by_rank(self.old, self.old_ranks, allow_lost=True))
         object.__setattr__(self, "_new_workers", workers_by_rank(self.new, self.new_ranks))
         by_layer: dict[int, list[KVTransfer]] = {layer: [] for layer in self.layer_order}
         for transfer in self.transfers:
@@ -96,7 +115,12 @@ class KVMigrationPlan:
 
     def ranks(self) -> list[int]:
         """Every rank active before or after, sorted."""
-        return sorted(set(self.old_ranks) | set(self.new_ranks))
+        return sorted((set(self.old_ranks) - {LOST}) | set(self.new_ranks))
+
+    @property
+    def has_lost_sources(self) -> bool:
+        """Whether a worker of the old layout is gone (such a plan cannot be reversed onto the old layout)."""
+        return LOST in self.old_ranks
 
     def old_local_layers(self, rank: int) -> range:
         """Layers `rank` holds in the old layout (empty if it was not active)."""
@@ -168,9 +192,12 @@ class KVMigrationPlan:
 
 def plan_kv_migration(old: Placement, old_ranks: Sequence[int], new: Placement, new_ranks: Sequence[int]
                       ) -> KVMigrationPlan:
-    """The KV migration from (old, old_ranks) to (new, new_ranks); ranks[i] is the world rank of active index i."""
+    """The KV migration from (old, old_ranks) to (new, new_ranks); ranks[i] is the world rank of active index i.
+    old_ranks may hold LOST (a worker gone): its slices come from replicas, or KVLostError says which have none."""
     check_same_model(old, new)
-    old_workers, new_workers = workers_by_rank(old, old_ranks), workers_by_rank(new, new_ranks)
+    old_workers, new_workers = workers_by_rank(old, old_ranks, allow_lost=True), workers_by_rank(new, new_ranks)
+    if LOST in old_ranks and (missing := lost_kv(old, old_ranks)):
+        raise KVLostError(f"{len(missing)} (layer, KV head) slices lived only on lost workers, e.g. {missing[0]}")
     order = _layer_order(old_workers, new_workers, old.shape.num_layers)
     sent_total: Counter[int] = Counter()  # heads sent by each rank over all layers
     transfers: list[KVTransfer] = []

@@ -142,3 +142,15 @@ def candidate_topologies(shape: ModelShape, num_workers: int) -> list[Topology]:
                 continue
             candidates.append(topology)
     return sorted(candidates, key=lambda t: (t.tp * t.pp, t.tp))
+
+
+def degraded_topology(current: Topology, shape: ModelShape, num_workers: int) -> Topology:
+    """The layout to serve on `num_workers` workers after losing some: `current` if it still fits (a standby
+    took the lost worker's place); else the valid topology that uses the most workers, the nearest to current's
+    tp (fewest head moves), then the larger tp (lower latency). TopologyError when none fits (no worker left)."""
+    if num_workers >= current.num_workers:
+        return current
+    fits = candidate_topologies(shape, num_workers)
+    if not fits:
+        raise TopologyError(f"no topology of this model fits {num_workers} workers")
+    return min(fits, key=lambda t: (-t.num_workers, abs(t.tp - current.tp), -t.tp))

@@ -29,6 +29,9 @@ class WorkerConfig:
     candidate_topologies: tuple[str, ...] | None = None
     token: str | None = None           # control-plane token every RPC of this worker requires (None: open)
     faults: str = ""                   # fault-injection rules for tests (services/worker/faults.py); "" = off
+    # Start outside any world (a replacement for a lost worker): the controller's AddWorker regroups it in. Its
+    # rank then only picks the device; world_size is the stack's full size (the candidates are planned for it).
+    join: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

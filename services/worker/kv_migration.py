@@ -82,10 +82,17 @@ def migrate_kv(plan: KVMigrationPlan, rank: int, old_cache: KVCache | None, new_
                 _fill(fresh, transfers, rank, old_cache, received, runs, layer, stats)
         except Exception as exc:  # this rank's part failed: tell the others instead of leaving them waiting
             error = f"{type(exc).__name__}: {exc}"
-        if not agree(not error):  # every receiver of this layer has read it, or someone failed
+        broken: BaseException | None = None
+        try:
+            agreed = agree(not error)  # every receiver of this layer has read it, or someone failed
+        except BaseException as exc:  # the world itself broke (a peer died): nobody can agree any more
+            agreed, broken = False, exc
+        if not agreed:
             channel.close()
             if fresh is not None:
                 fresh.free()
+            if broken is not None:
+                raise broken
             raise MigrationAborted(layer, done, error or "another rank failed")
         if kept:
             new_cache.set_layer(layer, old_cache.pop_layer(layer))

@@ -14,7 +14,7 @@ import torch
 
 from services.launch.process import run_service
 from services.model.spec import ModelSpec
-from services.topology import Topology, candidate_topologies
+from services.topology import Topology
 from services.worker.config import WorkerConfig
 from services.weightstore.client import fetch_manifest
 from services.worker.faults import FAULTS
@@ -38,23 +38,20 @@ async def serve_worker(config: WorkerConfig, ready: Connection | None = None) ->
     backend = "nccl" if config.device == "cuda" else "gloo"
     parallel = await asyncio.to_thread(
         ParallelState, config.rank, config.world_size, config.store_host, config.store_port, backend,
-        config.collective_timeout_s,
+        config.collective_timeout_s, config.join,
     )
-    if config.candidate_topologies is not None:
-        candidates = [Topology.parse(t) for t in config.candidate_topologies]
-    else:
-        candidates = candidate_topologies(spec.shape, config.world_size)
-    if topology not in candidates:
-        candidates.append(topology)
-    await asyncio.to_thread(parallel.build_groups, candidates)
     # Map the store's segments only while copying our slices: unmapped, they add nothing to our resident memory.
+    # A joining worker holds nothing and is in no world until the controller regroups it in (AddWorker).
     shard = await asyncio.to_thread(WorkerShard, config, spec, manifest, parallel)
-    servicer = WorkerServicer(shard, config.rank)
+    if not config.join:
+        await asyncio.to_thread(parallel.build_groups, shard.candidates(topology))
+        await asyncio.to_thread(shard.load)
+    servicer = WorkerServicer(shard)
     server, port = await start_server(servicer, config.host, config.port, config.token)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, servicer.stopped.set)
-    log.info("worker.ready", rank=config.rank, port=port, topology=str(topology),
+    log.info("worker.ready", rank=config.rank, port=port, topology=str(topology), join=config.join,
              param_bytes=shard.info().param_bytes, kv_blocks=shard.info().num_kv_blocks,
              seconds=round(time.perf_counter() - started, 3))
     if ready is not None:

@@ -29,21 +29,29 @@ def rss_bytes() -> int:
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serves the step stream; model work runs on one dedicated thread, never on the event loop."""
 
-    def __init__(self, shard: WorkerShard, rank: int) -> None:
+    def __init__(self, shard: WorkerShard) -> None:
         self.shard = shard
-        self.rank = rank
         # One thread: steps run strictly in arrival order, so every worker issues collectives in the same order.
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.stopped = asyncio.Event()
+
+    @property
+    def rank(self) -> int:
+        """Rank in the current world (a regroup renumbers it)."""
+        return self.shard.rank
 
     def _run_step(self, batch: StepBatch) -> StepOutput:
         runner = self.shard.runner
         if runner is None:
             return StepOutput(batch.step_id, self.rank, error=f"worker {self.rank} is on standby: it holds no shard")
+        if self.shard.needs_apply:
+            return StepOutput(batch.step_id, self.rank, error=f"worker {self.rank} was regrouped: its layout runs "
+                                                              "again after the next ApplySwitch")
         try:
             return runner.execute(batch, self.rank)
         except Exception as exc:  # a failed step answers with an error; the stream stays open
             log.exception("worker.step_failed", step_id=batch.step_id)
+            self.shard.leave_world(exc)  # peers may be blocked on this step's collectives: let them fail now
             return StepOutput(batch.step_id, self.rank, error=f"{type(exc).__name__}: {exc}")
 
     async def Execute(self, request_iterator, context):  # noqa: N802 (gRPC naming)
@@ -90,6 +98,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except Exception as exc:
             log.exception("worker.switch_failed", rank=self.rank, operation_id=request.operation_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"switch failed on rank {self.rank}: {exc}")
+
+    async def Regroup(self, request, context):  # noqa: N802
+        """Leave the world and join a new generation. On the model thread: no step or switch runs meanwhile."""
+        log.info("worker.regroup_start", rank=self.rank, generation=request.generation, new_rank=request.rank,
+                 world_size=request.world_size)
+        try:
+            return await self._on_model_thread(self._with_faults, "Regroup", request, self.shard.regroup)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:  # the rendezvous timed out (a member did not come): the controller tries again
+            log.exception("worker.regroup_failed", generation=request.generation)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"regroup to generation {request.generation} failed "
+                                                             f"on this worker: {exc}")
 
     def _with_faults(self, method: str, request, handler):
         FAULTS.check("rpc", method=method, rank=self.rank, topology=request.topology)

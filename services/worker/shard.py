@@ -14,14 +14,14 @@ from services.model.layers import ShardLoader
 from services.model.llama import ShardedCausalLM
 from services.model.spec import ModelSpec
 from services.rpc.reconfig.v1 import worker_pb2
-from services.topology import Placement, Topology, place, plan_kv_migration
+from services.topology import Placement, Topology, candidate_topologies, place, plan_kv_migration
 from services.weightstore.client import MappedCheckpoint
 from services.weightstore.manifest import Manifest
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KVCache, num_blocks_for_budget
 from services.worker.channel import DistChannel, KVChannel, ShmChannel
 from services.worker.faults import FAULTS
-from services.worker.kv_migration import MigrationAborted, migrate_kv
+from services.worker.kv_migration import MigrationAborted, MigrationStats, migrate_kv
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel import ParallelState
 
@@ -60,8 +60,24 @@ class WorkerShard:
         self.layer_partition = config.layer_partition
         self.runner: ModelRunner | None = None
         self.is_waking = False  # a standby worker joining the layout (during ApplySwitch)
-        with MappedCheckpoint(manifest) as checkpoint:
+        self.is_switching = False  # an ApplySwitch is running
+        self.needs_apply = False  # regrouped: the runner's groups are gone until the next ApplySwitch
+        self.kv_intact = True  # false while (or after being cut off while) KV moves between layouts
+        self._new_cache: KVCache | None = None  # the target's cache while a switch fills it
+
+    def load(self) -> None:
+        """Load this worker's shard of the start layout (its groups must be built)."""
+        with MappedCheckpoint(self.manifest) as checkpoint:
             self.runner = self._build(self.topology, self.layer_partition, checkpoint, None, None)
+
+    @property
+    def rank(self) -> int:
+        """Rank in the current world (it changes when the world is re-formed; -1 outside any)."""
+        return self.parallel.rank if self.parallel is not None else self.config.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size if self.parallel is not None else self.config.world_size
 
     # ---- building ------------------------------------------------------------------------------------------------
     def _placement(self, topology: Topology, partition) -> Placement:
@@ -69,18 +85,18 @@ class WorkerShard:
 
     def num_kv_blocks_in(self, topology: Topology, partition) -> int:
         """This worker's KV capacity in `topology` (0 on standby)."""
-        if self.config.rank >= topology.num_workers:
+        if not 0 <= self.rank < topology.num_workers:
             return 0
-        wp = self._placement(topology, partition).workers[self.config.rank]
+        wp = self._placement(topology, partition).workers[self.rank]
         return num_blocks_for_budget(len(wp.layers), len(wp.kv_heads), self.spec.head_dim, self.config.block_size,
                                      self.dtype, self.config.kv_cache_bytes)
 
     def _build(self, topology: Topology, partition, checkpoint: MappedCheckpoint, previous: ModelRunner | None,
                kv_cache: KVCache | None) -> ModelRunner | None:
-        if self.config.rank >= topology.num_workers:
+        if not 0 <= self.rank < topology.num_workers:
             return None
         placement = self._placement(topology, partition)
-        wp = placement.workers[self.config.rank]
+        wp = placement.workers[self.rank]
         group = self.parallel.tp_group(topology, wp.pp_rank) if self.parallel else None
         loader = ShardLoader(checkpoint.tensor, set(self.manifest.tensors), self.dtype, self.device)
         model = ShardedCausalLM(self.spec, wp, loader, group, previous.model if previous else None)
@@ -105,12 +121,58 @@ class WorkerShard:
         failure every rank restores the old layout (the KV of layers already moved is moved back)."""
         target = Topology.parse(request.topology)
         partition = tuple(request.layer_partition) or None
-        rank, old = self.config.rank, self.runner
+        rank, old = self.rank, self.runner
+        if not self.parallel.in_world:
+            raise ValueError("this worker is in no world yet: it needs a Regroup first")
         self.is_waking = old is None and rank < target.num_workers
+        self.is_switching = True
         try:
-            return self._apply(request, target, partition, rank, old)
+            response = self._apply(request, target, partition, rank, old)
+        except SwitchFailed:
+            raise  # every rank moved its KV back: the old layout is whole
+        except Exception as exc:
+            # Cut off mid-way (a peer died, a collective failed): what this worker holds is no layout any more.
+            if self._new_cache is not None:
+                self._new_cache.close()
+            self.leave_world(exc)
+            raise
         finally:
-            self.is_waking = False
+            self.is_waking = self.is_switching = False
+            self._new_cache = None
+        self.needs_apply = False
+        return response
+
+    def leave_world(self, failure: BaseException) -> None:
+        """After `failure`, which may involve a peer: leave the world at once, so that peers blocked on this worker
+        fail now instead of at their collective timeout. Only a Regroup makes the worker usable again."""
+        if self.parallel.in_world and self.world_size > 1:
+            log.warning("worker.left_world", rank=self.rank, generation=self.parallel.generation,
+                        exc_info=failure)
+            # The failure's frames (a collective's) hold its process group: gloo would keep the sockets open.
+            failure.__traceback__ = None
+            self.parallel.leave()
+
+    def regroup(self, request: worker_pb2.RegroupRequest) -> worker_pb2.RegroupResponse:
+        """Leave the current world and join a new generation (see ParallelState.regroup); keeps the shard and the
+        KV cache, adopts the live layout the controller names (a joining worker has none)."""
+        topology = Topology.parse(request.topology)
+        partition = tuple(request.layer_partition) or None
+        previous = self.rank
+        self.parallel.regroup(request.generation, request.rank, request.world_size, self.candidates(topology))
+        if self.runner is None:  # a standby or joining worker holds nothing; it plans with the others' layout
+            self.topology, self.layer_partition = topology, partition
+        self.needs_apply = True
+        log.info("worker.regrouped", operation_id=request.operation_id, generation=request.generation,
+                 previous_rank=previous, rank=request.rank, world_size=request.world_size, kv_intact=self.kv_intact)
+        return worker_pb2.RegroupResponse(previous_rank=previous, kv_intact=self.kv_intact, info=self.info())
+
+    def candidates(self, live: Topology) -> list[Topology]:
+        """The topologies whose groups a new world builds: the configured ones (or every valid one), and the live one."""
+        if self.config.candidate_topologies is not None:
+            candidates = [Topology.parse(t) for t in self.config.candidate_topologies]
+        else:
+            candidates = candidate_topologies(self.spec.shape, self.config.world_size)
+        return candidates + ([live] if live not in candidates else [])
 
     def _apply(self, request, target: Topology, partition, rank: int,
                old: ModelRunner | None) -> worker_pb2.ApplySwitchResponse:
@@ -119,35 +181,44 @@ class WorkerShard:
         if built_groups:
             self.parallel.build_groups([target])  # slow path: every rank builds the same groups, in order
         error, plan, new_cache, channel = "", None, None, None
+        old_ranks = list(request.old_ranks) or active_ranks(self.topology)  # renumbered by a regroup, LOST gaps
         try:
             FAULTS.check("apply", rank=rank)
             old_placement = self._placement(self.topology, self.layer_partition)
             new_placement = self._placement(target, partition)
-            plan = plan_kv_migration(old_placement, active_ranks(self.topology), new_placement, active_ranks(target))
+            if not request.drop_kv:
+                plan = plan_kv_migration(old_placement, old_ranks, new_placement, active_ranks(target))
+            elif old is not None:
+                old.kv_cache.close()  # the router dropped every request's KV: free it before allocating anew
             if rank < target.num_workers:
                 wp = new_placement.workers[rank]
-                new_cache = KVCache(wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size,
-                                    self.dtype, self.device, num_blocks=request.num_kv_blocks, allocate=False)
-            channel = self._channel(request, plan)
+                new_cache = self._new_cache = KVCache(
+                    wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size, self.dtype,
+                    self.device, num_blocks=request.num_kv_blocks, allocate=bool(request.drop_kv))
+            channel = self._channel(request, plan) if plan is not None else None
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         if not self.agree(not error):  # nothing has changed anywhere yet
+            if new_cache is not None:
+                new_cache.close()
             raise SwitchFailed(f"switch to {target} refused before any KV moved: {error or 'another rank failed'}")
         apply_seconds = time.perf_counter() - started
         used = list(request.used_block_ids)
+        self.kv_intact = bool(request.drop_kv)  # KV moves from here on (a dropped cache has nothing to lose)
         with MappedCheckpoint(self.manifest) as checkpoint, ThreadPoolExecutor(1, "reload") as pool:
             # The shard reload overlaps the KV migration (both copy memory; torch releases the GIL).
             reload = pool.submit(self._timed_build, target, partition, checkpoint, old, new_cache)
             try:
-                stats = migrate_kv(plan, rank, old.kv_cache if old else None, new_cache, used, channel, self.agree,
-                                   fault=lambda layer: FAULTS.check("migrate", rank=rank, layer=layer))
+                stats = MigrationStats() if plan is None else migrate_kv(
+                    plan, rank, old.kv_cache if old else None, new_cache, used, channel, self.agree,
+                    fault=lambda layer: FAULTS.check("migrate", rank=rank, layer=layer))
             except MigrationAborted as aborted:
                 _result_or_none(reload)
                 self._rollback(plan, aborted.done_layers, old, new_cache, request)
                 raise SwitchFailed(f"{aborted}; rolled back (layers {aborted.done_layers} moved back)") from aborted
             built = _result_or_none(reload)
             if not self.agree(built is not None):  # a shard failed to load: undo the whole migration
-                self._rollback(plan, plan.layers(), old, new_cache, request)
+                self._rollback(plan, plan.layers() if plan else [], old, new_cache, request)
                 raise SwitchFailed(f"switch to {target}: a worker failed to load its shard; rolled back")
         runner, reload_seconds = built
         if old is not None:
@@ -157,6 +228,7 @@ class WorkerShard:
         reused = sum(t.numel() * t.element_size() for i, t in new_tensors.items() if i in kept)
         loaded = sum(t.numel() * t.element_size() for t in new_tensors.values()) - reused
         self.runner, self.topology, self.layer_partition = runner, target, partition
+        self.kv_intact = True
         log.info("worker.switched", operation_id=request.operation_id, topology=str(target),
                  kv_received=stats.bytes_received, kv_local=stats.bytes_local, weights_loaded=loaded,
                  weights_reused=reused, migrate_s=round(stats.seconds, 4), reload_s=round(reload_seconds, 4))
@@ -169,19 +241,28 @@ class WorkerShard:
 
     def _rollback(self, plan, layers: list[int], old: ModelRunner | None, new_cache: KVCache | None,
                   request: worker_pb2.ApplySwitchRequest) -> None:
-        """Replay the journal backwards: move `layers` from the new layout back to the old one (collective)."""
+        """Replay the journal backwards: move `layers` from the new layout back to the old one (collective).
+        Without a plan (the KV was dropped) or with lost sources (nowhere to move back to) there is nothing to
+        replay: the old cache was never touched, or the controller drops the KV anyway."""
+        if plan is None or plan.has_lost_sources:
+            if new_cache is not None:
+                new_cache.close()
+            if plan is None:
+                self.kv_intact = True
+            return
         reverse = plan_kv_migration(plan.new, plan.new_ranks, plan.old, plan.old_ranks)
-        pools: list[dict[int, str]] = [{} for _ in range(self.config.world_size)]
+        pools: list[dict[int, str]] = [{} for _ in range(self.world_size)]
         dist.all_gather_object(pools, new_cache.segment_names() if new_cache else {})
         back = worker_pb2.ApplySwitchRequest()
         back.CopyFrom(request)
         back.ClearField("peers")
         for peer, segments in enumerate(pools):
             back.peers[peer].kv_segments.update(segments)
-        migrate_kv(reverse, self.config.rank, new_cache, old.kv_cache if old else None,
+        migrate_kv(reverse, self.rank, new_cache, old.kv_cache if old else None,
                    list(request.used_block_ids), self._channel(back, reverse), self.agree, layers=list(layers))
         if new_cache is not None:
             new_cache.close()
+        self.kv_intact = True
         log.warning("worker.switch_rolled_back", operation_id=request.operation_id, layers=list(layers))
 
     def agree(self, ok: bool) -> bool:
@@ -198,7 +279,7 @@ class WorkerShard:
             return ShmChannel(pools, plan, torch.tensor(sorted(request.used_block_ids), dtype=torch.int64),
                               self.config.block_size, self.spec.head_dim, self.dtype)
         if kind == "dist":
-            return DistChannel(self.config.rank, len(request.used_block_ids), self.config.block_size,
+            return DistChannel(self.rank, len(request.used_block_ids), self.config.block_size,
                                self.spec.head_dim, self.dtype, self.device)
         raise ValueError(f"kv_channel {kind!r} is not one of: shm, dist")
 
@@ -210,9 +291,9 @@ class WorkerShard:
     # ---- reporting -----------------------------------------------------------------------------------------------
     def info(self) -> worker_pb2.WorkerInfo:
         info = worker_pb2.WorkerInfo(
-            rank=self.config.rank, world_size=self.config.world_size, pid=os.getpid(), topology=str(self.topology),
+            rank=self.rank, world_size=self.world_size, pid=os.getpid(), topology=str(self.topology),
             device=str(self.device), candidate_topologies=[str(t) for t in self.parallel.candidates],
-            state="WAKING" if self.is_waking else ("ACTIVE" if self.runner is not None else "STANDBY"),
+            state=self._state(), generation=self.parallel.generation,
         )
         if self.runner is not None:
             wp, kv = self.runner.wp, self.runner.kv_cache
@@ -222,6 +303,19 @@ class WorkerShard:
             info.num_kv_blocks, info.block_size, info.kv_cache_bytes = kv.num_blocks, kv.block_size, kv.num_bytes
             info.param_bytes = self.runner.model.parameter_bytes()
         return info
+
+    def _state(self) -> str:
+        if self.is_waking:
+            return "WAKING"
+        if self.is_switching:
+            return "SWITCHING"
+        if self.parallel.broken:
+            return "BROKEN"
+        if not self.parallel.in_world:
+            return "JOINING"
+        if self.needs_apply:
+            return "REGROUPED"
+        return "ACTIVE" if self.runner is not None else "STANDBY"
 
     def close(self) -> None:
         if self.runner is not None:

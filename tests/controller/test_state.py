@@ -190,6 +190,9 @@ async def test_controller_service(stack):
                 async for _ in stub.WatchStatus(controller_pb2.WatchStatusRequest(), metadata=bad, timeout=5):
                     pass
             assert error.value.code() is grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.AddWorker(controller_pb2.AddWorkerRequest(address="127.0.0.1:1"), metadata=bad, timeout=5)
+            assert error.value.code() is grpc.StatusCode.UNAUTHENTICATED
         status = await stub.GetStatus(controller_pb2.GetStatusRequest(), metadata=metadata, timeout=5)
         assert status.state == controller_pb2.STACK_STATE_SERVING and len(status.workers) == 3
         assert [w.pid for w in status.workers] == stack.cluster.worker_pids

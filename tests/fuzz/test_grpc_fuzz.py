@@ -1,5 +1,5 @@
 """Fuzz the gRPC services with hypothesis: the Router (Generate, and the admin RPCs with and without the token), the
-Controller (GetStatus, WatchStatus, Reconfigure, Plan) and the Worker's PrepareSwitch, all real servers on port 0
+Controller (GetStatus, WatchStatus, Reconfigure, Plan, AddWorker) and the Worker's PrepareSwitch, all real servers on port 0
 over two real workers, plus undecodable bytes sent to every method. Every call ends OK or with a precise status
 (never INTERNAL or UNKNOWN) and a message; afterwards the stack serves: Generate equals the oracle, GetStatus is
 SERVING in the layout it started in. Then the regression tests of what the fuzzers found."""
@@ -214,6 +214,10 @@ controller_calls = st.one_of(
               partitions),
     st.just(("GetStatus", controller_pb2.GetStatusRequest())),
     st.builds(lambda i: ("WatchStatus", controller_pb2.WatchStatusRequest(interval_seconds=i)), float64),
+    # Nothing here is a joining worker: a closed port, no port, a bad one, text; always refused, nothing changes.
+    st.builds(lambda a, t, o: ("AddWorker", controller_pb2.AddWorkerRequest(address=a, topology=t, operation_id=o)),
+              st.one_of(short_text, st.sampled_from(["127.0.0.1:1", "127.0.0.1:0", "127.0.0.1", ":80",
+                                                     "127.0.0.1:99999", "[::1]:1"])), topologies, operation_ids),
 )
 
 
@@ -292,7 +296,9 @@ RAW_WITHOUT_TOKEN = [
     *[("router", method, False) for method in ADMIN_METHODS],
     ("controller", "/reconfig.v1.Controller/Reconfigure", False),
     ("controller", "/reconfig.v1.Controller/WatchStatus", True),
+    ("controller", "/reconfig.v1.Controller/AddWorker", False),
     ("worker0", "/reconfig.v1.Worker/ApplySwitch", False), ("worker1", "/reconfig.v1.Worker/Shutdown", False),
+    ("worker0", "/reconfig.v1.Worker/Regroup", False),
 ]
 raw_payloads = st.one_of(
     st.binary(max_size=64),

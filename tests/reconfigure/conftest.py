@@ -46,22 +46,22 @@ class LiveStack:
 
 
 @contextlib.asynccontextmanager
-async def open_live_stack(cluster: LocalCluster):
-    """Engine + router gRPC + controller state + Reconfigurer over `cluster`; leaves it in tp2pp2."""
+async def open_live_stack(cluster: LocalCluster, leave_in: str | None = "tp2pp2", refresh_interval_s: float = 1.0):
+    """Engine + router gRPC + controller state + Reconfigurer over `cluster`; leaves it in `leave_in`."""
     engine = await build_engine(RouterConfig(worker_addresses=tuple(cluster.worker_addresses),
                                              model_dir=str(cluster.model_dir), model_name="switch"))
     server, port = await start_router_grpc(engine, "127.0.0.1", 0, TOKEN)
     state = ControllerState(ControllerConfig(
         token=TOKEN, worker_addresses=tuple(cluster.worker_addresses), topology=str(engine.topology),
         router_grpc_address=f"127.0.0.1:{port}", model_dir=str(cluster.model_dir),
+        refresh_interval_s=refresh_interval_s,
     ))
     await state.open()
-    reconfigurer = Reconfigurer(state, ModelSpec.from_dir(cluster.model_dir), state.worker_stubs,
-                                state.router_stub, TOKEN)
+    reconfigurer = Reconfigurer(state, ModelSpec.from_dir(cluster.model_dir), None, state.router_stub, TOKEN)
     try:
         yield LiveStack(engine, state, reconfigurer, cluster)
-        if str(state.topology) != "tp2pp2":
-            await reconfigurer.reconfigure("tp2pp2")
+        if leave_in is not None and str(state.topology) != leave_in:
+            await reconfigurer.reconfigure(leave_in)
     finally:
         await state.close()
         await server.stop(0)

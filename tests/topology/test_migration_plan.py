@@ -10,12 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.topology import (
+    LOST,
+    KVLostError,
     KVMigrationPlan,
     KVTransfer,
     ModelShape,
     Placement,
     Topology,
     candidate_topologies,
+    lost_kv,
     place,
     plan_kv_migration,
 )
@@ -50,7 +53,7 @@ def labels(layer: int, heads: range) -> np.ndarray:
 def start_caches(plan: KVMigrationPlan) -> dict[int, dict[int, np.ndarray]]:
     """rank -> layer -> the correct old-layout tensor."""
     return {rank: {layer: labels(layer, plan.old_local_kv_heads(rank)) for layer in plan.old_local_layers(rank)}
-            for rank in plan.old_ranks}
+            for rank in plan.old_ranks if rank != LOST}
 
 
 def execute(plan: KVMigrationPlan, caches: dict[int, dict[int, np.ndarray]]) -> tuple[dict, dict[int, int]]:
@@ -91,7 +94,7 @@ def execute(plan: KVMigrationPlan, caches: dict[int, dict[int, np.ndarray]]) -> 
         expected = {(rank, slot) for rank in owners for slot in range(len(plan.new_local_kv_heads(rank)))}
         assert set(writes) == expected and set(writes.values()) == {1}, "each new (dst, head) written exactly once"
         for rank in plan.old_ranks:  # free the old layer right after it moved
-            if layer in old[rank]:
+            if rank != LOST and layer in old[rank]:
                 freed = old[rank].pop(layer)
                 live[rank] -= 0 if plan.is_identity_for(rank, layer) else freed.size
     assert all(not layers for layers in old.values())
@@ -284,6 +287,41 @@ def test_peak_extra_when_the_block_count_changes() -> None:
     assert plan.peak_extra_bytes(0, 10, 16, 64, 2, new_num_blocks=20) == new_layer - new_layer // 2
 
 
+@given(migrations(), st.data())
+@settings(max_examples=300, deadline=None)
+def test_lost_workers_kv_comes_from_replicas_or_is_reported_lost(migration, data) -> None:
+    """Workers of the old layout die (the survivors keep their slices): every slice some survivor holds is
+    planned from a survivor and lands on its new owners; if a slice lived only on the dead, KVLostError."""
+    old, old_ranks, new, _ = migration
+    lost = data.draw(st.sets(st.sampled_from(old_ranks), min_size=1, max_size=len(old_ranks)))
+    survivors = [rank for rank in old_ranks if rank not in lost]
+    with_lost = [LOST if rank in lost else rank for rank in old_ranks]
+    holders = {(layer, head) for rank, worker in zip(old_ranks, old.workers) if rank not in lost
+               for layer in worker.layers for head in worker.kv_heads}
+    everything = {(layer, head) for layer in range(old.shape.num_layers) for head in range(old.shape.num_kv_heads)}
+    assert set(lost_kv(old, with_lost)) == everything - holders
+    world = max([*old_ranks, new.topology.num_workers]) + 1
+    pool = survivors + [rank for rank in range(world) if rank not in old_ranks]  # survivors, then standbys
+    if len(pool) < new.topology.num_workers:
+        return
+    new_ranks = data.draw(st.permutations(pool[: new.topology.num_workers]))
+    if holders != everything:
+        with pytest.raises(KVLostError):
+            plan_kv_migration(old, with_lost, new, new_ranks)
+        return
+    plan = plan_kv_migration(old, with_lost, new, new_ranks)
+    assert plan.has_lost_sources and all(t.src_rank not in lost for t in plan.transfers)
+    new_caches, _ = execute(plan, start_caches(plan))
+    assert_lands_on_new_owners(plan, new_caches)
+
+
+def test_losing_a_tp4_worker_keeps_every_kv_head_through_its_replica() -> None:
+    shape = make_shape(num_layers=3, num_heads=4, num_kv_heads=2)  # tp4: each KV head on 2 workers
+    plan = plan_kv_migration(layout("tp4pp1", shape), [0, LOST, 1, 2], layout("tp1pp3", shape), [0, 1, 2])
+    assert {t.src_rank for t in plan.transfers if 0 in t.kv_heads} == {0}  # head 0's other holder is gone
+    assert lost_kv(layout("tp2pp2", shape), [0, LOST, 1, 2]) == [(0, 1), (1, 1)]  # stage 0's head 1: no replica
+
+
 def test_invalid_inputs_are_refused() -> None:
     shape = make_shape()
     tp2 = layout("tp2pp1", shape)
@@ -291,7 +329,11 @@ def test_invalid_inputs_are_refused() -> None:
         plan_kv_migration(tp2, [0, 0], tp2, [0, 1])
     with pytest.raises(ValueError, match="needs 2 ranks, got 3"):
         plan_kv_migration(tp2, [0, 1], tp2, [0, 1, 2])
-    with pytest.raises(ValueError, match=">= 0"):
-        plan_kv_migration(tp2, [0, -1], tp2, [0, 1])
+    with pytest.raises(ValueError, match=">= 0 or LOST"):
+        plan_kv_migration(tp2, [0, -2], tp2, [0, 1])
+    with pytest.raises(ValueError, match=">= 0, got"):  # a new layout has no lost workers
+        plan_kv_migration(tp2, [0, 1], tp2, [0, LOST])
+    with pytest.raises(KVLostError, match="lived only on lost workers"):  # tp2 over 4 KV heads: no replica
+        plan_kv_migration(tp2, [0, LOST], layout("tp1pp1", shape), [0])
     with pytest.raises(ValueError, match="different models"):
         plan_kv_migration(tp2, [0, 1], layout("tp2pp1", make_shape(num_layers=5)), [0, 1])

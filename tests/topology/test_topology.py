@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.topology import ModelShape, Topology, TopologyError, candidate_topologies, validate
+from services.topology import ModelShape, Topology, TopologyError, candidate_topologies, degraded_topology, validate
 
 
 def make_shape(**overrides: int) -> ModelShape:
@@ -187,3 +187,28 @@ def test_candidate_topologies_are_exactly_the_valid_ones(
             assert (topology in candidates) == is_valid
             if is_valid:
                 assert tp * pp <= num_workers and pp <= num_layers
+
+
+@given(num_heads=st.sampled_from([4, 6, 8, 12]), num_layers=st.integers(1, 12), world=st.integers(1, 8),
+       lost=st.integers(1, 7), data=st.data())
+@settings(max_examples=200, deadline=None)
+def test_degraded_topology_uses_the_most_survivors(num_heads, num_layers, world, lost, data) -> None:
+    """After losing workers: the live layout if it still fits, else a valid one using as many survivors as any."""
+    shape = make_shape(num_heads=num_heads, num_kv_heads=2, num_layers=num_layers)
+    current = data.draw(st.sampled_from(candidate_topologies(shape, world)))
+    survivors = world - min(lost, world - 1)
+    chosen = degraded_topology(current, shape, survivors)
+    validate(chosen, shape, survivors)
+    if current.num_workers <= survivors:
+        assert chosen == current
+    else:
+        assert chosen.num_workers == max(t.num_workers for t in candidate_topologies(shape, survivors))
+
+
+def test_degraded_topology_examples() -> None:
+    shape = make_shape(num_heads=4, num_kv_heads=2, num_layers=3)
+    assert degraded_topology(Topology.parse("tp2pp2"), shape, 3) == Topology.parse("tp1pp3")  # tp3 splits no head
+    assert degraded_topology(Topology.parse("tp4pp1"), shape, 2) == Topology.parse("tp2pp1")  # nearest tp
+    assert degraded_topology(Topology.parse("tp2pp1"), shape, 3) == Topology.parse("tp2pp1")  # a standby stepped in
+    with pytest.raises(TopologyError, match="fits 0 workers"):
+        degraded_topology(Topology.parse("tp1pp1"), shape, 0)

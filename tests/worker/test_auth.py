@@ -35,6 +35,8 @@ def test_worker_rpcs_need_the_token(tmp_path):
                                                   metadata=md),
                     lambda md: stub.ApplySwitch(worker_pb2.ApplySwitchRequest(topology="tp1pp1"), timeout=5,
                                                 metadata=md),
+                    lambda md: stub.Regroup(worker_pb2.RegroupRequest(generation=1, rank=0, world_size=1,
+                                                                      topology="tp1pp1"), timeout=5, metadata=md),
                     lambda md: stub.Shutdown(worker_pb2.ShutdownRequest(), timeout=5, metadata=md),
                 ]
                 for call in calls:
