@@ -197,6 +197,14 @@ class LocalCluster:
         """Names (with exit codes) of processes that have exited."""
         return [f"{name} (pid {p.pid}, exit code {p.exitcode})" for name, _, p in self._processes if not p.is_alive()]
 
+    def reap_dead_service(self, name: str) -> str | None:
+        """Forget the service process `name` if it has exited (to start it again); returns it with its exit code."""
+        dead = next((p for n, tier, p in self._processes if n == name and not p.is_alive()), None)
+        if dead is None:
+            return None
+        self._processes = [entry for entry in self._processes if entry[2] is not dead]
+        return f"{name} (pid {dead.pid}, exit code {dead.exitcode})"
+
     def reap_dead_workers(self) -> list[str]:
         """Forget the workers that have exited (the controller moves the stack onto the others) and unlink the
         shared memory they left; returns their names with exit codes."""

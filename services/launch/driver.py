@@ -18,6 +18,10 @@ class StepError(RuntimeError):
     """A worker reported an error for a step, or a stream broke."""
 
 
+class WorkerUnreachable(ConnectionError):
+    """A worker did not answer when the driver connected (UNAVAILABLE to a gRPC caller)."""
+
+
 class _WorkerStream:
     """One worker's Execute stream; a reader task resolves the future of each step, in order."""
 
@@ -93,7 +97,13 @@ class Driver:
         for address in self.addresses:
             async with grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
                 stub = worker_pb2_grpc.WorkerStub(channel)
-                infos.append(await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=10, metadata=self.metadata))
+                try:
+                    infos.append(await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=10, metadata=self.metadata))
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
+                        raise
+                    raise WorkerUnreachable(f"worker {address} does not answer: {exc.code().name}: "
+                                            f"{exc.details()}") from None
         self.infos = infos
         self._streams = [_WorkerStream(a, self.metadata) for a, i in zip(self.addresses, infos) if i.num_kv_blocks > 0]
         for stream in self._streams:

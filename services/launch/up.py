@@ -87,8 +87,9 @@ def _raise_stop(signum, frame) -> None:
 
 
 def up(config: UpConfig) -> int:
-    """Start the stack and supervise it. 0 after Ctrl-C/SIGTERM; 1 if a service died (named on stderr). A lost
-    worker does not stop it: the controller recovers, and a replacement is started in join mode."""
+    """Start the stack and supervise it. 0 after Ctrl-C/SIGTERM; 1 if the weightstore or the router died (named on
+    stderr). A lost worker does not stop it: the controller recovers, and a replacement is started in join mode; a
+    dead controller is started again."""
     from services.controller.server import ControllerConfig, run_controller
     from services.launch.stackfile import StackFile, run_dir
     from services.router.main import RouterConfig, run_router
@@ -114,12 +115,13 @@ def up(config: UpConfig) -> int:
             max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting,
         ))
         router_grpc = f"{config.host}:{router['grpc_port']}"
-        controller = cluster.spawn_service("controller", run_controller, ControllerConfig(
+        controller_config = ControllerConfig(
             host=config.host, port=config.controller_port, token=token,
             worker_addresses=tuple(cluster.worker_addresses), router_grpc_address=router_grpc,
             topology=config.topology, model=config.model, model_dir=str(cluster.model_dir),
             state_file=str(run_dir() / "controller-state.json"),
-        ))
+        )
+        controller = cluster.spawn_service("controller", run_controller, controller_config)
         http = f"http://{config.host}:{router['http_port']}"
         stack_file = StackFile(
             controller_address=f"{config.host}:{controller['port']}", router_http_address=http,
@@ -146,6 +148,15 @@ def up(config: UpConfig) -> int:
                     print(f"reconfig up: a replacement worker is ready at {address}; bring it in with "
                           f"`reconfigctl add-worker {address} --topology {config.topology}`", file=sys.stderr,
                           flush=True)
+            if (lost := cluster.reap_dead_service("controller")) is not None:
+                # Stateless but for its state file: a new one recovers the members, layout and last operation (a
+                # router it left frozen resumes when the freeze's lease runs out, or by the new one's recovery).
+                print(f"reconfig up: {lost} exited; starting it again", file=sys.stderr, flush=True)
+                controller = cluster.spawn_service("controller", run_controller, controller_config)
+                stack_file = dataclasses.replace(
+                    stack_file, controller_address=f"{config.host}:{controller['port']}",
+                    pids={"launcher": os.getpid(), **cluster.pids})
+                stack_file.write()
             dead = cluster.dead_processes()
             if dead:
                 print(f"reconfig up: {', '.join(dead)} exited; stopping the stack", file=sys.stderr, flush=True)

@@ -12,6 +12,7 @@ from typing import Protocol
 import grpc
 import structlog
 
+from services.launch.driver import WorkerUnreachable
 from services.model.tokenizer import Tokenizer
 from services.router.api.limits import encode_text
 from services.router.contracts import (
@@ -190,8 +191,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         check_rebind(request)
         if not self.engine.stats().is_frozen:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Rebind needs a frozen router: call Freeze first")
-        await _maybe_await(self.engine.rebind(request.num_kv_blocks, tuple(request.worker_addresses) or None,
-                                              request.drop_kv))
+        try:
+            await _maybe_await(self.engine.rebind(request.num_kv_blocks, tuple(request.worker_addresses) or None,
+                                                  request.drop_kv))
+        except WorkerUnreachable as exc:  # the old streams stay in place
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return router_pb2.RebindResponse(stats=stats_to_pb(self.engine.stats()),
                                          used_block_ids=self.engine.used_block_ids())
 

@@ -51,6 +51,13 @@ def _wait_for(predicate, timeout_s: float, what: str):
 def test_a_killed_worker_is_recovered_replaced_and_added_back(tmp_path):
     process, env, stack_file = _start_up(tmp_path, "--workers", "2", "--topology", "tp1pp2")
     try:
+        # A killed controller is started again; the new one finds the stack as it was (and does the recovery).
+        first_controller = json.loads(stack_file.read_text())["pids"]["controller"]
+        os.kill(first_controller, signal.SIGKILL)
+        _wait_for(lambda: json.loads(stack_file.read_text())["pids"]["controller"] != first_controller, 60,
+                  "a new controller")
+        restarted = json.loads(_wait_for(lambda: _reconfigctl(env, "status", "--json").stdout, 30, "its status"))
+        assert restarted["topology"] == "tp1pp2" and restarted["state"] == "SERVING", restarted["reason"]
         pids = json.loads(stack_file.read_text())["pids"]
         victim = pids["worker-1"]
         kv_segments = [s for s in list_segments(KV_SEGMENT_PREFIX) if f"-{victim}-" in s]
@@ -81,6 +88,7 @@ def test_a_killed_worker_is_recovered_replaced_and_added_back(tmp_path):
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0, process.stderr.read()[-3000:]
     stderr = process.stderr.read()
+    assert f"controller (pid {first_controller}, exit code -9) exited; starting it again" in stderr
     assert f"worker-1 (pid {victim}, exit code -9) exited; the controller moves the stack onto the other" in stderr
     assert f"reconfigctl add-worker {replacement}" in stderr
     alive = [pid for name, pid in pids.items() if name != "launcher" and process_running(pid)]

@@ -231,6 +231,11 @@ async def test_admin_rpcs_with_the_token(router, oracle):
         await stub.Rebind(router_pb2.RebindRequest(num_kv_blocks=0), metadata=metadata, timeout=5)
     assert error.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert error.value.details() == "num_blocks must be >= 1, got 0"
+    with pytest.raises(grpc.aio.AioRpcError) as error:  # a worker that is gone: the old streams stay in place
+        await stub.Rebind(router_pb2.RebindRequest(num_kv_blocks=8, worker_addresses=["127.0.0.1:1"]),
+                          metadata=metadata, timeout=15)
+    assert error.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert error.value.details().startswith("worker 127.0.0.1:1 does not answer: UNAVAILABLE")
     assert not waiting.done()
     resumed = await stub.Resume(router_pb2.ResumeRequest(), metadata=metadata, timeout=5)
     assert not resumed.stats.is_frozen
