@@ -46,8 +46,10 @@ class _WorkerStream:
                 if future is not None and not future.done():
                     future.set_result(output)
             error: Exception = StepError(f"worker {self.address} closed its step stream")
-        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
-            error = StepError(f"worker {self.address} stream failed: {exc}")
+        except grpc.aio.AioRpcError as exc:
+            error = StepError(f"worker {self.address} stream failed: {exc.code().name}: {exc.details()}")
+        except asyncio.CancelledError:
+            error = StepError(f"worker {self.address} stream closed")
         for future in self.pending.values():
             if not future.done():
                 future.set_exception(error)

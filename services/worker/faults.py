@@ -2,16 +2,17 @@
 
 RECONFIG_FAULTS is a ';'-separated list of rules `point:key=value:...`, e.g.
     migrate:rank=2:layer=1:action=raise     rank 2 fails while migrating layer 1 (the switch rolls back)
-    apply:rank=0:action=crash               rank 0 dies (SIGKILL-like exit) as ApplySwitch starts
+    apply:rank=0:action=crash               rank 0 dies (kill -9 of itself) as ApplySwitch starts
     rpc:method=ApplySwitch:rank=1:delay=3   rank 1 sleeps 3 s before serving ApplySwitch
 Points: apply (ApplySwitch, before any KV moves), migrate (per layer), rpc (any worker RPC, by method).
-Actions: raise (an exception the switch handles), crash (os._exit(137)), delay=SECONDS. A rule fires every time
+Actions: raise (an exception the switch handles), crash (SIGKILL to itself), delay=SECONDS. A rule fires every time
 its point is reached with matching keys; `once=1` makes it fire only the first time.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -61,8 +62,8 @@ class Faults:
             if any(str(context.get(key)) != value for key, value in rule.match.items()):
                 continue
             rule.fired = True
-            if rule.action == "crash":
-                os._exit(137)
+            if rule.action == "crash":  # as kill -9: no cleanup, no exit handlers
+                os.kill(os.getpid(), signal.SIGKILL)
             if rule.action == "delay":
                 time.sleep(rule.delay_s)
                 continue

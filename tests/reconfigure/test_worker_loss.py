@@ -49,6 +49,8 @@ CASES = [
     # Past the commit point the live layout is tp4pp1, whose KV heads live on two workers each.
     Case("REBINDING", "tp2pp2", victim=1, stage="REBINDING", kv_kept=True),
     Case("serving, KV replicated", "tp4pp1", victim=2, kv_kept=True),
+    # tp1pp3 on 4 workers: the standby (rank 3) takes the lost stage's place; the layout stays.
+    Case("serving, a standby steps in", "tp1pp3", victim=1),
 ]
 
 
