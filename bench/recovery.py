@@ -139,25 +139,8 @@ async def stop_stack(stack: _Stack) -> float:
     return await switch.stop_stack(stack)
 
 
-class Requests:
-    """One consumer task per request; tokens[i] grows as request i streams (switch._Requests, minimum copied)."""
-
-    def __init__(self, engine, prompts: list[list[int]], max_tokens: int, tag: str) -> None:
-        from services.router.contracts import GenerationRequest
-
-        self.tokens: list[list[int]] = [[] for _ in prompts]
-        self.tasks = [asyncio.ensure_future(self._consume(engine, i, GenerationRequest(f"{tag}-{i}", tuple(p),
-                                                                                        max_tokens)))
-                      for i, p in enumerate(prompts)]
-
-    async def _consume(self, engine, i: int, request) -> None:
-        async for delta in engine.generate(request):
-            self.tokens[i].extend(delta.token_ids)
-            if delta.finish_reason in ("error", "abort"):
-                raise RuntimeError(f"{request.request_id} ended with {delta.finish_reason}: {delta.error}")
-
-    def have(self, counts: list[int]) -> bool:
-        return all(task.done() or len(t) >= c for task, t, c in zip(self.tasks, self.tokens, counts))
+class Requests(switch.Requests):
+    """switch.Requests, with a bounded wait for the end."""
 
     async def finish(self) -> list[list[int]]:
         await asyncio.wait_for(asyncio.gather(*self.tasks), 600)

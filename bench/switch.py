@@ -180,7 +180,7 @@ async def stop_stack(stack: _Stack) -> float:
     return time.perf_counter() - started
 
 
-class _Requests:
+class Requests:
     """One consumer task per request; tokens[i] grows as request i streams."""
 
     def __init__(self, engine, prompts: list[list[int]], max_tokens: int, tag: str) -> None:
@@ -201,10 +201,13 @@ class _Requests:
     def num_live(self) -> int:
         return sum(1 for task in self.tasks if not task.done())
 
+    def have(self, counts: list[int]) -> bool:
+        """Whether every live request i has at least counts[i] tokens."""
+        return all(task.done() or len(tokens) >= count for task, tokens, count in zip(self.tasks, self.tokens, counts))
+
     async def wait_for_tokens(self, counts: list[int]) -> None:
         """Until every live request i has at least counts[i] tokens."""
-        while any(not task.done() and len(tokens) < count
-                  for task, tokens, count in zip(self.tasks, self.tokens, counts)):
+        while not self.have(counts):
             await asyncio.sleep(0.005)
 
     async def finish(self) -> list[list[int]]:
@@ -212,7 +215,7 @@ class _Requests:
         return self.tokens
 
 
-async def _switch(config: BenchConfig, stack: _Stack, target: str, prompts: list[list[int]], live: _Requests
+async def _switch(config: BenchConfig, stack: _Stack, target: str, prompts: list[list[int]], live: Requests
                   ) -> Switch:
     """Plan, then run one transition with the live requests; collect its numbers."""
     from services.controller.status import OperationState
@@ -271,7 +274,7 @@ async def _restart(config: BenchConfig, switch: Switch, stop_seconds: float, ref
     """Start the stack in the switch's target and re-prefill its snapshot until every request has a token."""
     stack, workers_seconds, router_seconds = await start_stack(config, switch.target)
     started = time.perf_counter()
-    replay = _Requests(stack.engine, switch.snapshot, 1, f"restart-{switch.target}")
+    replay = Requests(stack.engine, switch.snapshot, 1, f"restart-{switch.target}")
     tokens = await replay.finish()
     reprefill_seconds = time.perf_counter() - started
     num_generated = [len(s) - config.prompt_len for s in switch.snapshot]  # before the freeze
@@ -339,11 +342,11 @@ async def run(config: BenchConfig) -> Result:
     _log(f"stack {config.chain[0]} ready in {workers_seconds + router_seconds:.1f}s")
     try:
         started = time.perf_counter()
-        reference = await _Requests(stack.engine, prompts, config.max_tokens, "reference").finish()
+        reference = await Requests(stack.engine, prompts, config.max_tokens, "reference").finish()
         reference_seconds = time.perf_counter() - started
         _log(f"reference run (no switch) in {reference_seconds:.1f}s")
         before = stack.engine.stats()
-        live = _Requests(stack.engine, prompts, config.max_tokens, "live")
+        live = Requests(stack.engine, prompts, config.max_tokens, "live")
         await live.wait_for_tokens([1] * len(prompts))  # every request prefilled
         switches = []
         for target in config.chain[1:]:
