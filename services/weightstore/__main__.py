@@ -24,6 +24,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (0: any free port)")
     parser.add_argument("--port-file", type=Path, help="write the bound port here once ready")
+    parser.add_argument("--store-port", type=int, default=0,
+                        help="also host the workers' torch.distributed TCPStore on this port (0: do not); the "
+                             "store must outlive any worker for the world to be re-formed after one is lost")
     return parser.parse_args(argv)
 
 
@@ -44,6 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run the weightstore until SIGTERM/SIGINT; returns the exit status."""
     args = parse_args(argv)
     on_ready = (lambda port: write_port_file(args.port_file, port)) if args.port_file else None
+    store = None
+    if args.store_port:
+        from services.launch.store import host_tcp_store
+
+        store = host_tcp_store(args.store_port)  # lives as long as this process
+        log.info("weightstore.tcp_store", port=args.store_port)
     coroutine = serve(args.model, host=args.host, port=args.port, on_ready=on_ready)
     try:
         try:
@@ -58,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, RuntimeError) as error:
         log.error("weightstore.failed", error=str(error))
         return 1
+    finally:
+        del store
     return 0
 
 

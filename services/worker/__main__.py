@@ -7,7 +7,6 @@ import argparse
 import os
 import sys
 import tempfile
-from datetime import timedelta
 from pathlib import Path
 
 from services.topology import Topology, TopologyError
@@ -43,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--collective-timeout", type=float, default=60.0, help="seconds before a collective fails")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    parser.add_argument("--join", action="store_true",
+                        help="start in no world, as a replacement for a lost worker (`reconfigctl add-worker` "
+                             "brings it in); --rank then only picks the device")
     parser.add_argument("--token-file", type=Path, default=None,
                         help="control-plane token every RPC of this worker then requires (mode 0600 file)")
     return parser
@@ -59,7 +61,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         device=args.device, kv_cache_bytes=args.kv_cache_mb << 20, block_size=args.block_size,
         host=args.host, port=args.port, collective_timeout_s=args.collective_timeout,
         parent_pid=args.parent_pid, num_threads=args.num_threads,
-        token=read_token_file(args.token_file) if args.token_file else None,
+        token=read_token_file(args.token_file) if args.token_file else None, join=args.join,
     )
 
 
@@ -81,11 +83,11 @@ class PortFileReporter:
 
 
 def host_store(config: WorkerConfig):
-    """The torch.distributed TCPStore of the world, served from this process (the worker joins it as a client)."""
-    import torch.distributed as dist
+    """The torch.distributed TCPStore of the world, served from this process (the worker joins it as a client).
+    The world cannot be re-formed once this worker is gone: prefer the weight store's --store-port."""
+    from services.launch.store import host_tcp_store
 
-    return dist.TCPStore("0.0.0.0", config.store_port, config.world_size, is_master=True,
-                         timeout=timedelta(seconds=config.collective_timeout_s), wait_for_workers=False)
+    return host_tcp_store(config.store_port, config.collective_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

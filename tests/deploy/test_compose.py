@@ -45,10 +45,13 @@ def test_compose_file_is_valid_and_complete():
     # The weight store's shared memory is visible to every worker.
     assert services["weightstore"]["ipc"] == "shareable"
     assert all(services[w]["ipc"] == "service:weightstore" for w in WORKERS)
-    # One torch.distributed world: worker-0 hosts the TCPStore, every worker has its own rank.
+    # One torch.distributed world: the weight store hosts the TCPStore (it outlives any worker, so the survivors
+    # of a lost one can regroup), every worker has its own rank, none starts in join mode.
     assert [services[w]["environment"]["WORKER_RANK"] for w in WORKERS] == ["0", "1", "2", "3"]
-    assert services["worker-0"]["environment"]["STORE_MASTER"] == "--store-master"
-    assert all(services[w]["environment"]["STORE_MASTER"] == "" for w in WORKERS[1:])
+    store_port = services["weightstore"]["command"].index("--store-port") + 1
+    assert services["weightstore"]["command"][store_port] == "29500"
+    assert all("--store-host weightstore --store-port 29500" in " ".join(services[w]["command"]) for w in WORKERS)
+    assert all(services[w]["environment"]["JOIN"] == "" for w in WORKERS)
     assert all(services[w]["environment"]["DEVICE"] == "cpu" for w in WORKERS)
     assert all(services[w]["depends_on"]["weightstore"]["condition"] == "service_healthy" for w in WORKERS)
     # The router drives the four workers; the control plane needs the token secret.

@@ -37,10 +37,9 @@ def _wait_for_file(path: Path, processes: list[subprocess.Popen], timeout_s: flo
 
 
 def _worker_args(rank: int, store_port: int, weightstore: str, port_file: Path) -> list[str]:
-    args = [sys.executable, "-m", "services.worker", "--rank", str(rank), "--world-size", "2",
+    return [sys.executable, "-m", "services.worker", "--rank", str(rank), "--world-size", "2",
             "--store-host", "127.0.0.1", "--store-port", str(store_port), "--weightstore", weightstore,
             "--topology", "tp1pp2", "--kv-cache-mb", "1", "--block-size", "4", "--port-file", str(port_file)]
-    return args + (["--store-master"] if rank == 0 else [])
 
 
 async def _infos_then_shutdown(addresses: list[str]) -> list[worker_pb2.WorkerInfo]:
@@ -65,20 +64,23 @@ def test_two_workers_from_the_command_line(tmp_path):
         processes.append(process)
         return process
 
+    # The weight store also hosts the workers' TCPStore, as in the compose stack (it outlives any worker).
+    store_port = _free_port()
     weightstore = start([sys.executable, "-m", "services.weightstore", "--model", str(model_dir),
-                         "--port-file", str(tmp_path / "ws.port")])
+                         "--port-file", str(tmp_path / "ws.port"), "--store-port", str(store_port)])
     try:
         weightstore_address = f"127.0.0.1:{_wait_for_file(tmp_path / 'ws.port', processes)}"
-        store_port = _free_port()
         workers = [start(_worker_args(rank, store_port, weightstore_address, tmp_path / f"w{rank}.port"))
-                   for rank in (1, 0)]  # a client may start before the store's host: it waits for it
-        ports = [_wait_for_file(tmp_path / f"w{rank}.port", processes) for rank in (0, 1)]
+                   for rank in (1, 0)]
+        joiner = start([*_worker_args(0, store_port, weightstore_address, tmp_path / "join.port"), "--join"])
+        ports = [_wait_for_file(tmp_path / f"{name}.port", processes) for name in ("w0", "w1", "join")]
         infos = asyncio.run(_infos_then_shutdown([f"127.0.0.1:{port}" for port in ports]))
-        assert [(i.rank, i.world_size, i.topology, i.pp_rank) for i in infos] == [(0, 2, "tp1pp2", 0),
-                                                                                 (1, 2, "tp1pp2", 1)]
-        assert [(i.layer_start, i.layer_end) for i in infos] == [(0, 2), (2, 3)]
-        assert [i.pid for i in infos] == [workers[1].pid, workers[0].pid]
-        for worker in workers:
+        assert [(i.rank, i.world_size, i.topology, i.pp_rank) for i in infos[:2]] == [(0, 2, "tp1pp2", 0),
+                                                                                     (1, 2, "tp1pp2", 1)]
+        assert [(i.layer_start, i.layer_end) for i in infos[:2]] == [(0, 2), (2, 3)]
+        assert [i.pid for i in infos] == [workers[1].pid, workers[0].pid, joiner.pid]
+        assert (infos[2].state, infos[2].rank, infos[2].num_kv_blocks) == ("JOINING", -1, 0)  # in no world yet
+        for worker in [*workers, joiner]:
             assert worker.wait(30) == 0, worker.stderr.read()
     finally:
         for process in processes:
