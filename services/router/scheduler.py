@@ -1,21 +1,31 @@
 """Continuous batching: which sequences feed which tokens in the next step, and what a finished step changed.
 
 Each schedule() builds one micro-batch from the sequences not in flight: decodes of running sequences first,
-then the rest of running chunked prefills, then new prefills from the waiting queue (FCFS), within the token
-budget, max_num_seqs and the free KV blocks. When a running sequence cannot get a block, the newest running
-sequence not in flight is preempted by recompute: its blocks are freed and it re-prefills its whole prefix
-later, ahead of every other waiting request. With pipeline parallelism up to num_inflight_batches (= pp)
-disjoint micro-batches are in flight. A step the workers failed is taken back unadvanced (on_batch_failed); when
-the workers lost their KV, preempt_all sends every running sequence back to re-prefill. The scheduler never
-touches tensors.
+then the rest of running chunked prefills (each pass oldest first), then new prefills from the waiting queue
+(FCFS), within the token budget, max_num_seqs and the free KV blocks. With pipeline parallelism up to
+num_inflight_batches (= pp) disjoint micro-batches are in flight.
+
+When a running sequence cannot get a block, it preempts by recompute the newest running sequence that is
+newer than itself and not in flight, taking it out of this micro-batch if it was put there: the victim's
+blocks are freed and it re-prefills its whole prefix later, ahead of every other waiting request. A sequence
+never preempts an older one, nor itself: with no such victim left it waits for a later step (older sequences,
+or newer ones in flight, hold the blocks it lacks; it can preempt the latter once their step has returned),
+and no new prefill is admitted in a step where a running sequence lacked blocks. So the oldest running
+sequence is never preempted, and newer sequences keep blocks from it only while they are in flight: it always
+progresses, and so, one after the other, does every request. (A sequence that preempted itself while the others
+were in flight let two sequences that cannot share the cache preempt each other forever.)
+
+A step the workers failed is taken back unadvanced (on_batch_failed); when the workers lost their KV,
+preempt_all sends every running sequence back to re-prefill. The scheduler never touches tensors.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from services.router.block_manager import BlockManager, num_blocks_for
@@ -67,11 +77,11 @@ class Scheduler:
         self.block_manager = block_manager
         self.clock = clock
         self.waiting: deque[Sequence] = deque()   # FCFS; preempted sequences go to the front
-        self.running: list[Sequence] = []         # hold KV blocks, in order of (re)admission
+        self.running: list[Sequence] = []         # hold KV blocks, oldest (by add()) first
         self.num_preemptions = 0                  # all preemptions by recompute
         self.num_switch_preemptions = 0           # those forced by a Rebind to fewer blocks
         self._sequences: dict[str, Sequence] = {}  # unfinished sequences by request_id
-        self._admission_index: dict[str, int] = {}  # add() order: larger = newer, the preemption victim
+        self._admission_index: dict[str, int] = {}  # add() order: larger = newer, preempted first
         self._admission_counter = itertools.count()
         self._batch_counter = itertools.count()
         self._inflight: dict[int, ScheduledBatch] = {}
@@ -112,10 +122,9 @@ class Scheduler:
         if self._is_frozen:
             return None
         budget = self.config.max_num_batched_tokens
-        items: list[ScheduledItem] = []
-        scheduled: set[str] = set()
-        preempted = False
-        # Decodes first (one token each), then the next chunks of running prefills.
+        items: dict[str, ScheduledItem] = {}  # by request_id, in the order scheduled
+        short_of_blocks = False
+        # Decodes first (one token each), then the next chunks of running prefills; each pass oldest first.
         for decodes in (True, False):
             for seq in list(self.running):
                 if budget == 0:
@@ -128,17 +137,19 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill and num_new_tokens < seq.num_uncomputed_tokens:
                     continue
                 while not self.block_manager.append_slots(seq, num_new_tokens):
-                    victim = self._newest_running(exclude=scheduled)
+                    short_of_blocks = True
+                    victim = self._newest_running(newer_than=seq)
+                    if victim is None:
+                        break  # seq waits: older sequences, or newer ones in flight, hold the blocks it lacks
                     self._preempt(victim)
-                    preempted = True
-                    if victim is seq:
-                        break
+                    if (dropped := items.pop(victim.request_id, None)) is not None:
+                        budget += len(dropped.step.token_ids)
                 else:
-                    items.append(self._item(seq, num_new_tokens))
-                    scheduled.add(seq.request_id)
+                    items[seq.request_id] = self._item(seq, num_new_tokens)
                     budget -= num_new_tokens
-        # New prefills, FCFS, only in a step that preempted nothing (blocks are short otherwise).
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # New prefills, FCFS, only in a step where every running sequence got its blocks (they are short otherwise).
+        while (not short_of_blocks and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             num_new_tokens = min(seq.num_uncomputed_tokens, budget)
             if not self.config.enable_chunked_prefill and num_new_tokens < seq.num_uncomputed_tokens:
@@ -151,14 +162,14 @@ class Scheduler:
             seq.num_prefills += 1
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = self.clock()
-            self.running.append(seq)
-            items.append(self._item(seq, num_new_tokens))
+            bisect.insort(self.running, seq, key=self._age)  # a preempted sequence goes back to its place
+            items[seq.request_id] = self._item(seq, num_new_tokens)
             budget -= num_new_tokens
         if not items:
             return None
-        batch = ScheduledBatch(next(self._batch_counter), tuple(items))
+        batch = ScheduledBatch(next(self._batch_counter), tuple(items.values()))
         self._inflight[batch.batch_id] = batch
-        self._inflight_ids.update(item.seq.request_id for item in items)
+        self._inflight_ids.update(items)
         return batch
 
     def on_batch_done(self, batch: ScheduledBatch, sampled: Mapping[str, int]) -> list[SequenceUpdate]:
@@ -233,10 +244,18 @@ class Scheduler:
         if seq.request_id not in self._inflight_ids:
             self.block_manager.free(seq)
 
-    def _newest_running(self, exclude: Iterable[str] = (), among: set[str] | None = None) -> Sequence:
-        candidates = [s for s in self.running if s.request_id not in self._inflight_ids
-                      and s.request_id not in exclude and (among is None or s.request_id in among)]
-        return max(candidates, key=lambda s: self._admission_index[s.request_id])
+    def _age(self, seq: Sequence) -> int:
+        return self._admission_index[seq.request_id]  # add() order: larger = newer
+
+    def _newest_running(self, newer_than: Sequence | None = None, among: set[str] | None = None) -> Sequence | None:
+        """The newest running sequence not in flight (newer than `newer_than`, owning one of `among`); None if none."""
+        oldest = -1 if newer_than is None else self._age(newer_than)
+        for seq in reversed(self.running):  # newest first
+            if self._age(seq) <= oldest:
+                return None
+            if seq.request_id not in self._inflight_ids and (among is None or seq.request_id in among):
+                return seq
+        return None
 
     def _preempt(self, seq: Sequence) -> None:
         """Preempt by recompute: drop seq's KV and queue it first; it later re-prefills prompt + outputs."""
@@ -284,7 +303,7 @@ class Scheduler:
         """
         if not self._is_frozen or self._inflight:
             raise RuntimeError("preempt_all needs a frozen scheduler with nothing in flight")
-        newest_first = sorted(self.running, key=lambda s: self._admission_index[s.request_id], reverse=True)
+        newest_first = self.running[::-1]
         for seq in newest_first:  # each goes to the front: the oldest ends up first
             self._preempt(seq)
         return newest_first[::-1]

@@ -12,12 +12,12 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from services.router.block_manager import num_blocks_for
 from services.router.scheduler import ScheduledBatch, Scheduler
 from services.router.sequence import SequenceStatus
 from tests.router.test_scheduler import (
     PagedWorkers,
     _check_blocks,
+    contended_workloads,
     drain,
     expected_output,
     make_scheduler,
@@ -92,17 +92,8 @@ def test_preempt_all_requeues_every_running_sequence_in_admission_order():
     assert [s.num_prefills for s in seqs] == [2, 2, 2, 1]
 
 
-def _with_room_for_all(workload):
-    """The workload with enough blocks for every request at once: with scarce blocks and several micro-batches
-    in flight, two requests that cannot share the cache can preempt each other forever (a livelock of the
-    preemption policy that failures do not cause; test_scheduler.py covers scarcity)."""
-    block_size, num_blocks, config, requests, stop_token_ids, aborts = workload
-    needed = sum(num_blocks_for(p + m - 1, block_size) for _, p, m in requests)
-    return block_size, max(num_blocks, needed), config, requests, stop_token_ids, aborts
-
-
 @settings(max_examples=80, deadline=None)
-@given(workloads().map(_with_room_for_all), st.sets(st.integers(0, 40), max_size=8),
+@given(st.one_of(workloads(), contended_workloads()), st.sets(st.integers(0, 40), max_size=8),
        st.sets(st.integers(0, 40), max_size=3))
 def test_failed_steps_and_lost_kv_leak_no_block_and_keep_outputs_exact(workload, failures, losses):
     """`failures`: ticks whose returning step fails; `losses`: ticks where a worker dies (every step in flight
