@@ -153,6 +153,8 @@ class ControllerState:
             self.lost_workers = []
         for address in [a for a in self._worker_channels if a not in addresses]:
             await self._worker_channels.pop(address).close()
+        for address in addresses:
+            self.stub_for(address)  # every member has its channel
         self.misses = {a: n for a, n in self.misses.items() if a in addresses}
         self._save()  # the next refresh shows the new table
 

@@ -105,6 +105,9 @@ async def test_a_worker_that_does_not_answer(stack, make_state):
     os.kill(standby_pid, signal.SIGSTOP)
     try:
         status = await state.refresh()
+        assert state.lost_members() == []  # one missed heartbeat is not a lost worker (heartbeat_misses=2)
+        await state.refresh()
+        assert state.lost_members() == [stack.worker_addresses[2]]  # hung: the recovery would leave it out
     finally:
         os.kill(standby_pid, signal.SIGCONT)
     assert status.state is StackState.DEGRADED
@@ -113,6 +116,7 @@ async def test_a_worker_that_does_not_answer(stack, make_state):
     assert status.reason.startswith(f"worker 2 ({stack.worker_addresses[2]}) unreachable: DEADLINE_EXCEEDED")
     status = await state.refresh()
     assert status.state is StackState.SERVING and status.workers[2].state is WorkerState.STANDBY
+    assert state.lost_members() == []  # one answer resets the count
 
 
 async def test_router_problems(stack, make_state):
@@ -223,3 +227,25 @@ async def test_controller_service(stack):
         await router_channel.close()
         await server.stop(None)
         await state.close()
+
+
+async def test_a_restarted_controller_takes_the_members_from_its_state_file(stack, make_state, tmp_path):
+    """After a recovery the world is not the start-up list: a restarted controller reads it from the state file,
+    reports DEGRADED for the worker lost, and counts missed heartbeats per member."""
+    import json
+
+    state_file = tmp_path / "controller-state.json"
+    members, lost = stack.worker_addresses[:2], stack.worker_addresses[2]
+    state_file.write_text(json.dumps({"topology": TOPOLOGY, "layer_partition": [], "worker_addresses": members,
+                                      "generation": 3, "lost_workers": [lost], "last_operation": None}))
+    state = await make_state(controller_config(stack, state_file=str(state_file)))
+    await state.recover()
+    assert (state.worker_addresses, state.generation, state.lost_workers) == (members, 3, [lost])
+    status = state.status
+    assert [w.address for w in status.workers] == members and status.lost_workers == (lost,)
+    assert status.state is StackState.DEGRADED
+    assert status.reason == (f"lost {lost}; serving on 2 of 3 workers "
+                             "(start a replacement and `reconfigctl add-worker ADDRESS`)")
+    assert state.lost_members() == []  # both members answer their heartbeats
+    saved = json.loads(state_file.read_text())
+    assert saved["worker_addresses"] == members and oct(os.stat(state_file).st_mode & 0o777) == "0o600"
