@@ -138,7 +138,8 @@ def list_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
 
 
 def is_process_alive(pid: int) -> bool:
-    """True if a process with this pid exists (possibly owned by another user)."""
+    """True if a process with this pid runs (possibly owned by another user). A zombie does not: a worker killed
+    with SIGKILL stays one until its parent (the forkserver) reaps it, and its segments are already orphans."""
     if pid <= 0:  # kill(0 or negative) would signal process groups, not a process
         return False
     try:
@@ -147,7 +148,11 @@ def is_process_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc (or it went away meanwhile): kill() said it exists
 
 
 def cleanup_stale_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:

@@ -28,8 +28,11 @@ def test_sliding_window_equals_transformers(tmp_path):
                          torch.device("cpu"))
     prompt, blocks = list(range(10, 30)), tuple(range(12))  # 20 tokens: far past the window of 6
     expected, _ = hf_greedy(model_dir, [prompt], 12)
-    tokens = [runner.execute(StepBatch(0, (SequenceStep("a", tuple(prompt), 0, blocks),)), 0).outputs[0].token_id]
-    for step in range(1, 12):
-        batch = StepBatch(step, (SequenceStep("a", (tokens[-1],), len(prompt) + step - 1, blocks),))
-        tokens.append(runner.execute(batch, 0).outputs[0].token_id)
+    try:
+        tokens = [runner.execute(StepBatch(0, (SequenceStep("a", tuple(prompt), 0, blocks),)), 0).outputs[0].token_id]
+        for step in range(1, 12):
+            batch = StepBatch(step, (SequenceStep("a", (tokens[-1],), len(prompt) + step - 1, blocks),))
+            tokens.append(runner.execute(batch, 0).outputs[0].token_id)
+    finally:
+        cache.close()  # the KV pool is shared memory: unlink it (this process outlives the test)
     assert tokens == expected[0]

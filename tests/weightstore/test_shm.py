@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import time
 import uuid
 
 import pytest
@@ -148,3 +149,22 @@ def test_rejects_names_that_escape_dev_shm(bad):
 def test_rejects_empty_segments(name):
     with pytest.raises(ValueError):
         ShmSegment.create(name, 0)
+
+
+def test_a_zombie_owner_is_dead():
+    """A worker killed with SIGKILL is a zombie until its parent reaps it: its segments are orphans already."""
+    from services.weightstore.shm import is_process_alive
+
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    try:
+        for _ in range(200):  # until the child has exited (and is a zombie: not reaped yet)
+            with open(f"/proc/{child}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.01)
+        assert not is_process_alive(child)
+    finally:
+        os.waitpid(child, 0)
+    assert is_process_alive(os.getpid())
