@@ -35,16 +35,16 @@ from services.controller.transaction import (
     OperationBusy,
     Reconfigurer,
     SwitchTarget,
-    _Progress,
+    Progress,
     apply_workers,
     prepare_workers,
 )
+from services.rpc.errors import describe_error
 from services.rpc.reconfig.v1 import router_pb2, worker_pb2
 from services.topology import LOST, Topology, TopologyError, degraded_topology, lost_kv, place, validate
 
 log = structlog.get_logger(__name__)
 MAX_ATTEMPTS = 3          # a recovery retries this often when members keep failing under it
-PROBE_TIMEOUT_S = 2.0     # a member that does not answer GetInfo within this is lost
 
 
 class RecoveryFailed(RuntimeError):
@@ -54,10 +54,9 @@ class RecoveryFailed(RuntimeError):
 class Recoverer:
     """Runs recover and add-worker operations; shares the one-operation-at-a-time rule with the Reconfigurer."""
 
-    def __init__(self, reconfigurer: Reconfigurer, probe_timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    def __init__(self, reconfigurer: Reconfigurer) -> None:
         self.reconfigurer = reconfigurer
-        self.state = reconfigurer.state
-        self.probe_timeout_s = probe_timeout_s
+        self.state = reconfigurer.state  # its probe (GetInfo within rpc_timeout_s) tells a member is lost
 
     # ---- the watch loop ----------------------------------------------------------------------------------------
     def needs_recovery(self) -> str:
@@ -101,7 +100,7 @@ class Recoverer:
             validate(target, self.reconfigurer.spec.shape, len(self.state.worker_addresses) + 1)
         if address in self.state.worker_addresses:
             raise ValueError(f"{address} is already a member (rank {self.state.worker_addresses.index(address)})")
-        info = await self._probe_one(address)
+        info = await self.state.probe(address)
         if isinstance(info, str):
             raise ValueError(f"{address} does not answer: {info}")
         if info.state != "JOINING":
@@ -118,7 +117,7 @@ class Recoverer:
         reconfigurer.claim(operation_id)
         status = OperationStatus(operation_id, kind, OperationState.RUNNING, time.time(),
                                  from_topology=str(self.state.topology), to_topology=str(self.state.topology))
-        progress = _Progress(self.state, status)
+        progress = Progress(self.state, status)
         log.warning("controller.recovery_start", operation_id=operation_id, kind=kind, reason=reason)
         lease = reconfigurer.hold_lease()
         resumed = False
@@ -135,27 +134,27 @@ class Recoverer:
                                 lost=list(progress.status.lost_workers), kv_dropped=progress.status.kv_dropped)
                     return progress.finish(OperationState.SUCCEEDED)
                 except (grpc.aio.AioRpcError, TopologyError, ValueError, RecoveryFailed) as exc:
-                    error = _describe(exc)
+                    error = describe_error(exc)
                     log.warning("controller.recovery_attempt_failed", operation_id=operation_id, attempt=attempt,
                                 error=error)
             raise RecoveryFailed(f"{MAX_ATTEMPTS} attempts failed; the last: {error}")
         except Exception as exc:
-            return progress.finish(OperationState.FAILED, _describe(exc))
+            return progress.finish(OperationState.FAILED, describe_error(exc))
         finally:
             if not resumed:  # never leave the router frozen: it fails its requests after its own timeout
                 try:
                     await reconfigurer.resume(progress.report(OperationState.FAILED))
                 except grpc.aio.AioRpcError as exc:
-                    log.error("controller.resume_failed", error=_describe(exc))
+                    log.error("controller.resume_failed", error=describe_error(exc))
             await lease.stop()
             reconfigurer.running = None
 
-    async def _attempt(self, progress: _Progress, joining: str | None) -> None:
+    async def _attempt(self, progress: Progress, joining: str | None) -> None:
         reconfigurer, state, meta = self.reconfigurer, self.state, self.reconfigurer.metadata
         timeout = reconfigurer.rpc_timeout_s
         progress.enter("PREPARING_WORKERS")
         members = list(state.worker_addresses)
-        infos = await asyncio.gather(*(self._probe_one(a) for a in members))
+        infos = await asyncio.gather(*(state.probe(a) for a in members))
         survivors = [a for a, info in zip(members, infos, strict=True) if not isinstance(info, str)]
         lost = [a for a in members if a not in survivors]
         world = survivors + ([joining] if joining else [])
@@ -173,7 +172,8 @@ class Recoverer:
                 timeout=timeout, metadata=meta)
             for rank, stub in enumerate(stubs)), return_exceptions=True)
         state.generation = generation  # tried: the next attempt must not reuse its store prefix
-        failed = [f"{a}: {_describe(r)}" for a, r in zip(world, regrouped, strict=True) if isinstance(r, BaseException)]
+        failed = [f"{a}: {describe_error(r)}" for a, r in zip(world, regrouped, strict=True)
+                  if isinstance(r, BaseException)]
         if failed:
             raise RecoveryFailed(f"regroup to generation {generation} failed on {'; '.join(failed)}")
         # Which new rank holds each active index of the live layout (LOST: that worker is gone).
@@ -201,16 +201,3 @@ class Recoverer:
         state.set_topology(target.topology, target.layer_partition)
         progress.enter("REBINDING", split=("MIGRATING", "APPLYING_TOPOLOGY", max(r.apply_seconds for r in results)))
         await reconfigurer.rebind_and_resume(capacity, progress.report(OperationState.SUCCEEDED))
-
-    async def _probe_one(self, address: str) -> worker_pb2.WorkerInfo | str:
-        try:
-            return await self.state.stub_for(address).GetInfo(
-                worker_pb2.GetInfoRequest(), timeout=self.probe_timeout_s, metadata=self.reconfigurer.metadata)
-        except grpc.aio.AioRpcError as exc:
-            return _describe(exc)
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    return f"{type(exc).__name__}: {exc}"

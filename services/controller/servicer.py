@@ -12,16 +12,10 @@ from services.controller.plan import plan_switch
 from services.controller.recovery import Recoverer
 from services.controller.transaction import OperationBusy, Reconfigurer, check_deadline, status_code_for
 from services.topology import TopologyError
+from services.rpc.errors import check_address
 from services.rpc.reconfig.v1 import controller_pb2_grpc
 
 MIN_WATCH_INTERVAL_S = 0.1  # a client cannot make the controller spin
-
-
-def check_address(address: str) -> None:
-    """ValueError unless `address` reads host:port."""
-    host, _, port = address.rpartition(":")
-    if not host or any(c.isspace() for c in host) or not port.isdigit() or not 0 < int(port) < 1 << 16:
-        raise ValueError(f"worker address {address!r} is not host:port")
 
 
 class ControllerServicer(controller_pb2_grpc.ControllerServicer):

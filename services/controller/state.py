@@ -17,6 +17,7 @@ from services.controller.status import OperationState, OperationStatus, StackSta
 from services.router.contracts import EngineStats
 from services.router.grpc_server import stats_from_pb
 from services.rpc.auth import auth_metadata
+from services.rpc.errors import describe_error
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.topology import Topology
 
@@ -49,12 +50,6 @@ class ControllerConfig:
         Topology.parse(self.topology)  # TopologyError (a ValueError) on bad text
         if self.refresh_interval_s <= 0 or self.rpc_timeout_s <= 0:
             raise ValueError("refresh_interval_s and rpc_timeout_s must be positive")
-
-
-def _rpc_error(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    return f"{type(exc).__name__}: {exc}"
 
 
 class ControllerState:
@@ -191,7 +186,7 @@ class ControllerState:
                                            list(saved.get("lost_workers", ())))
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("controller.state_file_unreadable", path=self.config.state_file, error=str(exc))
-        infos = [i for i in await asyncio.gather(*(self._worker_info(s) for s in self.worker_stubs))
+        infos = [i for i in await asyncio.gather(*(self.probe(a) for a in self.worker_addresses))
                  if not isinstance(i, str)]
         self.generation = max([self.generation, *(i.generation for i in infos)])
         live = {i.topology for i in infos if i.num_kv_blocks > 0}
@@ -227,7 +222,7 @@ class ControllerState:
     async def _refresh_once(self) -> StackStatus:
         addresses = list(self.worker_addresses)
         infos, router = await asyncio.gather(
-            asyncio.gather(*(self._worker_info(self.stub_for(a)) for a in addresses)),
+            asyncio.gather(*(self.probe(a) for a in addresses)),
             self._router_stats(),
         )
         if addresses != self.worker_addresses:  # the world changed meanwhile: this round describes the old one
@@ -242,12 +237,13 @@ class ControllerState:
         """Members that missed `heartbeat_misses` heartbeats in a row."""
         return [a for a in self.worker_addresses if self.misses.get(a, 0) >= self.config.heartbeat_misses]
 
-    async def _worker_info(self, stub: worker_pb2_grpc.WorkerStub) -> worker_pb2.WorkerInfo | str:
+    async def probe(self, address: str) -> worker_pb2.WorkerInfo | str:
+        """The worker's GetInfo within rpc_timeout_s (the heartbeat), or why it did not answer."""
         try:
-            return await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=self.config.rpc_timeout_s,
+            return await self.stub_for(address).GetInfo(worker_pb2.GetInfoRequest(), timeout=self.config.rpc_timeout_s,
                                       metadata=auth_metadata(self.config.token))
         except (grpc.aio.AioRpcError, OSError) as exc:
-            return _rpc_error(exc)
+            return describe_error(exc)
 
     async def _router_stats(self) -> EngineStats | str | None:
         if self._router_stub is None:
@@ -256,7 +252,7 @@ class ControllerState:
             pb = await self._router_stub.Stats(router_pb2.StatsRequest(), timeout=self.config.rpc_timeout_s,
                                                metadata=auth_metadata(self.config.token))
         except (grpc.aio.AioRpcError, OSError) as exc:
-            return _rpc_error(exc)
+            return describe_error(exc)
         return stats_from_pb(pb)
 
     def _build(self, infos: list[worker_pb2.WorkerInfo | str], router: EngineStats | str | None) -> StackStatus:

@@ -19,6 +19,7 @@ import structlog
 from services.controller.status import OperationState, OperationStatus
 from services.model.spec import ModelSpec
 from services.rpc.auth import auth_metadata
+from services.rpc.errors import describe_error
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.topology import Topology, TopologyError, validate
 
@@ -126,13 +127,12 @@ class Reconfigurer:
                 self.running = None
 
     async def _run(self, status: OperationStatus, target: SwitchTarget, deadline_s: float) -> OperationStatus:
-        progress = _Progress(self.state, status, time.monotonic() + deadline_s)
+        progress = Progress(self.state, status, time.monotonic() + deadline_s)
         lease = self.hold_lease()
         try:
             return await self._transaction(progress, target)
         except Exception as exc:  # the deadline, an RPC error, a worker failure
-            error = (f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError)
-                     else f"{type(exc).__name__}: {exc}")
+            error = describe_error(exc)
             log.error("controller.reconfigure_failed", operation_id=status.operation_id, error=error)
             state = OperationState.ROLLED_BACK if progress.rolled_back else OperationState.FAILED
             return progress.finish(state, error)
@@ -140,7 +140,7 @@ class Reconfigurer:
             await lease.stop()
             self.running = None
 
-    async def _transaction(self, progress: _Progress, target: SwitchTarget) -> OperationStatus:
+    async def _transaction(self, progress: Progress, target: SwitchTarget) -> OperationStatus:
         """Until APPLYING_TOPOLOGY the operation's deadline bounds every call (and expiring means: restore and
         resume); from there on it is past its commit point and runs to the end (each RPC has its own timeout)."""
         meta = self.metadata
@@ -235,7 +235,7 @@ class _Lease:
                 try:
                     await self.reconfigurer.freeze(self.reconfigurer.rpc_timeout_s)
                 except grpc.aio.AioRpcError as exc:
-                    log.warning("controller.lease_renewal_failed", error=f"{exc.code().name}: {exc.details()}")
+                    log.warning("controller.lease_renewal_failed", error=describe_error(exc))
 
     async def stop(self) -> None:
         async with self.lock:
@@ -285,7 +285,7 @@ def _is_aborted(error: BaseException) -> bool:
     return isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.ABORTED
 
 
-class _Progress:
+class Progress:
     """Phase bookkeeping of one operation, published to the controller state at every change."""
 
     def __init__(self, state, status: OperationStatus, deadline: float = float("inf")) -> None:

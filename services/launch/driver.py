@@ -8,6 +8,7 @@ import itertools
 import grpc
 
 from services.rpc.auth import auth_metadata
+from services.rpc.errors import describe_error
 from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.step import StepBatch, StepOutput
 
@@ -47,7 +48,7 @@ class _WorkerStream:
                     future.set_result(output)
             error: Exception = StepError(f"worker {self.address} closed its step stream")
         except grpc.aio.AioRpcError as exc:
-            error = StepError(f"worker {self.address} stream failed: {exc.code().name}: {exc.details()}")
+            error = StepError(f"worker {self.address} stream failed: {describe_error(exc)}")
         except asyncio.CancelledError:
             error = StepError(f"worker {self.address} stream closed")
         for future in self.pending.values():
@@ -104,8 +105,7 @@ class Driver:
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
                         raise
-                    raise WorkerUnreachable(f"worker {address} does not answer: {exc.code().name}: "
-                                            f"{exc.details()}") from None
+                    raise WorkerUnreachable(f"worker {address} does not answer: {describe_error(exc)}") from None
         self.infos = infos
         self._streams = [_WorkerStream(a, self.metadata) for a, i in zip(self.addresses, infos) if i.num_kv_blocks > 0]
         for stream in self._streams:

@@ -23,7 +23,7 @@ from services.router.contracts import (
     SwitchReport,
 )
 from services.rpc.auth import TokenAuthInterceptor, generate_token, protect_methods
-from services.rpc.errors import ErrorInterceptor
+from services.rpc.errors import ErrorInterceptor, check_address
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc
 from services.worker.step import SamplingParams
 
@@ -111,9 +111,7 @@ def check_rebind(pb: router_pb2.RebindRequest) -> None:
     if pb.num_kv_blocks > MAX_KV_BLOCKS:
         raise ValueError(f"num_kv_blocks must be at most {MAX_KV_BLOCKS}, got {pb.num_kv_blocks}")
     for address in pb.worker_addresses:
-        host, _, port = address.rpartition(":")
-        if not host or any(c.isspace() for c in host) or not port.isdigit() or not 0 < int(port) < 1 << 16:
-            raise ValueError(f"worker address {address!r} is not host:port")
+        check_address(address)
 
 
 def delta_to_pb(request_id: str, delta: GenerationDelta) -> router_pb2.GenerateResponse:

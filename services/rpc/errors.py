@@ -62,6 +62,20 @@ async def _decoded_stream(requests: AsyncIterator[object]) -> AsyncIterator[obje
         yield _decoded(request)
 
 
+def describe_error(exc: BaseException) -> str:
+    """One line for logs and operation errors: `CODE: details` for a failed RPC, `Type: message` otherwise."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def check_address(address: str, what: str = "worker address") -> None:
+    """ValueError unless `address` reads host:port (a port in 1..65535, no whitespace in the host)."""
+    host, _, port = address.rpartition(":")
+    if not host or any(c.isspace() for c in host) or not port.isdigit() or not 0 < int(port) < 1 << 16:
+        raise ValueError(f"{what} {address!r} is not host:port")
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a client sees for `exc`."""
     for exc_type, code in STATUS_CODES:

@@ -508,6 +508,13 @@ def simulate(block_size, num_blocks, config, requests, stop_token_ids, aborts,
         raise AssertionError("the workload did not finish")
     assert manager.num_used == 0 and manager.num_free == manager.num_total == num_blocks
     assert first_scheduled == sorted(first_scheduled, key=add_order.index), "first scheduling is not FCFS"
+    check_every_request_done(scheduler, seqs, aborted, stop_token_ids)
+    return scheduler, seqs, finished_at
+
+
+def check_every_request_done(scheduler, seqs, aborted, stop_token_ids) -> None:
+    """Every request finished: the aborted ones as aborted, the others with exactly the expected tokens, each
+    prefilled once more than it was preempted."""
     assert scheduler.num_preemptions == sum(s.num_preemptions for s in seqs)
     for i, seq in enumerate(seqs):
         assert seq.is_finished
@@ -516,7 +523,6 @@ def simulate(block_size, num_blocks, config, requests, stop_token_ids, aborts,
             continue
         assert seq.output_token_ids == expected_output(seq.prompt_token_ids, seq.max_tokens, stop_token_ids)
         assert seq.num_prefills == seq.num_preemptions + 1
-    return scheduler, seqs, finished_at
 
 
 def _check_blocks(scheduler: Scheduler, inflight: deque[ScheduledBatch]) -> None:

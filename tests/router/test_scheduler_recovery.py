@@ -13,10 +13,10 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from services.router.scheduler import ScheduledBatch, Scheduler
-from services.router.sequence import SequenceStatus
 from tests.router.test_scheduler import (
     PagedWorkers,
     _check_blocks,
+    check_every_request_done,
     contended_workloads,
     drain,
     expected_output,
@@ -139,11 +139,4 @@ def test_failed_steps_and_lost_kv_leak_no_block_and_keep_outputs_exact(workload,
     event(f"failed steps: {min(num_failed, 3)}")  # 3: three or more
     event(f"workers lost: {num_lost > 0}")
     assert manager.num_used == 0 and manager.num_free == manager.num_total == num_blocks
-    assert scheduler.num_preemptions == sum(s.num_preemptions for s in seqs)
-    for i, seq in enumerate(seqs):
-        assert seq.is_finished
-        if i in aborted:
-            assert seq.status is SequenceStatus.FINISHED_ABORTED
-            continue
-        assert seq.output_token_ids == expected_output(seq.prompt_token_ids, seq.max_tokens, stop_token_ids)
-        assert seq.num_prefills == seq.num_preemptions + 1
+    check_every_request_done(scheduler, seqs, aborted, stop_token_ids)
