@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from services.model.presets import resolve_model
 from services.model.spec import ModelSpec
-from services.topology import Topology, validate
+from services.topology import Topology, assign_gpus, validate
 from services.weightstore.shm import cleanup_stale_segments
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import cleanup_stale_kv_segments
@@ -33,6 +33,8 @@ class ClusterConfig:
     topology: str = "tp1pp1"
     layer_partition: tuple[int, ...] | None = None
     device: str = "cpu"
+    gpus: int | tuple[int, ...] | None = None  # --device cuda: a count or CUDA ordinals (None: every visible GPU)
+    gpu_sharing: bool = False            # several workers per GPU (gloo collectives; development and tests)
     kv_cache_bytes: int = 64 << 20       # per worker
     block_size: int = 16
     host: str = "127.0.0.1"
@@ -62,6 +64,18 @@ def _run_worker(config: WorkerConfig, ready: Connection) -> None:
     run_worker(config, ready)
 
 
+def _gpu_placement(config: ClusterConfig) -> tuple[int, ...]:
+    """The GPU of each rank with --device cuda (DevicePlacementError says why not and what to change); () on CPU,
+    which never touches CUDA."""
+    if config.device != "cuda":
+        if config.gpus is not None or config.gpu_sharing:
+            raise ValueError("--gpus and --gpu-sharing need --device cuda")
+        return ()
+    import torch
+
+    return assign_gpus(config.num_workers, torch.cuda.device_count(), config.gpus, config.gpu_sharing)
+
+
 _TIER_STORE, _TIER_WORKER, _TIER_SERVICE = 0, 1, 2  # start order; stop goes in reverse
 
 
@@ -74,6 +88,7 @@ class LocalCluster:
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
+        self.gpus = _gpu_placement(config)  # before anything starts: NCCL would refuse it only at the first step
         self.model_dir = resolve_model(config.model)
         self.spec = ModelSpec.from_dir(self.model_dir)
         self.topology = Topology.parse(config.topology)
@@ -144,6 +159,7 @@ class LocalCluster:
             rank=rank, world_size=cfg.num_workers, store_host=cfg.host, store_port=self._store.port,
             weightstore_address=self.weightstore_address, topology=cfg.topology,
             layer_partition=cfg.layer_partition, device=cfg.device, kv_cache_bytes=cfg.kv_cache_bytes,
+            gpu=self.gpus[rank] if self.gpus else None, gpu_sharing=cfg.gpu_sharing,
             block_size=cfg.block_size, host=cfg.host, collective_timeout_s=cfg.collective_timeout_s,
             parent_pid=os.getpid(), num_threads=cfg.num_threads, candidate_topologies=cfg.candidate_topologies,
             token=cfg.token, faults=cfg.faults,

@@ -1,5 +1,7 @@
-"""Topologies (tp × pp), their validation for a model, the placement of a model on workers, migration plans."""
+"""Topologies (tp × pp), their validation for a model, the placement of a model on workers and of workers on GPUs,
+migration plans."""
 
+from services.topology.devices import DevicePlacementError, assign_gpus, parse_gpus
 from services.topology.migration_plan import (
     LOST,
     KVLostError,
@@ -33,6 +35,7 @@ from services.topology.weight_plan import (
 )
 
 __all__ = [
+    "DevicePlacementError",
     "LOST",
     "KVLostError",
     "KVMigrationPlan",
@@ -45,11 +48,13 @@ __all__ = [
     "WeightReload",
     "WeightSlice",
     "WorkerPlacement",
+    "assign_gpus",
     "candidate_topologies",
     "degraded_topology",
     "layer_partition",
     "lost_kv",
     "padded_vocab_size",
+    "parse_gpus",
     "place",
     "plan_kv_migration",
     "plan_weight_reload",

@@ -3,8 +3,8 @@
 Every rank calls `exchange` once per layer with what it sends and what it receives (a collective step):
 - `ShmChannel` (CPU, one host): KV pools live in shared memory; a receiver maps the sender's pool and reads the
   blocks straight out of it (one copy, no staging, no RPC). Sends are no-ops.
-- `DistChannel` (torch.distributed): point-to-point send/recv of the sliced blocks — gloo between CPU hosts,
-  NCCL between GPUs on one node or many (the multi-node path).
+- `DistChannel` (torch.distributed): point-to-point send/recv of the sliced blocks over the world's device group —
+  gloo between CPU hosts, NCCL between GPUs on one node or many (the multi-node path).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from services.topology import KVMigrationPlan, KVTransfer
 from services.weightstore.shm import ShmSegment
+from services.worker.parallel import ParallelState
 
 
 class KVChannel(Protocol):
@@ -88,28 +88,25 @@ class ShmChannel:
 
 
 class DistChannel:
-    """torch.distributed point-to-point: gloo on CPU, NCCL on GPU (tag = layer keeps layers apart)."""
+    """torch.distributed point-to-point over the world's device group: gloo on CPU, NCCL across GPUs, gloo staged
+    through host memory on a shared GPU (tag = layer keeps layers apart)."""
 
     needs_outgoing = True
 
-    def __init__(self, rank: int, num_used_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.rank = rank
+    def __init__(self, parallel: ParallelState, num_used_blocks: int, block_size: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.parallel = parallel
         self.shape = (2, num_used_blocks, block_size)
         self.head_dim, self.dtype, self.device = head_dim, dtype, device
 
     def exchange(self, layer, outgoing, incoming):
-        ops, received = [], {}
-        for transfer, data in outgoing:
-            ops.append(dist.P2POp(dist.isend, data.contiguous(), transfer.dst_rank, tag=layer))
+        received = {}
         for transfer in incoming:
             buffer = torch.empty((*self.shape, transfer.num_kv_heads, self.head_dim), dtype=self.dtype,
                                  device=self.device)
             received[transfer] = Source(buffer, 0, by_block_id=False)
-            ops.append(dist.P2POp(dist.irecv, buffer, transfer.src_rank, tag=layer))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        self.parallel.exchange([(data, transfer.dst_rank) for transfer, data in outgoing],
+                               [(received[transfer].tensor, transfer.src_rank) for transfer in incoming], tag=layer)
         return received
 
     def close(self) -> None:

@@ -16,7 +16,11 @@ class WorkerConfig:
     weightstore_address: str           # host:port of the WeightStore gRPC service
     topology: str                      # live topology at start, e.g. "tp2pp2"
     layer_partition: tuple[int, ...] | None = None  # explicit layers per stage (heterogeneous devices)
-    device: str = "cpu"                # "cpu" or "cuda" (worker r uses cuda:(r % device_count))
+    device: str = "cpu"                # "cpu" or "cuda"
+    gpu: int | None = None             # CUDA ordinal among the visible GPUs (launcher's placement); None: rank % count
+    # Several ranks on one GPU (development, tests): tensor collectives over gloo (NCCL refuses two ranks on a
+    # device), point-to-point staged through host memory. Production keeps one rank per GPU and NCCL.
+    gpu_sharing: bool = False
     kv_cache_bytes: int = 64 << 20     # KV cache budget; the block count follows from it
     block_size: int = 16               # tokens per KV block
     host: str = "127.0.0.1"            # gRPC bind address
@@ -40,3 +44,7 @@ class WorkerConfig:
             raise ValueError("block_size and kv_cache_bytes must be positive")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', not {self.device!r}")
+        if self.device != "cuda" and (self.gpu is not None or self.gpu_sharing):
+            raise ValueError("gpu and gpu_sharing need device 'cuda'")
+        if self.gpu is not None and self.gpu < 0:
+            raise ValueError(f"gpu must be a CUDA ordinal >= 0, not {self.gpu}")

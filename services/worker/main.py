@@ -19,8 +19,8 @@ from services.worker.config import WorkerConfig
 from services.weightstore.client import fetch_manifest
 from services.worker.faults import FAULTS
 from services.worker.kv_cache import cleanup_stale_kv_segments
-from services.worker.shard import WorkerShard
-from services.worker.parallel import ParallelState
+from services.worker.shard import WorkerShard, worker_device
+from services.worker.parallel import ParallelState, device_backend
 from services.worker.server import WorkerServicer, start_server
 
 log = structlog.get_logger(__name__)
@@ -35,7 +35,9 @@ async def serve_worker(config: WorkerConfig, ready: Connection | None = None) ->
     manifest = await fetch_manifest(config.weightstore_address)
     spec = ModelSpec.from_config(json.loads(manifest.config_json))
     topology = Topology.parse(config.topology)
-    backend = "nccl" if config.device == "cuda" else "gloo"
+    backend = device_backend(config.device, config.gpu_sharing)
+    if config.device == "cuda":  # before any group: NCCL binds each rank to the current device
+        torch.cuda.set_device(worker_device(config))
     parallel = await asyncio.to_thread(
         ParallelState, config.rank, config.world_size, config.store_host, config.store_port, backend,
         config.collective_timeout_s, config.join,

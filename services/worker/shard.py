@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 import torch
-import torch.distributed as dist
 
 from services.model.layers import ShardLoader
 from services.model.llama import ShardedCausalLM
@@ -28,9 +27,12 @@ from services.worker.parallel import ParallelState
 log = structlog.get_logger(__name__)
 
 
-def _device(config: WorkerConfig) -> torch.device:
+def worker_device(config: WorkerConfig) -> torch.device:
+    """This worker's device: its assigned GPU (the launcher's placement), else rank % visible GPUs; CPU runs never
+    touch CUDA."""
     if config.device == "cuda":
-        return torch.device("cuda", config.rank % torch.cuda.device_count())
+        index = config.gpu if config.gpu is not None else config.rank % torch.cuda.device_count()
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
@@ -54,7 +56,7 @@ class WorkerShard:
         self.spec = spec
         self.manifest = manifest
         self.parallel = parallel
-        self.device = _device(config)
+        self.device = worker_device(config)
         self.dtype = _compute_dtype(spec, self.device)
         self.topology = Topology.parse(config.topology)
         self.layer_partition = config.layer_partition
@@ -251,8 +253,7 @@ class WorkerShard:
                 self.kv_intact = True
             return
         reverse = plan_kv_migration(plan.new, plan.new_ranks, plan.old, plan.old_ranks)
-        pools: list[dict[int, str]] = [{} for _ in range(self.world_size)]
-        dist.all_gather_object(pools, new_cache.segment_names() if new_cache else {})
+        pools = self.parallel.all_gather_object(new_cache.segment_names() if new_cache else {})  # CPU group
         back = worker_pb2.ApplySwitchRequest()
         back.CopyFrom(request)
         back.ClearField("peers")
@@ -266,10 +267,8 @@ class WorkerShard:
         log.warning("worker.switch_rolled_back", operation_id=request.operation_id, layers=list(layers))
 
     def agree(self, ok: bool) -> bool:
-        """True when every rank of the world says ok (an all-reduce MIN; also the per-layer barrier)."""
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+        """True when every rank of the world says ok (on the world's CPU group; also the per-layer barrier)."""
+        return self.parallel.agree(ok)
 
     def _channel(self, request: worker_pb2.ApplySwitchRequest, plan) -> KVChannel:
         """shm between CPU workers of one host (the default on CPU), torch.distributed otherwise."""
@@ -279,7 +278,7 @@ class WorkerShard:
             return ShmChannel(pools, plan, torch.tensor(sorted(request.used_block_ids), dtype=torch.int64),
                               self.config.block_size, self.spec.head_dim, self.dtype)
         if kind == "dist":
-            return DistChannel(self.rank, len(request.used_block_ids), self.config.block_size,
+            return DistChannel(self.parallel, len(request.used_block_ids), self.config.block_size,
                                self.spec.head_dim, self.dtype, self.device)
         raise ValueError(f"kv_channel {kind!r} is not one of: shm, dist")
 
