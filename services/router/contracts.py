@@ -22,6 +22,11 @@ class RequestError(ValueError):
     """A request the engine refuses (e.g. prompt longer than the context); maps to HTTP 400 / INVALID_ARGUMENT."""
 
 
+class EngineDrainingError(RuntimeError):
+    """The router is shutting down: it finishes the requests it admitted and takes no new one (HTTP 503 with
+    `Connection: close`, gRPC UNAVAILABLE): the client retries elsewhere or later."""
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One generation request, already tokenized."""

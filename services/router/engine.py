@@ -21,6 +21,7 @@ from services.model.tokenizer import Tokenizer
 from services.router.block_manager import BlockManager
 from services.router.config import SchedulerConfig
 from services.router.contracts import (
+    EngineDrainingError,
     EngineStats,
     GenerationDelta,
     GenerationRequest,
@@ -63,6 +64,9 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()  # set when nothing is in flight (Freeze waits on it)
         self._idle.set()
+        self._no_streams = asyncio.Event()  # set when no admitted request is left (drain waits on it)
+        self._no_streams.set()
+        self.is_draining = False  # shutting down: admitted requests finish, new ones are refused
         self._task: asyncio.Task | None = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -101,13 +105,28 @@ class Engine:
             stream.finish("abort")
         await self.driver.close()
 
+    async def drain(self, grace_s: float) -> int:
+        """Refuse new requests (EngineDrainingError) and give the admitted ones up to `grace_s` to finish, so that a
+        router going down answers what it accepted; returns how many were still unfinished (stop() aborts them)."""
+        self.is_draining = True
+        if self._streams:
+            waiter = asyncio.ensure_future(self._no_streams.wait())
+            await asyncio.wait([waiter], timeout=grace_s)  # not wait_for: it can swallow a cancellation on 3.11
+            waiter.cancel()
+        if self._streams:
+            log.warning("engine.drain_timeout", unfinished=len(self._streams), grace_s=grace_s)
+        return len(self._streams)
+
     @property
     def is_ready(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._task is not None and not self._task.done() and not self.is_draining
 
     # ---- front-end API ---------------------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
-        """Admit the request (QueueFullError / RequestError raise here) and stream its deltas."""
+        """Admit the request (QueueFullError / RequestError / EngineDrainingError raise here) and stream its deltas."""
+        if self.is_draining:
+            raise EngineDrainingError("the server is shutting down and takes no new requests; retry on another "
+                                      "replica or after it restarts")
         if self.vocab_size is not None:
             bad = next((t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
@@ -116,6 +135,7 @@ class Engine:
         stream = RequestStream(request, self.tokenizer)
         self.scheduler.add(seq)
         self._streams[request.request_id] = stream
+        self._no_streams.clear()
         self.num_prompt_tokens += len(request.prompt_token_ids)
         self._wakeup.set()
         try:
@@ -130,6 +150,8 @@ class Engine:
                 stream.finish("abort")
                 self._wakeup.set()
             self._streams.pop(request.request_id, None)
+            if not self._streams:
+                self._no_streams.set()
 
     def stats(self) -> EngineStats:
         blocks = self.scheduler.block_manager

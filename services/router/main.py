@@ -5,17 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
-import uvicorn
 
 from services.launch.driver import Driver
 from services.model.spec import ModelSpec
 from services.model.tokenizer import Tokenizer
+from services.router.api.server import DEFAULT_KEEP_ALIVE_S, HttpServer, bind_http_socket
 from services.router.config import SchedulerConfig
 from services.router.engine import Engine
 from services.topology import Topology
@@ -39,17 +38,14 @@ class RouterConfig:
     max_num_batched_tokens: int = 2048
     max_waiting: int = 1024
     recovery_timeout_s: float = 60.0     # a stalled engine (a worker failed a step) fails its requests past this
+    http_keep_alive_s: float = DEFAULT_KEEP_ALIVE_S  # idle HTTP connections live this long: past client pools
+    shutdown_grace_s: float = 5.0        # on SIGTERM, admitted requests get this long to finish (new ones: 503)
 
-
-class _Uvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling: the router process owns SIGTERM/SIGINT."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):  # uvicorn >= 0.29
-        yield
-
-    def install_signal_handlers(self) -> None:  # older uvicorn
-        pass
+    def __post_init__(self) -> None:
+        if self.http_keep_alive_s <= 0:
+            raise ValueError("http_keep_alive_s must be > 0")
+        if self.shutdown_grace_s < 0:
+            raise ValueError("shutdown_grace_s must be >= 0")
 
 
 async def build_engine(config: RouterConfig) -> Engine:
@@ -73,24 +69,16 @@ async def build_engine(config: RouterConfig) -> Engine:
 
 
 async def serve_router(config: RouterConfig, on_ready: Callable[[dict], None] | None = None) -> None:
-    """Serve HTTP + gRPC until SIGTERM/SIGINT; then stop accepting, and stop the engine."""
+    """Serve HTTP + gRPC until SIGTERM/SIGINT; then drain (services.router.api.server), and stop the engine."""
     from services.router.api.app import ApiConfig, create_app
     from services.router.grpc_server import start_router_grpc
 
     engine = await build_engine(config)
     app = create_app(engine, ApiConfig(model_name=engine.model_name, api_key=config.api_key))
-    # IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only for sockets it can tell are TCP; otherwise
-    # every response and SSE event waits ~40 ms for a delayed ACK.
-    http_socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    http_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    http_socket.bind((config.host, config.http_port))
-    http = _Uvicorn(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
-    http_task = asyncio.create_task(http.serve(sockets=[http_socket]))
+    http_socket = bind_http_socket(config.host, config.http_port)
+    http = HttpServer(app, config.http_keep_alive_s, is_draining=lambda: engine.is_draining)
+    http_task = await http.start(http_socket)
     grpc_server, grpc_port = await start_router_grpc(engine, config.host, config.grpc_port, config.token)
-    while not http.started:
-        if http_task.done():
-            await http_task  # surfaces the startup error
-        await asyncio.sleep(0.01)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -102,12 +90,15 @@ async def serve_router(config: RouterConfig, on_ready: Callable[[dict], None] | 
     try:
         await asyncio.wait([asyncio.ensure_future(stop.wait()), http_task], return_when=asyncio.FIRST_COMPLETED)
     finally:
+        # Drain first: admitted requests finish over open connections while new ones get 503 (Connection: close);
+        # only then does the server stop listening and close its idle connections.
+        unfinished = await engine.drain(config.shutdown_grace_s)
         http.should_exit = True
         await grpc_server.stop(grace=2.0)
         await engine.stop()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(http_task, 5)
-        log.info("router.stopped")
+        log.info("router.stopped", unfinished=unfinished)
 
 
 def run_router(config: RouterConfig, ready=None) -> None:

@@ -11,13 +11,14 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from services.router.contracts import QueueFullError
+from services.router.contracts import EngineDrainingError, QueueFullError
 
 log = structlog.get_logger(__name__)
 
 # Checked in order: the first matching type decides the code (RequestError is a ValueError).
 STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (EngineDrainingError, grpc.StatusCode.UNAVAILABLE),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (KeyError, grpc.StatusCode.NOT_FOUND),
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),

@@ -20,7 +20,7 @@ from services.router.grpc_server import start_router_grpc
 from services.router.main import RouterConfig, build_engine
 from services.rpc.auth import auth_metadata, generate_token, write_token_file
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.conftest import make_checkpoint
+from tests.conftest import make_checkpoint, until
 
 # Two active workers in TP2 and one standby: the table shows both states and the split of KV heads.
 NUM_WORKERS, TOPOLOGY, MODEL = 3, "tp2pp1", "llama"
@@ -110,11 +110,15 @@ def stack(tmp_path_factory):
             loop.close()
 
 
+_CLOSED_SOCKETS: list[socket.socket] = []  # bound, never listening: refused, and nobody else can take the port
+
+
 def closed_port() -> int:
-    """A port nobody listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nobody listens on, held bound (not listening) until the tests end so no other server can take it."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    _CLOSED_SOCKETS.append(sock)
+    return sock.getsockname()[1]
 
 
 def controller_config(stack: Stack, **overrides) -> ControllerConfig:
@@ -123,15 +127,6 @@ def controller_config(stack: Stack, **overrides) -> ControllerConfig:
                   router_grpc_address=stack.router_address, model=MODEL, port=0, refresh_interval_s=0.1,
                   rpc_timeout_s=1.0)
     return ControllerConfig(**{**values, **overrides})
-
-
-async def wait_until(predicate, timeout_s: float = 10.0) -> None:
-    """Poll an async predicate until it holds (AssertionError past the timeout)."""
-    for _ in range(int(timeout_s / 0.02)):
-        if await predicate():
-            return
-        await asyncio.sleep(0.02)
-    assert await predicate(), "timed out"
 
 
 @contextlib.asynccontextmanager
@@ -153,13 +148,13 @@ async def frozen_router(stack: Stack, num_running: int = 0, num_waiting: int = 0
                 assert len((await call.read()).token_ids) == 1
             await router.Freeze(router_pb2.FreezeRequest(timeout_seconds=10), metadata=metadata, timeout=15)
             calls += [router.Generate(request, timeout=60) for _ in range(num_waiting)]
-            await wait_until(lambda: _stats_match(stats, num_running, num_waiting))
+            await until(lambda: _stats_match(stats, num_running, num_waiting))
             yield await stats()
         finally:
             for call in calls:
                 call.cancel()
             await router.Resume(router_pb2.ResumeRequest(), metadata=metadata, timeout=5)
-            await wait_until(lambda: _stats_match(stats, 0, 0))
+            await until(lambda: _stats_match(stats, 0, 0))
 
 
 async def _stats_match(stats, num_running: int, num_waiting: int) -> bool:

@@ -11,7 +11,7 @@ from services.controller.status import OperationState
 from services.controller.transaction import OperationBusy
 from services.router.contracts import GenerationRequest
 from services.topology import TopologyError
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, until
 from tests.reconfigure.conftest import generated_tokens
 
 pytestmark = pytest.mark.multiprocess
@@ -28,7 +28,7 @@ async def test_requests_in_flight_survive_a_chain_of_switches(live_stack, switch
     engine = live_stack.engine
     tasks = [asyncio.ensure_future(generated_tokens(engine, GenerationRequest(f"r{i}", tuple(p), n)))
              for i, (p, n) in enumerate(zip(prompts, lengths))]
-    await asyncio.sleep(0.3)  # every request is running before the first switch
+    await until(lambda: engine.stats().num_running == len(prompts), what="every request running before a switch")
     for target in CHAIN:
         operation = await live_stack.reconfigurer.reconfigure(target)
         assert operation.state is OperationState.SUCCEEDED, operation.error

@@ -19,7 +19,7 @@ from services.router.api.metrics import ApiMetrics
 from services.router.contracts import GenerationRequest
 from services.router.engine import Engine
 from services.router.main import RouterConfig, build_engine
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, until
 
 pytestmark = pytest.mark.multiprocess
 
@@ -61,16 +61,9 @@ def _start(engine: Engine, prompts: list[list[int]], prefix: str = "r") -> list[
             for i, p in enumerate(prompts)]
 
 
-async def _until(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.005)
-
-
 async def _kill_when_generating(engine: Engine, cluster: LocalCluster, num_requests: int) -> None:
     """SIGKILL the worker once every request has some tokens (and none can have finished)."""
-    await _until(lambda: engine.num_generation_tokens >= 2 * num_requests)
+    await until(lambda: engine.num_generation_tokens >= 2 * num_requests)
     os.kill(cluster.worker_pids[0], signal.SIGKILL)
 
 
@@ -88,7 +81,7 @@ async def test_a_killed_worker_stalls_the_engine_and_a_rebind_to_new_workers_rec
         try:
             tasks = _start(engine, prompts)
             await _kill_when_generating(engine, doomed, len(prompts))
-            await _until(lambda: engine.stats().stalled != "")
+            await until(lambda: engine.stats().stalled != "")
             stalled = engine.stats()
             assert "failed" in stalled.stalled and stalled.is_frozen and stalled.extra["num_step_errors"] >= 1
             assert stalled.num_running == len(prompts) and not any(task.done() for task in tasks)
@@ -118,8 +111,10 @@ async def test_without_a_recovery_the_requests_fail_after_the_timeout_and_the_en
             tasks = _start(engine, _prompts(4, seed=6))
             await _kill_when_generating(engine, doomed, len(tasks))
             killed = time.monotonic()
-            results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
-            assert 0.9 < time.monotonic() - killed < 5
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 20)
+            # Ended by the 1 s recovery timeout: not before it, and well before the 20 s collective timeout or the
+            # 60 s default (the slack is for noticing the kill on a busy machine).
+            assert 0.9 < time.monotonic() - killed < 10
             for tokens, last in results:
                 assert last.finish_reason == "error" and 0 < len(tokens) < MAX_TOKENS
                 assert last.error.startswith("the workers failed (") and "not recovered within 1 s" in last.error
@@ -131,7 +126,7 @@ async def test_without_a_recovery_the_requests_fail_after_the_timeout_and_the_en
             # stall that times out while the controller holds a freeze leaves the router frozen.
             num_step_errors = stats.extra["num_step_errors"]
             (task,) = _start(engine, _prompts(1, seed=7), prefix="late")
-            await _until(lambda: engine.stats().stalled != "")
+            await until(lambda: engine.stats().stalled != "")
             await engine.freeze(5)
             tokens, last = await asyncio.wait_for(task, 5)
             assert (tokens, last.finish_reason) == ([], "error")

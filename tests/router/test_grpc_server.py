@@ -18,7 +18,7 @@ from services.router.main import RouterConfig, build_engine
 from services.rpc.auth import UNAUTHENTICATED_MESSAGE, auth_metadata, generate_token
 from services.rpc.errors import RETRY_AFTER_KEY
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, until
 
 pytestmark = pytest.mark.multiprocess
 
@@ -67,14 +67,6 @@ async def _collect(stub, request, timeout_s: float = 30.0) -> list[router_pb2.Ge
 
 def _tokens(responses) -> list[int]:
     return [t for r in responses for t in r.token_ids]
-
-
-async def _until(predicate, timeout_s: float = 10.0) -> None:
-    for _ in range(int(timeout_s / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    assert predicate()
 
 
 async def test_generate_streams_the_greedy_tokens(router, oracle):
@@ -156,7 +148,7 @@ async def test_a_full_queue_is_resource_exhausted(serving_cluster, oracle):
         await engine.freeze()  # nothing is scheduled: requests stay in the queue
         request = router_pb2.GenerateRequest(prompt_token_ids=PROMPT, max_tokens=3, ignore_eos=True)
         queued = [asyncio.ensure_future(_collect(stub, request)) for _ in range(2)]
-        await _until(lambda: engine.stats().num_waiting == 2)
+        await until(lambda: engine.stats().num_waiting == 2)
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await _collect(stub, request)
         assert error.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -182,7 +174,7 @@ async def test_a_cancelled_call_frees_its_blocks(router):
     held = engine.stats()
     assert held.num_running == 1 and held.num_kv_blocks_used >= 3
     call.cancel()
-    await _until(lambda: engine.stats().num_running == 0 and engine.stats().num_kv_blocks_used == 0)
+    await until(lambda: engine.stats().num_running == 0 and engine.stats().num_kv_blocks_used == 0)
     await stub.Resume(router_pb2.ResumeRequest(), metadata=auth_metadata(token), timeout=5)
     await asyncio.sleep(0.1)
     assert engine.stats().num_generation_tokens == held.num_generation_tokens < 200
@@ -221,7 +213,7 @@ async def test_admin_rpcs_with_the_token(router, oracle):
     # Frozen: a request is admitted but not scheduled.
     waiting = asyncio.ensure_future(_collect(stub, router_pb2.GenerateRequest(
         prompt_token_ids=PROMPT, max_tokens=NUM_ORACLE_TOKENS, ignore_eos=True)))
-    await _until(lambda: engine.stats().num_waiting == 1)
+    await until(lambda: engine.stats().num_waiting == 1)
     stats = await stub.Stats(router_pb2.StatsRequest(), metadata=metadata, timeout=5)
     assert (stats.num_waiting, stats.num_running, stats.num_generation_tokens) == (1, 0, 0)
 

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router.api.protocol import ErrorInfo, ErrorResponse
-from services.router.contracts import QueueFullError, RequestError
+from services.router.contracts import EngineDrainingError, QueueFullError, RequestError
 
 log = structlog.get_logger(__name__)
 
@@ -61,6 +61,8 @@ def from_engine_error(exc: Exception) -> ApiError:
         return ApiError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": str(retry_after)})
     if isinstance(exc, RequestError):
         return ApiError(400, str(exc))
+    if isinstance(exc, EngineDrainingError):
+        return ApiError(503, str(exc), "server_error", code="shutting_down")
     return ApiError(500, "internal server error", "server_error")
 
 
@@ -124,6 +126,7 @@ def install_error_handlers(app: FastAPI) -> None:
     """Every error leaves the app as OpenAI error JSON: 400 for bad requests (never 422), 429, 500, ..."""
     app.add_exception_handler(ApiError, _handle_api_error)
     app.add_exception_handler(QueueFullError, _handle_engine_error)
+    app.add_exception_handler(EngineDrainingError, _handle_engine_error)
     app.add_exception_handler(RequestError, _handle_engine_error)
     app.add_exception_handler(RequestValidationError, _handle_validation_error)
     app.add_exception_handler(StarletteHTTPException, _handle_http_exception)

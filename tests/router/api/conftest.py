@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -13,11 +12,11 @@ import httpx
 import pytest
 import pytest_asyncio
 import torch
-import uvicorn
 from fastapi import FastAPI
 
 from services.model.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID
 from services.router.api import ApiConfig, create_app
+from services.router.api.server import HttpServer, bind_http_socket
 
 
 PROMPT = "The quick brown fox"     # the greedy reference prompt (completions, and chat as the user message)
@@ -101,19 +100,14 @@ async def client(app) -> AsyncIterator[httpx.AsyncClient]:
 
 
 @asynccontextmanager
-async def live_server(app: FastAPI) -> AsyncIterator[str]:
-    """Serve `app` with uvicorn on a free loopback port in this event loop; yields its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
+async def live_server(app: FastAPI, is_draining: Callable[[], bool] = lambda: False) -> AsyncIterator[str]:
+    """Serve `app` with the router's HTTP server (services.router.api.server) on a free loopback port in this event
+    loop; yields its base URL."""
+    sock = bind_http_socket("127.0.0.1", 0)
+    server = HttpServer(app, is_draining=is_draining)
+    task = await server.start(sock)
     try:
-        while not server.started:
-            if task.done():
-                await task
-            await asyncio.sleep(0.01)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 10)

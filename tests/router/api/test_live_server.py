@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -85,3 +86,22 @@ async def test_non_streaming_disconnect_frees_the_request(app, serving_engine):
         # The server is still healthy and serves the next request.
         response = await http.post("/v1/completions", json={**LONG, "max_tokens": 2})
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+
+
+async def test_shutdown_drain_finishes_admitted_requests_and_refuses_new_ones(app, serving_engine, checkpoint_facts):
+    """What the router does on SIGTERM before it stops listening (services.router.main.serve_router)."""
+    async with live_server(app, is_draining=lambda: serving_engine.is_draining) as base_url, \
+            httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        async with http.stream("POST", "/v1/completions", json={**LONG, "max_tokens": 40, "stream": True}) as stream:
+            await wait_until_generating(serving_engine)
+            drain = asyncio.create_task(serving_engine.drain(grace_s=60))
+            refused = await http.post("/v1/completions", json={**LONG, "max_tokens": 2})
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "shutting_down"
+            assert refused.headers["connection"] == "close"  # the client does not reuse a connection of ours
+            assert (await http.get("/ready")).status_code == 503
+            events = [line async for line in stream.aiter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and all('"error"' not in event for event in events)
+        text = "".join(json.loads(event[6:])["choices"][0]["text"] for event in events[:-1])
+        assert text.startswith(serving_engine.tokenizer.decode(checkpoint_facts["reference"]))
+        assert await drain == 0  # nothing left for stop() to abort
