@@ -1,4 +1,4 @@
-"""`reconfig` command line: generate (offline batch inference on N sharded workers), demo, simulate."""
+"""`reconfig` command line: up, generate (offline batch inference on N sharded workers), demo, models, simulate."""
 
 from __future__ import annotations
 
@@ -14,10 +14,13 @@ DEMO_PROMPTS = ["The layout of a serving system", "Tensor parallelism splits", "
 
 
 def _add_cluster_args(parser: argparse.ArgumentParser, workers: int, topology: str) -> None:
-    parser.add_argument("--model", default="tiny-llama", help="preset name (tiny-llama, llama-135m) or checkpoint dir")
+    parser.add_argument("--model", default="tiny-llama", help="preset name (`reconfig models list`) or checkpoint dir")
     parser.add_argument("--workers", type=int, default=workers, help="worker processes")
     parser.add_argument("--topology", default=topology, help="parallel layout, e.g. tp2pp2")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    from services.launch.up import add_gpu_arguments
+
+    add_gpu_arguments(parser)
     parser.add_argument("--kv-cache-mb", type=int, default=64, help="KV cache budget per worker (MiB)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--verbose", action="store_true", help="show the services' structured logs")
@@ -48,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="start the built-in model on 4 workers (TP2PP2) and generate")
     _add_cluster_args(demo, workers=4, topology="tp2pp2")
     _add_sampling_args(demo)
+    from services.model import cli as models_cli
+
+    models = commands.add_parser("models", help="list the preset models, or fetch and convert one (pull)")
+    models_cli.add_arguments(models)
     try:
         from services.simulator import cli as simulator_cli
     except ImportError:  # the simulator is optional at import time
@@ -87,11 +94,13 @@ def _run_generation(args: argparse.Namespace, prompts_text: list[str] | None) ->
     from services.launch.cluster import ClusterConfig, LocalCluster
     from services.launch.driver import Driver
     from services.launch.generate import generate
+    from services.model.converted import ConsoleProgress
     from services.model.presets import resolve_model
     from services.model.tokenizer import Tokenizer
+    from services.topology import parse_gpus
     from services.worker.step import SamplingParams
 
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(args.model, progress=ConsoleProgress())
     tokenizer = Tokenizer.from_dir(model_dir)
     if prompts_text is None:
         prompts = read_prompts(args.prompts_file, tokenizer)
@@ -103,7 +112,8 @@ def _run_generation(args: argparse.Namespace, prompts_text: list[str] | None) ->
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     stop = frozenset() if args.ignore_eos else tokenizer.eos_token_ids
     config = ClusterConfig(model=str(model_dir), num_workers=args.workers, topology=args.topology,
-                           device=args.device, kv_cache_bytes=args.kv_cache_mb << 20, block_size=args.block_size)
+                           device=args.device, kv_cache_bytes=args.kv_cache_mb << 20, block_size=args.block_size,
+                           gpus=parse_gpus(args.gpus), gpu_sharing=bool(args.gpu_sharing))
 
     async def run() -> list:
         async with Driver(cluster.worker_addresses) as driver:

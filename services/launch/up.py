@@ -15,6 +15,7 @@ from pathlib import Path
 import structlog
 
 from services.launch.cluster import ClusterConfig, ClusterError, LocalCluster
+from services.topology import parse_gpus
 
 log = structlog.get_logger(__name__)
 
@@ -23,10 +24,12 @@ log = structlog.get_logger(__name__)
 class UpConfig:
     """The stack's settings: defaults < TOML file (--config) < flags."""
 
-    model: str = "tiny-llama"
+    model: str = "smollm2-135m"  # a real chat model; fetched and converted on first use (`reconfig models`)
     workers: int = 4
-    topology: str = "tp2pp2"
+    topology: str = "tp1pp4"  # 9 heads / 3 KV heads allow tp 1 or 3 only; PP4 keeps all 4 workers busy
     device: str = "cpu"
+    gpus: str | int | list[int] | None = None  # --device cuda: a count or CUDA ordinals (None: every visible GPU)
+    gpu_sharing: bool = False           # several workers per GPU: gloo collectives (development, one-GPU machines)
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 50052
@@ -37,6 +40,8 @@ class UpConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_waiting: int = 1024
+    http_keep_alive_s: float = 120.0     # idle HTTP connections outlive client pools (router/api/server.py)
+    shutdown_grace_s: float = 5.0       # on stop, admitted requests get this long to finish
     replace_lost_workers: bool = True   # start a joining worker for each one lost (`reconfigctl add-worker` adds it)
 
     def __post_init__(self) -> None:
@@ -45,6 +50,7 @@ class UpConfig:
         for name in ("http_port", "grpc_port", "controller_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be a port number, not {getattr(self, name)}")
+        parse_gpus(self.gpus)  # a malformed --gpus fails here, with the other settings
 
     @classmethod
     def load(cls, path: Path | None, overrides: dict) -> UpConfig:
@@ -62,10 +68,11 @@ class UpConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="TOML file with any of the settings below")
-    parser.add_argument("--model", help="preset name (tiny-llama, llama-135m) or checkpoint dir [tiny-llama]")
+    parser.add_argument("--model", help="preset name (`reconfig models list`) or checkpoint dir [smollm2-135m]")
     parser.add_argument("--workers", type=int, help="worker processes [4]")
-    parser.add_argument("--topology", help="initial layout [tp2pp2]")
+    parser.add_argument("--topology", help="initial layout [tp1pp4]")
     parser.add_argument("--device", choices=("cpu", "cuda"), help="[cpu]")
+    add_gpu_arguments(parser)
     parser.add_argument("--host", help="bind address of every service [127.0.0.1]")
     parser.add_argument("--http-port", type=int, help="OpenAI API [8000]")
     parser.add_argument("--grpc-port", type=int, help="router gRPC [50052]")
@@ -73,9 +80,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-mb", type=int, help="KV cache per worker, MiB [64]")
     parser.add_argument("--block-size", type=int, help="tokens per KV block [16]")
     parser.add_argument("--api-key", help="require this bearer key on /v1/* (default: none)")
+    parser.add_argument("--http-keep-alive-s", type=float,
+                        help="idle HTTP connections are kept this long; keep it above your clients' pool expiry [120]")
+    parser.add_argument("--shutdown-grace-s", type=float,
+                        help="on Ctrl-C/SIGTERM, requests already admitted get this long to finish [5]")
     parser.add_argument("--no-replace-lost-workers", dest="replace_lost_workers", action="store_false", default=None,
                         help="do not start a joining worker when one is lost (default: start one)")
     parser.add_argument("--verbose", action="store_true", help="show the services' structured logs")
+
+
+def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
+    """--gpus and --gpu-sharing (also used by `reconfig generate` and `demo`)."""
+    parser.add_argument("--gpus", help="--device cuda: a count (2) or CUDA ordinals (0,1; one GPU: 3,); rank i runs "
+                                       "on the i-th of them [every visible GPU, one worker each]")
+    parser.add_argument("--gpu-sharing", action="store_true", default=None,
+                        help="let several workers share a GPU (gloo instead of NCCL; development) [off]")
 
 
 class _Stop(Exception):
@@ -92,14 +111,18 @@ def up(config: UpConfig) -> int:
     dead controller is started again."""
     from services.controller.server import ControllerConfig, run_controller
     from services.launch.stackfile import StackFile, run_dir
+    from services.model.converted import ConsoleProgress
+    from services.model.presets import resolve_model
     from services.router.main import RouterConfig, run_router
     from services.rpc.auth import generate_token, write_token_file
 
+    resolve_model(config.model, progress=ConsoleProgress())  # a preset's first use: fetch and convert, with progress
     token = generate_token()
     token_file = run_dir() / "token"
     write_token_file(token_file, token)
     cluster = LocalCluster(ClusterConfig(
         model=config.model, num_workers=config.workers, topology=config.topology, device=config.device,
+        gpus=parse_gpus(config.gpus), gpu_sharing=config.gpu_sharing,
         kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size, host=config.host, token=token,
     ))
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -113,6 +136,7 @@ def up(config: UpConfig) -> int:
             host=config.host, http_port=config.http_port, grpc_port=config.grpc_port, token=token,
             api_key=config.api_key, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting,
+            http_keep_alive_s=config.http_keep_alive_s, shutdown_grace_s=config.shutdown_grace_s,
         ))
         router_grpc = f"{config.host}:{router['grpc_port']}"
         controller_config = ControllerConfig(
@@ -171,7 +195,7 @@ def up(config: UpConfig) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the cleanup
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        cluster.stop()
+        cluster.stop(timeout_s=config.shutdown_grace_s + 10.0)  # the router drains before the workers stop
         if stack_file is not None:
             stack_file.remove()
         token_file.unlink(missing_ok=True)

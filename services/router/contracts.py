@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.model.tokenizer import Tokenizer
-from services.worker.step import GREEDY, SamplingParams
+from services.worker.step import GREEDY, SamplingParams, TokenLogprob
 
 
 class QueueFullError(RuntimeError):
@@ -37,6 +37,8 @@ class GenerationRequest:
     sampling: SamplingParams = GREEDY
     stop_token_ids: frozenset[int] = frozenset()   # finish when one is sampled (EOS unless ignore_eos)
     stop_strings: tuple[str, ...] = ()              # finish when the text contains one (trimmed from the output)
+    min_tokens: int = 0                # stop tokens and stop strings cannot end the request before this many
+    prompt_logprobs: bool = False      # echo: the prompt tokens' logprobs (sampling.num_logprobs alternatives)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,10 @@ class GenerationDelta:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0      # total so far
     error: str | None = None           # with finish_reason "error": what failed (a worker step, ...)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token_ids when sampling.num_logprobs is set
+    # With request.prompt_logprobs, once (on the first delta after the prefill): prompt tokens 1..n-1 (the first
+    # token has none).
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

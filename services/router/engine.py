@@ -288,12 +288,13 @@ class Engine:
             self._on_step_failed(inflight.batch, _describe(exc))
             return
         sampled = {o.request_id: o.token_id for o in output.outputs if o.token_id >= 0}
-        for update in self.scheduler.on_batch_done(inflight.batch, sampled):
+        with_logprobs = {o.request_id: o for o in output.outputs if o.logprob is not None or o.prompt_logprobs}
+        for update in self.scheduler.on_batch_done(inflight.batch, sampled, with_logprobs):
             self.num_generation_tokens += len(update.new_token_ids)
             stream = self._streams.get(update.seq.request_id)
             if stream is None:
                 continue
-            stopped = stream.push(update.new_token_ids, update.seq)
+            stopped = stream.push(update.new_token_ids, update.seq, update.logprobs)
             if stopped and not update.finished:  # a stop string: the scheduler has not finished it yet
                 self.scheduler.finish(update.seq.request_id, SequenceStatus.FINISHED_STOPPED)
 

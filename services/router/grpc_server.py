@@ -69,8 +69,17 @@ def sampling_from_pb(pb: router_pb2.GenerateRequest) -> SamplingParams:
         raise ValueError(f"top_p must be in [0, 1], got {s.top_p}")
     if s.top_k < 0:
         raise ValueError(f"top_k must be >= 0, got {s.top_k}")
-    return SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
-                          seed=s.seed if s.HasField("seed") else None)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(s, name) <= 2:
+            raise ValueError(f"{name} must be in [-2, 2], got {getattr(s, name)}")
+    if not (math.isfinite(s.repetition_penalty) and s.repetition_penalty >= 0):
+        raise ValueError(f"repetition_penalty must be a finite number > 0 (0: none), got {s.repetition_penalty}")
+    bad_bias = next(((t, b) for t, b in s.logit_bias.items() if t < 0 or not -100 <= b <= 100), None)
+    if bad_bias is not None:
+        raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {bad_bias}")
+    if s.HasField("num_logprobs"):
+        raise ValueError("num_logprobs is not served over gRPC (GenerateResponse has no logprobs): use the HTTP API")
+    return SamplingParams.from_pb(s)
 
 
 def request_from_pb(pb: router_pb2.GenerateRequest, tokenizer: Tokenizer,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -32,7 +32,7 @@ from services.router.block_manager import BlockManager, num_blocks_for
 from services.router.config import SchedulerConfig
 from services.router.contracts import QueueFullError, RequestError
 from services.router.sequence import Sequence, SequenceStatus
-from services.worker.step import SequenceStep
+from services.worker.step import SequenceOutput, SequenceStep, TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +66,7 @@ class SequenceUpdate:
     seq: Sequence
     new_token_ids: tuple[int, ...]
     finished: bool
+    logprobs: tuple[TokenLogprob, ...] = ()  # of new_token_ids, when the request asked for them
 
 
 class Scheduler:
@@ -93,8 +94,8 @@ class Scheduler:
         num_prompt, max_model_len = seq.num_prompt_tokens, self.config.max_model_len
         if num_prompt == 0:
             raise RequestError("the prompt is empty")
-        if seq.max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {seq.max_tokens}")
+        if seq.max_tokens < 0:
+            raise RequestError(f"max_tokens must be >= 0, got {seq.max_tokens}")
         if num_prompt + seq.max_tokens > max_model_len:
             raise RequestError(
                 f"the prompt ({num_prompt} tokens) plus max_tokens ({seq.max_tokens}) is "
@@ -172,12 +173,15 @@ class Scheduler:
         self._inflight_ids.update(items)
         return batch
 
-    def on_batch_done(self, batch: ScheduledBatch, sampled: Mapping[str, int]) -> list[SequenceUpdate]:
+    def on_batch_done(self, batch: ScheduledBatch, sampled: Mapping[str, int],
+                      outputs: Mapping[str, SequenceOutput] | None = None) -> list[SequenceUpdate]:
         """Apply a finished step: advance the caches, append sampled tokens, finish and free what is done.
 
-        `sampled` maps request_id -> token for the items whose step sampled. Sequences aborted or finished while
-        in flight are freed here and get no update.
+        `sampled` maps request_id -> token for the items whose step sampled; `outputs` request_id -> the workers'
+        output where it carries logprobs. Sequences aborted or finished while in flight are freed here and get no
+        update. A prompt-only request (max_tokens 0) finishes with its prefill.
         """
+        outputs = outputs or {}
         if self._inflight.pop(batch.batch_id, None) is None:
             raise ValueError(f"batch {batch.batch_id} is not in flight")
         now, updates = self.clock(), []
@@ -188,8 +192,16 @@ class Scheduler:
                 self.block_manager.free(seq)
                 continue
             seq.num_computed_tokens += len(step.token_ids)
+            output = outputs.get(seq.request_id)
+            if step.prompt_logprob_token_ids and output is not None:
+                # Slice assignment: a chunk re-run after a preemption or a failed step rewrites its own positions.
+                end = step.start_position + len(output.prompt_logprobs)
+                seq.prompt_logprobs[step.start_position:end] = output.prompt_logprobs
             if not step.sample:
-                updates.append(SequenceUpdate(seq, (), False))
+                is_done = seq.max_tokens == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens
+                if is_done:
+                    self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+                updates.append(SequenceUpdate(seq, (), is_done))
                 continue
             if seq.request_id not in sampled:
                 raise ValueError(f"no sampled token for {seq.request_id} in batch {batch.batch_id}")
@@ -201,7 +213,8 @@ class Scheduler:
                 self._finish(seq, SequenceStatus.FINISHED_STOPPED)
             elif len(seq.output_token_ids) >= seq.max_tokens:
                 self._finish(seq, SequenceStatus.FINISHED_LENGTH)
-            updates.append(SequenceUpdate(seq, (token_id,), seq.is_finished))
+            logprobs = (output.logprob,) if output is not None and output.logprob is not None else ()
+            updates.append(SequenceUpdate(seq, (token_id,), seq.is_finished, logprobs))
         return updates
 
     def on_batch_failed(self, batch: ScheduledBatch) -> None:
@@ -309,19 +322,22 @@ class Scheduler:
         return newest_first[::-1]
 
     def _max_blocks(self, seq: Sequence) -> int:
-        # The KV a sequence ever holds: every token but the last one sampled.
-        return num_blocks_for(seq.num_prompt_tokens + seq.max_tokens - 1, self.block_manager.block_size)
+        # The KV a sequence ever holds: every token but the last one sampled (the whole prompt when none is).
+        num_tokens = max(seq.num_prompt_tokens, seq.num_prompt_tokens + seq.max_tokens - 1)
+        return num_blocks_for(num_tokens, self.block_manager.block_size)
 
     def _item(self, seq: Sequence, num_new_tokens: int) -> ScheduledItem:
         start = seq.num_computed_tokens
+        sample = start + num_new_tokens == seq.num_tokens and seq.max_tokens > 0
         step = SequenceStep(
             request_id=seq.request_id,
             token_ids=tuple(seq.all_token_ids[start:start + num_new_tokens]),
             start_position=start,
             block_table=tuple(seq.block_ids),
             sampling=seq.sampling,
-            sample=start + num_new_tokens == seq.num_tokens,
+            sample=sample,
             num_generated=len(seq.output_token_ids),
+            **_sampling_context(seq, start, num_new_tokens, sample),
         )
         return ScheduledItem(seq, step)
 
@@ -344,3 +360,19 @@ class Scheduler:
     @property
     def has_unfinished(self) -> bool:
         return bool(self._sequences) or bool(self._inflight)
+
+
+def _sampling_context(seq: Sequence, start: int, num_new_tokens: int, sample: bool) -> dict:
+    """What the last stage needs of the request's history for this step, only where its options use it: the
+    router owns that history, so it stays right across preemptions and layout switches."""
+    context: dict = {}
+    if sample and seq.sampling.has_output_penalties:
+        context["output_token_counts"] = tuple(sorted(Counter(seq.output_token_ids).items()))
+        if seq.sampling.repetition_penalty != 1:
+            context["distinct_prompt_token_ids"] = tuple(sorted(set(seq.prompt_token_ids)))
+    if sample and len(seq.output_token_ids) < seq.min_tokens:
+        context["suppressed_token_ids"] = tuple(sorted(seq.stop_token_ids))
+    last_target = min(start + num_new_tokens, seq.num_prompt_tokens - 1)  # the last prompt position to score
+    if seq.wants_prompt_logprobs and not seq.has_prompt_logprobs and last_target > start:
+        context["prompt_logprob_token_ids"] = tuple(seq.prompt_token_ids[start + 1:last_target + 1])
+    return context

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.router.contracts import GenerationRequest
-from services.worker.step import GREEDY, SamplingParams
+from services.worker.step import GREEDY, SamplingParams, TokenLogprob
 
 
 class SequenceStatus(enum.Enum):
@@ -54,6 +54,9 @@ class Sequence:
     finished_time: float | None = None
     num_preemptions: int = 0             # times its KV was dropped to be recomputed later
     num_prefills: int = 0                # times its prefix was (re)prefilled: 1 + preemptions once it ran
+    min_tokens: int = 0                  # stop tokens are suppressed until this many tokens were generated
+    wants_prompt_logprobs: bool = False  # echo with logprobs
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1, 2, ... so far
 
     @classmethod
     def from_request(cls, request: GenerationRequest, arrival_time: float | None = None) -> Sequence:
@@ -65,6 +68,8 @@ class Sequence:
             sampling=request.sampling,
             stop_token_ids=frozenset(request.stop_token_ids),
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            min_tokens=request.min_tokens,
+            wants_prompt_logprobs=request.prompt_logprobs,
         )
 
     @property
@@ -97,3 +102,8 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def has_prompt_logprobs(self) -> bool:
+        """Whether every prompt logprob asked for is known (prompt tokens 1..n-1)."""
+        return len(self.prompt_logprobs) >= self.num_prompt_tokens - 1

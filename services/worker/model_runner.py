@@ -11,7 +11,7 @@ from services.model.llama import ShardedCausalLM
 from services.topology import Placement, WorkerPlacement
 from services.worker.kv_cache import KVCache
 from services.worker.parallel import ParallelState
-from services.worker.sampler import sample
+from services.worker.sampler import sample_outputs
 from services.worker.step import SequenceOutput, StepBatch, StepOutput
 
 
@@ -58,24 +58,24 @@ class ModelRunner:
             self.parallel.send(hidden, self.next_rank)
             return StepOutput(batch.step_id, rank, compute_seconds=time.perf_counter() - started)
         wanted = [i for i, s in enumerate(seqs) if s.sample or s.return_logits]
+        prompt_rows = self._prompt_logprob_rows(batch, meta)
         outputs: list[SequenceOutput] = []
-        if wanted:
-            last = torch.tensor([meta.sequences[i].token_start + meta.sequences[i].num_new_tokens - 1
-                                 for i in wanted], device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, last))  # [N, vocab]; a TP collective
+        if wanted or prompt_rows:
+            last = [meta.sequences[i].token_start + meta.sequences[i].num_new_tokens - 1 for i in wanted]
+            rows = torch.tensor(prompt_rows + last, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))  # [R, vocab]; a TP collective
             if self.wp.tp_rank == 0:
-                outputs = self._outputs(batch, wanted, logits.cpu())
+                outputs = sample_outputs(list(seqs), wanted, logits.cpu(), len(prompt_rows))
         return StepOutput(batch.step_id, rank, tuple(outputs), compute_seconds=time.perf_counter() - started)
 
     @staticmethod
-    def _outputs(batch: StepBatch, wanted: list[int], logits: torch.Tensor) -> list[SequenceOutput]:
-        seqs = [batch.sequences[i] for i in wanted]
-        tokens = sample(logits, [s.sampling for s in seqs], [s.num_generated for s in seqs])
-        return [
-            SequenceOutput(
-                s.request_id,
-                token if s.sample else -1,
-                logits[j].numpy().tobytes() if s.return_logits else b"",
-            )
-            for j, (s, token) in enumerate(zip(seqs, tokens, strict=True))
-        ]
+    def _prompt_logprob_rows(batch: StepBatch, meta: AttentionMetadata) -> list[int]:
+        """Rows of the hidden states whose logits give the prompt logprobs asked for: the first
+        len(prompt_logprob_token_ids) positions fed for each sequence, in batch order."""
+        rows: list[int] = []
+        for s, slice_ in zip(batch.sequences, meta.sequences, strict=True):
+            if len(s.prompt_logprob_token_ids) > len(s.token_ids):
+                raise ValueError(f"{s.request_id}: {len(s.prompt_logprob_token_ids)} prompt logprobs asked for "
+                                 f"{len(s.token_ids)} positions fed")
+            rows.extend(range(slice_.token_start, slice_.token_start + len(s.prompt_logprob_token_ids)))
+        return rows

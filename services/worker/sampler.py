@@ -1,10 +1,13 @@
-"""Token sampling on the last pipeline stage: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Token sampling on the last pipeline stage: greedy, temperature, top-k, top-p, per-request seeds; the step's
+outputs (tokens, logprobs) from its logits."""
 
 from __future__ import annotations
 
 import torch
 
-from services.worker.step import SamplingParams
+from services.worker.logits_processor import process_logits
+from services.worker.logprobs import token_logprobs
+from services.worker.step import SamplingParams, SequenceOutput, SequenceStep
 
 _SEED_STRIDE = 1_000_003  # mixes (seed, position) into one generator seed
 
@@ -29,3 +32,40 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
             generator = torch.Generator().manual_seed((p.seed * _SEED_STRIDE + num_generated[i]) % (1 << 63))
         tokens[i] = int(torch.multinomial(row.softmax(-1), 1, generator=generator))
     return tokens
+
+
+def sample_outputs(steps: list[SequenceStep], wanted: list[int], logits: torch.Tensor,
+                   num_prompt_rows: int) -> list[SequenceOutput]:
+    """The outputs of one step on the last stage (TP rank 0).
+
+    logits [num_prompt_rows + len(wanted), vocab] float32: first the positions whose prompt logprobs were asked
+    (steps in order, len(step.prompt_logprob_token_ids) rows each), then the last position of each step in
+    `wanted` (those that sample or return logits). Tokens are drawn from the processed logits; logprobs come from
+    the raw ones, all rows that asked in one log_softmax.
+    """
+    last_logits = logits[num_prompt_rows:]
+    chosen = [steps[i] for i in wanted]
+    tokens = sample(process_logits(last_logits, chosen), [s.sampling for s in chosen],
+                    [s.num_generated for s in chosen])
+    prompt_steps = [s for s in steps if s.prompt_logprob_token_ids]
+    asking = [j for j, s in enumerate(chosen) if s.sample and s.sampling.num_logprobs is not None]
+    rows = torch.cat([logits[:num_prompt_rows], last_logits[asking]])
+    targets = [t for s in prompt_steps for t in s.prompt_logprob_token_ids] + [tokens[j] for j in asking]
+    num_top = ([s.sampling.num_logprobs or 0 for s in prompt_steps for _ in s.prompt_logprob_token_ids]
+               + [chosen[j].sampling.num_logprobs or 0 for j in asking])
+    computed = iter(token_logprobs(rows, targets, num_top))
+    prompt_logprobs = {s.request_id: tuple(next(computed) for _ in s.prompt_logprob_token_ids) for s in prompt_steps}
+    sampled_logprobs = {chosen[j].request_id: next(computed) for j in asking}
+    outputs = [
+        SequenceOutput(
+            s.request_id,
+            token if s.sample else -1,
+            last_logits[j].numpy().tobytes() if s.return_logits else b"",
+            sampled_logprobs.get(s.request_id),
+            prompt_logprobs.pop(s.request_id, ()),
+        )
+        for j, (s, token) in enumerate(zip(chosen, tokens, strict=True))
+    ]
+    # A prefill chunk that neither samples nor returns logits still returns its prompt logprobs.
+    outputs += [SequenceOutput(request_id, -1, prompt_logprobs=values) for request_id, values in prompt_logprobs.items()]
+    return outputs

@@ -19,10 +19,42 @@ class SamplingParams:
     top_p: float = 1.0         # nucleus mass; 1 disables
     top_k: int = 0             # 0 disables
     seed: int | None = None    # set: the request's tokens do not depend on the batch it shares
+    presence_penalty: float = 0.0      # OpenAI, on generated tokens; 0 disables
+    frequency_penalty: float = 0.0     # OpenAI, per occurrence in the generated tokens; 0 disables
+    repetition_penalty: float = 1.0    # Hugging Face, on prompt + generated tokens; 1 disables
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    num_logprobs: int | None = None    # set: return the sampled token's logprob and this many alternatives
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def has_output_penalties(self) -> bool:
+        """Whether sampling needs the counts of the generated tokens."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def to_pb(self) -> worker_pb2.SamplingParams:
+        return worker_pb2.SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias),
+            num_logprobs=self.num_logprobs,
+        )
+
+    @classmethod
+    def from_pb(cls, pb: worker_pb2.SamplingParams) -> SamplingParams:
+        return cls(
+            temperature=pb.temperature,
+            top_p=pb.top_p or 1.0,
+            top_k=pb.top_k,
+            seed=pb.seed if pb.HasField("seed") else None,
+            presence_penalty=pb.presence_penalty,
+            frequency_penalty=pb.frequency_penalty,
+            repetition_penalty=pb.repetition_penalty or 1.0,
+            logit_bias=tuple(sorted(pb.logit_bias.items())),
+            num_logprobs=pb.num_logprobs if pb.HasField("num_logprobs") else None,
+        )
 
 
 GREEDY = SamplingParams()
@@ -40,39 +72,46 @@ class SequenceStep:
     sample: bool = True                # False for a non-final prefill chunk: no token is produced
     return_logits: bool = False        # tests/debugging: ship the last position's logits back
     num_generated: int = 0             # tokens generated so far; keys the seeded sampler per position
+    # The token history a penalty needs, sent only when the request has one (workers keep no request state):
+    output_token_counts: tuple[tuple[int, int], ...] = ()  # (distinct generated id, occurrences)
+    distinct_prompt_token_ids: tuple[int, ...] = ()        # repetition penalty only
+    suppressed_token_ids: tuple[int, ...] = ()  # stop tokens masked before sampling: min_tokens not reached
+    prompt_logprob_token_ids: tuple[int, ...] = ()  # echo: the prompt tokens after positions start_position...
 
     def to_pb(self) -> worker_pb2.SequenceStep:
-        s = self.sampling
         return worker_pb2.SequenceStep(
             request_id=self.request_id,
             token_ids=self.token_ids,
             start_position=self.start_position,
             block_table=self.block_table,
-            sampling=worker_pb2.SamplingParams(
-                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed
-            ),
+            sampling=self.sampling.to_pb(),
             sample=self.sample,
             return_logits=self.return_logits,
             num_generated=self.num_generated,
+            output_token_ids=[token_id for token_id, _ in self.output_token_counts],
+            output_token_counts=[count for _, count in self.output_token_counts],
+            distinct_prompt_token_ids=self.distinct_prompt_token_ids,
+            suppressed_token_ids=self.suppressed_token_ids,
+            prompt_logprob_token_ids=self.prompt_logprob_token_ids,
         )
 
     @classmethod
     def from_pb(cls, pb: worker_pb2.SequenceStep) -> SequenceStep:
-        s = pb.sampling
+        if len(pb.output_token_ids) != len(pb.output_token_counts):
+            raise ValueError("output_token_ids and output_token_counts differ in length")
         return cls(
             request_id=pb.request_id,
             token_ids=tuple(pb.token_ids),
             start_position=pb.start_position,
             block_table=tuple(pb.block_table),
-            sampling=SamplingParams(
-                temperature=s.temperature,
-                top_p=s.top_p or 1.0,
-                top_k=s.top_k,
-                seed=s.seed if s.HasField("seed") else None,
-            ),
+            sampling=SamplingParams.from_pb(pb.sampling),
             sample=pb.sample,
             return_logits=pb.return_logits,
             num_generated=pb.num_generated,
+            output_token_counts=tuple(zip(pb.output_token_ids, pb.output_token_counts, strict=True)),
+            distinct_prompt_token_ids=tuple(pb.distinct_prompt_token_ids),
+            suppressed_token_ids=tuple(pb.suppressed_token_ids),
+            prompt_logprob_token_ids=tuple(pb.prompt_logprob_token_ids),
         )
 
 
@@ -96,12 +135,46 @@ class StepBatch:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token's log-probability at one position, and the most likely tokens there."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+    def to_pb(self) -> worker_pb2.TokenLogprob:
+        return worker_pb2.TokenLogprob(token_id=self.token_id, logprob=self.logprob,
+                                       top_token_ids=[t for t, _ in self.top], top_logprobs=[p for _, p in self.top])
+
+    @classmethod
+    def from_pb(cls, pb: worker_pb2.TokenLogprob) -> TokenLogprob:
+        return cls(pb.token_id, pb.logprob, tuple(zip(pb.top_token_ids, pb.top_logprobs, strict=True)))
+
+
+@dataclass(frozen=True, slots=True)
 class SequenceOutput:
     """What one step produced for one request (last stage only)."""
 
     request_id: str
     token_id: int                      # -1 when the step did not sample
     logits: bytes = b""                # float32 little-endian, when requested
+    logprob: TokenLogprob | None = None              # the sampled token's, when sampling.num_logprobs is set
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()   # one per step.prompt_logprob_token_ids
+
+    def to_pb(self) -> worker_pb2.SequenceResult:
+        return worker_pb2.SequenceResult(
+            request_id=self.request_id, token_id=self.token_id, logits=self.logits,
+            sampled_logprob=self.logprob.to_pb() if self.logprob is not None else None,
+            prompt_logprobs=[p.to_pb() for p in self.prompt_logprobs],
+        )
+
+    @classmethod
+    def from_pb(cls, pb: worker_pb2.SequenceResult) -> SequenceOutput:
+        return cls(
+            pb.request_id, pb.token_id, pb.logits,
+            TokenLogprob.from_pb(pb.sampled_logprob) if pb.HasField("sampled_logprob") else None,
+            tuple(TokenLogprob.from_pb(p) for p in pb.prompt_logprobs),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,10 +191,7 @@ class StepOutput:
         return worker_pb2.StepResult(
             step_id=self.step_id,
             rank=self.rank,
-            results=[
-                worker_pb2.SequenceResult(request_id=o.request_id, token_id=o.token_id, logits=o.logits)
-                for o in self.outputs
-            ],
+            results=[o.to_pb() for o in self.outputs],
             error=self.error,
             compute_seconds=self.compute_seconds,
         )
@@ -131,7 +201,7 @@ class StepOutput:
         return cls(
             step_id=pb.step_id,
             rank=pb.rank,
-            outputs=tuple(SequenceOutput(r.request_id, r.token_id, r.logits) for r in pb.results),
+            outputs=tuple(SequenceOutput.from_pb(r) for r in pb.results),
             error=pb.error,
             compute_seconds=pb.compute_seconds,
         )

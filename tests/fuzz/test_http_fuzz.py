@@ -44,7 +44,7 @@ MIN_CASES = 1000
 # Generated cases per operation: the two generation endpoints get nearly all of them (a GET without parameters
 # has one case).
 BUDGET = {"POST /v1/completions": 400, "POST /v1/chat/completions": 400, "GET /v1/models": 20,
-          "GET /health": 10, "GET /ready": 10, "GET /metrics": 10}
+          "GET /health": 10, "GET /ready": 10, "GET /metrics": 10, "POST /tokenize": 40, "POST /detokenize": 40}
 SERVED_CASES = 150
 RAW_CASES = 150
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
@@ -56,8 +56,12 @@ STATUSES: collections.Counter[int] = collections.Counter()
 
 @pytest.fixture(scope="module")
 def http_schema(http_target) -> schemathesis.BaseSchema:
-    """The app's own OpenAPI document, loaded by schemathesis."""
-    return schemathesis.openapi.from_dict(http_target.schema)
+    """The app's own OpenAPI document, loaded by schemathesis, reading event streams to their end: schemathesis
+    (>= 4.32) stops reading a stream after 20 events by default, and the served fuzzer checks every stream ends
+    with [DONE] (n choices of up to FUZZ_CONTEXT tokens each send far more events)."""
+    schema = schemathesis.openapi.from_dict(http_target.schema)
+    schema.config.max_stream_events = 10 * FUZZ_CONTEXT * 3  # more than any request sends (n <= 3, echo)
+    return schema
 
 
 def _with_served_model(case: schemathesis.Case) -> None:
@@ -112,7 +116,14 @@ def served_requests(draw) -> tuple[str, dict, bool]:
         "temperature": st.floats(0.0, 2.0), "top_p": st.floats(0.01, 1.0), "top_k": st.integers(-1, 300),
         "seed": st.integers(0, (1 << 64) - 1), "ignore_eos": st.booleans(), "user": st.text(max_size=8),
         "stop": st.one_of(st.text(max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=3)),
+        "n": st.integers(1, 3), "presence_penalty": st.floats(-2.0, 2.0), "repetition_penalty": st.floats(0.5, 2.0),
+        "logit_bias": st.dictionaries(st.integers(0, 263).map(str), st.floats(-100, 100), max_size=3),
+        "min_tokens": st.integers(0, 2),
     }
+    if is_chat:
+        optional["logprobs"], optional["top_logprobs"] = st.just(True), st.integers(0, 5)
+    else:
+        optional["logprobs"], optional["echo"] = st.integers(0, 5), st.booleans()
     for name in draw(st.sets(st.sampled_from(sorted(optional)))):
         body[name] = draw(optional[name])
     is_dropped = False
@@ -144,8 +155,9 @@ def test_served_requests_finish_or_are_refused_cleanly(http_target, http_schema)
         response = _send(http_target, http_schema[path]["POST"].Case(body=body), "served",
                          checks=CHECKS[:-1])
         assert response.status_code in (200, 400), response.text
-        if response.status_code == 400:  # too long, empty, or ids past the tokenizer's vocabulary
-            assert response.json()["error"]["param"] in ("prompt", "messages", *optional_lengths), response.text
+        if response.status_code == 400:  # too long, empty, ids past the tokenizer's vocabulary, options at odds
+            assert response.json()["error"]["param"] in (
+                "prompt", "messages", *optional_lengths, "min_tokens", "logit_bias", "top_logprobs"), response.text
         elif body.get("stream"):
             assert response.text.endswith("data: [DONE]\n\n"), response.text
 

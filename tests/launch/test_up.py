@@ -113,7 +113,8 @@ def test_config_file_and_flags(tmp_path):
     config = tmp_path / "stack.toml"
     config.write_text('workers = 2\ntopology = "tp2pp1"\nhttp_port = 9000\n')
     loaded = UpConfig.load(config, {"http_port": 9100, "model": None})
-    assert (loaded.workers, loaded.topology, loaded.http_port, loaded.model) == (2, "tp2pp1", 9100, "tiny-llama")
+    assert (loaded.workers, loaded.topology, loaded.http_port, loaded.model) == (2, "tp2pp1", 9100, "smollm2-135m")
+    assert (UpConfig().model, UpConfig().topology, UpConfig().workers) == ("smollm2-135m", "tp1pp4", 4)
     config.write_text("wrokers = 2\n")
     with pytest.raises(ValueError, match="unknown setting\\(s\\) wrokers"):
         UpConfig.load(config, {})

@@ -118,7 +118,7 @@ def test_add_refuses_requests_that_can_never_run():
     with pytest.raises(RequestError, match="KV blocks"):
         scheduler.add(seq_of("c", prompt_of(0, 30), 4))  # 33 cached tokens need 9 blocks, the cache has 8
     with pytest.raises(RequestError, match="max_tokens"):
-        scheduler.add(seq_of("d", [1], 0))
+        scheduler.add(seq_of("d", [1], -1))
     scheduler.add(seq_of("e", prompt_of(0, 30), 3))  # 32 cached tokens: exactly 8 blocks
     with pytest.raises(RequestError, match="already in use"):
         scheduler.add(seq_of("e", [1], 1))

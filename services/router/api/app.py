@@ -6,7 +6,7 @@ import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
@@ -15,17 +15,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.router.api.chat import chat_prompt
+from services.router.api.choices import ChatFormat, CompletionFormat, Prompt
 from services.router.api.errors import ApiError, error_response, install_error_handlers
 from services.router.api.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware, encode_text
 from services.router.api.metrics import ApiMetrics
+from services.router.api.fanout import gather_all, merge_events, start_all, summed_usage, with_choice_seed
 from services.router.api.protocol import (
-    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse,
-    ErrorResponse, ModelCard, ModelList,
+    MAX_CHOICES, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionChunk,
+    CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
+    TokenizeRequest, TokenizeResponse,
 )
-from services.router.api.streaming import (
-    GenerationRun, guarded_events, sse_event, start_generation, unless_disconnected,
-)
+from services.router.api.streaming import GenerationRun, guarded_events, sse_event, unless_disconnected
 from services.router.contracts import EngineProtocol, GenerationRequest
 from services.worker.step import SamplingParams
 
@@ -108,29 +108,54 @@ class OpenAIServing:
             raise ApiError(400, f"the model '{model}' does not exist; served: {', '.join(self.model_ids)}",
                            param="model", code="model_not_found")
 
-    async def _prompt_ids(self, prompt: str | Sequence[Any]) -> list[int]:
+    async def _prompts(self, prompt: str | Sequence[Any]) -> list[Prompt]:
+        """Every prompt of a completions request (one, or a list)."""
         if isinstance(prompt, str):
-            return await encode_text(self.engine.tokenizer, prompt)
+            return [Prompt(await encode_text(self.engine.tokenizer, prompt), prompt)]
         if prompt and isinstance(prompt[0], str | list):  # a batch of prompts
-            if len(prompt) != 1:
-                raise ApiError(400, "only one prompt per request is supported", param="prompt")
-            return await self._prompt_ids(prompt[0])
-        return list(prompt)
+            return [item for one in prompt for item in await self._prompts(one)]
+        return [Prompt(list(prompt))]
+
+    def _check_token_ids(self, token_ids: Sequence[int], param: str, what: str) -> None:
+        vocab_size = self.engine.tokenizer.vocab_size
+        if any(token_id >= vocab_size for token_id in token_ids):
+            raise ApiError(400, f"{what} must be below the vocabulary size {vocab_size}", param=param,
+                           code="invalid_value")
+
+    @staticmethod
+    def _check_options(body: CompletionRequest | ChatCompletionRequest) -> None:
+        """The checks across fields (each error names the field to change)."""
+        max_tokens = body.requested_max_tokens
+        if isinstance(body, CompletionRequest) and max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens must be at least 1 unless echo is true", param="max_tokens",
+                           code="invalid_value")
+        if max_tokens is not None and body.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens ({body.min_tokens}) must be at most {body.max_tokens_param} "
+                           f"({max_tokens})", param="min_tokens", code="invalid_value")
+        if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs to be true", param="top_logprobs", code="invalid_value")
+
+    def _sampling(self, body: CompletionRequest | ChatCompletionRequest, num_logprobs: int | None) -> SamplingParams:
+        logit_bias = tuple(sorted((int(token), bias) for token, bias in (body.logit_bias or {}).items()))
+        self._check_token_ids([token for token, _ in logit_bias], "logit_bias", "logit_bias token ids")
+        return SamplingParams(
+            temperature=body.temperature if body.temperature is not None else self.config.default_temperature,
+            top_p=body.top_p if body.top_p is not None else 1.0, top_k=max(body.top_k or 0, 0), seed=body.seed,
+            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0, logit_bias=logit_bias, num_logprobs=num_logprobs,
+        )
 
     def _generation_request(
         self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int], default_max_tokens: int | None,
-        kind: str,
+        request_id: str, sampling: SamplingParams, prompt_logprobs: bool = False,
     ) -> GenerationRequest:
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty", param=body.prompt_param)
-        vocab_size = self.engine.tokenizer.vocab_size
-        if any(token_id >= vocab_size for token_id in prompt_ids):
-            raise ApiError(400, f"prompt token ids must be below the vocabulary size {vocab_size}",
-                           param=body.prompt_param)
+        self._check_token_ids(prompt_ids, body.prompt_param, "prompt token ids")
         num_prompt_tokens, max_model_len = len(prompt_ids), self.engine.max_model_len
         room = max_model_len - num_prompt_tokens
         max_tokens = body.requested_max_tokens
-        if room < 1 or (max_tokens is not None and max_tokens > room):
+        if room < (0 if max_tokens == 0 else 1) or (max_tokens is not None and max_tokens > room):
             wanted = f"; {max_tokens} for the completion" if max_tokens is not None else ""
             raise ApiError(
                 400, f"this model's maximum context length is {max_model_len} tokens, however you requested "
@@ -139,73 +164,104 @@ class OpenAIServing:
             )
         if max_tokens is None:
             max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
-        temperature = body.temperature if body.temperature is not None else self.config.default_temperature
-        sampling = SamplingParams(
-            temperature=temperature, top_p=body.top_p if body.top_p is not None else 1.0,
-            top_k=max(body.top_k or 0, 0), seed=body.seed,
-        )
         return GenerationRequest(
-            request_id=f"{self.config.request_id_prefix}{kind}-{uuid.uuid4().hex}",
+            request_id=request_id,
             prompt_token_ids=tuple(prompt_ids),
             max_tokens=max_tokens,
             sampling=sampling,
             stop_token_ids=frozenset() if body.ignore_eos else self.engine.tokenizer.eos_token_ids,
             stop_strings=body.stop_strings,
+            min_tokens=min(body.min_tokens, max_tokens),
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _fan_out(self, body: CompletionRequest | ChatCompletionRequest, prompts: Sequence[list[int]],
+                 default_max_tokens: int | None, kind: str, num_logprobs: int | None,
+                 prompt_logprobs: bool = False) -> tuple[str, list[GenerationRequest]]:
+        """The response id, and one engine request per choice: n per prompt, choice i of a prompt seeded seed + i."""
+        self._check_options(body)
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise ApiError(400, f"n times the number of prompts is {len(prompts) * body.n}, more than {MAX_CHOICES}",
+                           param="n", code="invalid_value")
+        response_id = f"{self.config.request_id_prefix}{kind}-{uuid.uuid4().hex}"
+        sampling = self._sampling(body, num_logprobs)
+        generations = []
+        for prompt_ids in prompts:
+            generation = self._generation_request(body, prompt_ids, default_max_tokens, response_id, sampling,
+                                                  prompt_logprobs)
+            generations += [with_choice_seed(generation, i) for i in range(body.n)]
+        if len(generations) > 1:
+            generations = [replace(g, request_id=f"{response_id}-{i}") for i, g in enumerate(generations)]
+        return response_id, generations
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         """POST /v1/completions."""
         self._check_model(body.model)
-        prompt_ids = await self._prompt_ids(body.prompt)
-        generation = self._generation_request(body, prompt_ids, self.config.default_max_tokens, "cmpl")
-        run = await start_generation(self.engine, generation, self.metrics.request_timer(), request)
-        header = {"id": generation.request_id, "created": int(time.time()), "model": body.model}
+        prompts = await self._prompts(body.prompt)
+        response_id, generations = self._fan_out(
+            body, [p.token_ids for p in prompts], self.config.default_max_tokens, "cmpl", body.logprobs,
+            prompt_logprobs=body.echo and body.logprobs is not None)
+        runs = await start_all(self.engine, generations, self.metrics.request_timer, request)
+        header = {"id": response_id, "created": int(time.time()), "model": body.model}
+        form = CompletionFormat(self.engine.tokenizer, body.echo, body.logprobs)
+        prompt_of = [prompt for prompt in prompts for _ in range(body.n)]
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _event_stream(self._completion_events(run, header, include_usage))
-        text, usage, finish_reason = await unless_disconnected(request, run.collect())
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
-        return JSONResponse(CompletionResponse(**header, choices=[choice], usage=usage).model_dump())
+            streams = [form.events(i, run, prompt_of[i], header, include_usage) for i, run in enumerate(runs)]
+            return _event_stream(self._with_usage(merge_events(streams), runs, body.n, include_usage,
+                                                  CompletionChunk(**header, choices=[])))
+        results = await unless_disconnected(request, gather_all([run.collect() for run in runs]))
+        choices = [form.choice(i, run, text, prompt_of[i]) for i, (run, (text, _, _)) in enumerate(zip(runs, results))]
+        response = CompletionResponse(**header, choices=choices, usage=summed_usage(runs, body.n))
+        return JSONResponse(response.model_dump())
 
-    async def _completion_events(
-        self, run: GenerationRun, header: dict[str, Any], include_usage: bool
-    ) -> AsyncIterator[str]:
-        async for delta in run.deltas():
-            if delta.text or delta.finish_reason:
-                choice = CompletionChoice(text=delta.text, finish_reason=delta.finish_reason)
-                yield sse_event(CompletionChunk(**header, choices=[choice]), include_usage)
+    async def _with_usage(self, events: AsyncIterator[str], runs: list[GenerationRun], num_choices: int,
+                          include_usage: bool, usage_chunk: CompletionChunk | ChatCompletionChunk) -> AsyncIterator[str]:
+        async for event in events:
+            yield event
         if include_usage:
-            yield sse_event(CompletionChunk(**header, choices=[], usage=run.usage), include_usage)
+            usage_chunk.usage = summed_usage(runs, num_choices)
+            yield sse_event(usage_chunk, include_usage)
 
     async def chat_completion(self, body: ChatCompletionRequest, request: Request) -> Response:
         """POST /v1/chat/completions."""
         self._check_model(body.model)
         text, add_bos = chat_prompt(self.engine.tokenizer, body.messages)
         prompt_ids = await encode_text(self.engine.tokenizer, text, add_bos)
-        generation = self._generation_request(body, prompt_ids, None, "chatcmpl")  # default: the rest of the context
-        run = await start_generation(self.engine, generation, self.metrics.request_timer(), request)
-        header = {"id": generation.request_id, "created": int(time.time()), "model": body.model}
+        num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        # The default completion length: the rest of the context.
+        response_id, generations = self._fan_out(body, [prompt_ids], None, "chatcmpl", num_logprobs)
+        runs = await start_all(self.engine, generations, self.metrics.request_timer, request)
+        header = {"id": response_id, "created": int(time.time()), "model": body.model}
+        form = ChatFormat(self.engine.tokenizer, num_logprobs is not None)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _event_stream(self._chat_events(run, header, include_usage))
-        text, usage, finish_reason = await unless_disconnected(request, run.collect())
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
-        return JSONResponse(ChatCompletionResponse(**header, choices=[choice], usage=usage).model_dump())
+            streams = [form.events(i, run, header, include_usage) for i, run in enumerate(runs)]
+            return _event_stream(self._with_usage(merge_events(streams), runs, body.n, include_usage,
+                                                  ChatCompletionChunk(**header, choices=[])))
+        results = await unless_disconnected(request, gather_all([run.collect() for run in runs]))
+        choices = [form.choice(i, run, text) for i, (run, (text, _, _)) in enumerate(zip(runs, results))]
+        response = ChatCompletionResponse(**header, choices=choices, usage=summed_usage(runs, body.n))
+        return JSONResponse(response.model_dump())
 
-    async def _chat_events(
-        self, run: GenerationRun, header: dict[str, Any], include_usage: bool
-    ) -> AsyncIterator[str]:
-        def chunk(delta: ChatDelta, finish_reason: str | None = None) -> str:
-            choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
-            return sse_event(ChatCompletionChunk(**header, choices=[choice]), include_usage)
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        """POST /tokenize (vLLM's): the token ids a completions or chat request would get for this prompt."""
+        if body.model is not None:
+            self._check_model(body.model)
+        tokenizer = self.engine.tokenizer
+        if body.messages is not None:
+            text, add_bos = chat_prompt(tokenizer, body.messages)
+        else:
+            text, add_bos = body.prompt or "", body.add_special_tokens
+        tokens = await encode_text(tokenizer, text, add_bos)
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=self.engine.max_model_len)
 
-        yield chunk(ChatDelta(role="assistant", content=""))  # as OpenAI: the role first, before any text
-        async for delta in run.deltas():
-            if delta.text:
-                yield chunk(ChatDelta(content=delta.text))
-        yield chunk(ChatDelta(), run.finish_reason)
-        if include_usage:
-            yield sse_event(ChatCompletionChunk(**header, choices=[], usage=run.usage), include_usage)
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        """POST /detokenize (vLLM's): the text of token ids."""
+        if body.model is not None:
+            self._check_model(body.model)
+        self._check_token_ids(body.tokens, "tokens", "token ids")
+        return DetokenizeResponse(prompt=self.engine.tokenizer.decode(body.tokens))
 
     def models(self) -> ModelList:
         """GET /v1/models."""
@@ -239,6 +295,11 @@ def create_app(engine: EngineProtocol, config: ApiConfig = ApiConfig()) -> FastA
                      summary="Create a chat completion")
     v1.add_api_route("/models", serving.models, methods=["GET"], response_model=ModelList, summary="List models")
     app.include_router(v1)
+    # vLLM's tokenizer endpoints (at the root, as vLLM serves them).
+    app.add_api_route("/tokenize", serving.tokenize, methods=["POST"], response_model=TokenizeResponse,
+                      responses=ERROR_RESPONSES, summary="Tokenize a prompt or chat messages")
+    app.add_api_route("/detokenize", serving.detokenize, methods=["POST"], response_model=DetokenizeResponse,
+                      responses=ERROR_RESPONSES, summary="Detokenize token ids")
 
     @app.get("/health", summary="Liveness: 200 while the process serves HTTP")
     async def health() -> dict[str, str]:

@@ -10,6 +10,8 @@ from pydantic import (
 
 MAX_SEED = (1 << 64) - 1   # the worker protocol carries seeds as uint64
 MAX_TOP_K = (1 << 31) - 1  # ... and top_k as int32
+MAX_LOGPROBS = 20          # alternatives per position, as vLLM's default max_logprobs
+MAX_CHOICES = 128          # n, and n x prompts of one request, at most (OpenAI's limit of n)
 
 
 def _check_utf8(text: str) -> str:
@@ -28,6 +30,17 @@ REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True)
 Text = Annotated[str, AfterValidator(_check_utf8)]
 TokenIds = list[Annotated[int, Field(ge=0)]]
 StopStrings = Text | list[Annotated[Text, Field(min_length=1)]] | None
+
+
+def _check_logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
+    for key in bias or {}:
+        if not (key.isascii() and key.isdigit()):
+            raise ValueError(f"logit_bias keys must be token ids (strings of digits), got {key!r}")
+    return bias
+
+
+LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None, AfterValidator(_check_logit_bias)]
+Penalty = Annotated[float | None, Field(ge=-2.0, le=2.0)]
 
 
 def _only(*allowed: Any, message: str) -> AfterValidator:
@@ -62,10 +75,12 @@ class SamplingFields(BaseModel):
     stop: StopStrings = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, _only(1, message="only n=1 is supported")] = 1
-    presence_penalty: Annotated[float | None, _only(None, 0.0, message="presence_penalty is not supported")] = None
-    frequency_penalty: Annotated[float | None, _only(None, 0.0, message="frequency_penalty is not supported")] = None
-    logit_bias: Annotated[dict[str, float] | None, _only(None, {}, message="logit_bias is not supported")] = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices per prompt; a seeded choice i uses seed + i")
+    presence_penalty: Penalty = None
+    frequency_penalty: Penalty = None
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0, description="extension (Hugging Face's)")
+    min_tokens: int = Field(0, ge=0, description="extension: no stop token or string before this many tokens")
+    logit_bias: LogitBias = None
     ignore_eos: bool = Field(False, description="extension: keep generating past end-of-sequence tokens")
     user: str | None = None
 
@@ -89,9 +104,9 @@ class CompletionRequest(SamplingFields):
     prompt_param: ClassVar[str] = "prompt"  # the field errors about the prompt name
 
     prompt: Text | TokenIds | list[Text] | list[TokenIds]
-    max_tokens: int | None = Field(None, ge=1)
-    echo: Annotated[bool, _only(False, message="echo is not supported")] = False
-    logprobs: Annotated[int | None, _only(None, message="logprobs is not supported")] = None
+    max_tokens: int | None = Field(None, ge=0, description="0 (with echo): score the prompt, generate nothing")
+    echo: bool = Field(False, description="return the prompt before the completion (and its logprobs)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: Annotated[int | None, _only(None, 1, message="only best_of=1 is supported")] = None
     suffix: Annotated[str | None, _only(None, "", message="suffix is not supported")] = None
 
@@ -138,8 +153,8 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: Annotated[bool | None, _only(None, False, message="logprobs is not supported")] = None
-    top_logprobs: Annotated[int | None, _only(None, message="top_logprobs is not supported")] = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -163,12 +178,21 @@ class UsageInfo(BaseModel):
 FinishReason = Literal["stop", "length"]
 
 
+class CompletionLogprobs(BaseModel):
+    """Logprobs of a completion choice's tokens (the prompt's first, with echo): parallel lists."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]             # None for the prompt's first token
+    top_logprobs: list[dict[str, float] | None]    # the most likely tokens there, plus the chosen one
+    text_offset: list[int]                         # where each token starts in the choice's text
+
+
 class CompletionChoice(BaseModel):
     """One choice of a completion (or of one streamed chunk of it)."""
 
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -201,12 +225,32 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class ChatTopLogprob(BaseModel):
+    """One likely token at a position."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token's UTF-8 bytes
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    """A generated token's logprob and the most likely tokens at its position."""
+
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """Logprobs of a chat choice's tokens."""
+
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     """One choice of a chat completion."""
 
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -238,7 +282,7 @@ class ChatChunkChoice(BaseModel):
 
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -268,6 +312,47 @@ class ModelList(BaseModel):
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a prompt, or messages rendered as a chat prompt."""
+
+    model_config = REQUEST_CONFIG
+    prompt_param: ClassVar[str] = "prompt"
+
+    model: str | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = Field(True, description="prompt only: add the bos token")
+
+    @model_validator(mode="after")
+    def _check_one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("set exactly one of prompt and messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    """The token ids of a prompt."""
+
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's)."""
+
+    model_config = REQUEST_CONFIG
+
+    model: str | None = None
+    tokens: TokenIds
+
+
+class DetokenizeResponse(BaseModel):
+    """The text of token ids."""
+
+    prompt: str
 
 
 class ErrorInfo(BaseModel):

@@ -16,6 +16,7 @@ from services.router.api.errors import ApiError, ClientDisconnected, error_body,
 from services.router.api.metrics import RequestTimer
 from services.router.api.protocol import UsageInfo
 from services.router.contracts import EngineProtocol, GenerationDelta, GenerationRequest
+from services.worker.step import TokenLogprob
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -76,6 +77,9 @@ class GenerationRun:
         self._is_closed = False
         self.finish_reason: str | None = None
         self.usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=0, total_tokens=num_prompt_tokens)
+        self.token_ids: list[int] = []              # every token generated so far (a stop token included)
+        self.logprobs: list[TokenLogprob] = []      # theirs, when asked
+        self.prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # prompt tokens 1.., once known (echo)
 
     async def deltas(self) -> AsyncIterator[GenerationDelta]:
         """The request's deltas up to the finishing one; the engine iterator is closed however this ends."""
@@ -85,6 +89,10 @@ class GenerationRun:
                 self._next = None
                 self._timer.on_tokens(len(delta.token_ids))
                 self._record_usage(delta)
+                self.token_ids += delta.token_ids
+                self.logprobs += delta.logprobs
+                if delta.prompt_logprobs is not None:
+                    self.prompt_logprobs = delta.prompt_logprobs
                 self.finish_reason = delta.finish_reason
                 if delta.finish_reason == "abort":  # e.g. the engine is stopping: the client may retry
                     raise ApiError(503, "the request was aborted by the engine", "server_error",

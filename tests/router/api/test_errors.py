@@ -59,13 +59,21 @@ async def test_malformed_json_is_400(client):
         ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", "invalid_value"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, "max_tokens", "invalid_value"),
         ({"model": MODEL, "prompt": "hi", "seed": -1}, "seed", "invalid_value"),
-        ({"model": MODEL, "prompt": "hi", "n": 2}, "n", "invalid_value"),
-        ({"model": MODEL, "prompt": "hi", "echo": True}, "echo", "invalid_value"),
-        ({"model": MODEL, "prompt": "hi", "logprobs": 1}, "logprobs", "invalid_value"),
+        ({"model": MODEL, "prompt": "hi", "n": 0}, "n", "invalid_value"),
+        ({"model": MODEL, "prompt": "hi", "n": 129}, "n", "invalid_value"),
+        ({"model": MODEL, "prompt": ["a", "b"], "n": 65}, "n", "invalid_value"),  # 130 choices
+        ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs", "invalid_value"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": -1}, "logprobs", "invalid_value"),
         ({"model": MODEL, "prompt": "hi", "best_of": 3}, "best_of", "invalid_value"),
-        ({"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "invalid_value"),
-        ({"model": MODEL, "prompt": "hi", "frequency_penalty": -1}, "frequency_penalty", "invalid_value"),
-        ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 1.0}}, "logit_bias", "invalid_value"),
+        ({"model": MODEL, "prompt": "hi", "suffix": "x"}, "suffix", "invalid_value"),
+        ({"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
+        ({"model": MODEL, "prompt": "hi", "frequency_penalty": -3}, "frequency_penalty", "invalid_value"),
+        ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
+        ({"model": MODEL, "prompt": "hi", "min_tokens": -1}, "min_tokens", "invalid_value"),
+        ({"model": MODEL, "prompt": "hi", "min_tokens": 5, "max_tokens": 4}, "min_tokens", "invalid_value"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"five": 1.0}}, "logit_bias", "invalid_value"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", "invalid_value"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias", None),
         ({"model": MODEL, "prompt": "hi", "stop": [""]}, "stop", "invalid_value"),
         ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, "frobnicate", "unknown_parameter"),
         ({"model": MODEL, "prompt": [1, -5]}, "prompt", "invalid_value"),
@@ -91,7 +99,10 @@ async def test_bad_completion_parameters_are_400(client, body, param, code):
          "messages"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
          "max_completion_tokens"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+         "top_logprobs"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
     ],
 )
@@ -132,8 +143,8 @@ async def test_prompt_longer_than_the_context_is_400(client, serving_engine):
 
 
 async def test_prompt_shapes_that_are_refused(client, serving_engine):
-    response = await client.post("/v1/completions", json={"model": MODEL, "prompt": ["one", "two"]})
-    assert "one prompt" in assert_error(response, 400, param="prompt")["message"]
+    response = await client.post("/v1/completions", json={"model": MODEL, "prompt": [[1, 2], []]})
+    assert "empty" in assert_error(response, 400, param="prompt")["message"]
     assert_error(await client.post("/v1/completions", json={"model": MODEL, "prompt": []}), 400, param="prompt")
     vocab_size = serving_engine.tokenizer.vocab_size
     response = await client.post("/v1/completions", json={"model": MODEL, "prompt": [1, vocab_size]})

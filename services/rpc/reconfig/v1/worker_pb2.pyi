@@ -130,19 +130,36 @@ class ApplySwitchResponse(_message.Message):
     def __init__(self, kv_bytes_received: _Optional[int] = ..., kv_bytes_local: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., weight_bytes_reused: _Optional[int] = ..., migrate_seconds: _Optional[float] = ..., reload_seconds: _Optional[float] = ..., peak_extra_bytes: _Optional[int] = ..., built_groups: _Optional[bool] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., apply_seconds: _Optional[float] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "num_logprobs")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    num_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., num_logprobs: _Optional[int] = ...) -> None: ...
 
 class SequenceStep(_message.Message):
-    __slots__ = ("request_id", "token_ids", "start_position", "block_table", "sampling", "sample", "return_logits", "num_generated")
+    __slots__ = ("request_id", "token_ids", "start_position", "block_table", "sampling", "sample", "return_logits", "num_generated", "output_token_ids", "output_token_counts", "distinct_prompt_token_ids", "suppressed_token_ids", "prompt_logprob_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +168,11 @@ class SequenceStep(_message.Message):
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    DISTINCT_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SUPPRESSED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROB_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_position: int
@@ -159,7 +181,12 @@ class SequenceStep(_message.Message):
     sample: bool
     return_logits: bool
     num_generated: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., return_logits: _Optional[bool] = ..., num_generated: _Optional[int] = ...) -> None: ...
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_counts: _containers.RepeatedScalarFieldContainer[int]
+    distinct_prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    suppressed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_logprob_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., return_logits: _Optional[bool] = ..., num_generated: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., output_token_counts: _Optional[_Iterable[int]] = ..., distinct_prompt_token_ids: _Optional[_Iterable[int]] = ..., suppressed_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprob_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "sequences")
@@ -169,15 +196,31 @@ class StepRequest(_message.Message):
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceStep]
     def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceStep, _Mapping]]] = ...) -> None: ...
 
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class SequenceResult(_message.Message):
-    __slots__ = ("request_id", "token_id", "logits")
+    __slots__ = ("request_id", "token_id", "logits", "sampled_logprob", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_id: int
     logits: bytes
-    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logits: _Optional[bytes] = ...) -> None: ...
+    sampled_logprob: TokenLogprob
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logits: _Optional[bytes] = ..., sampled_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "rank", "results", "error", "compute_seconds")
