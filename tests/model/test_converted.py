@@ -116,6 +116,7 @@ def test_pip_failure_is_a_fetch_error(tmp_path, monkeypatch):
 
 def test_models_list(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RECONFIG_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("RECONFIG_LOG_LEVEL", "WARNING")  # what cli.main would set for the rest of the session
     states = {status.name: (status.kind, status.state) for status in preset_statuses()}
     assert states == {"tiny-llama": ("generated", "generated"), "llama-135m": ("generated", "generated"),
                       "smollm2-135m": ("converted", "not pulled")}
