@@ -118,13 +118,13 @@ def up(config: UpConfig) -> int:
 
     resolve_model(config.model, progress=ConsoleProgress())  # a preset's first use: fetch and convert, with progress
     token = generate_token()
-    token_file = run_dir() / "token"
-    write_token_file(token_file, token)
-    cluster = LocalCluster(ClusterConfig(
+    cluster = LocalCluster(ClusterConfig(  # checks the layout and the GPU placement before anything is written
         model=config.model, num_workers=config.workers, topology=config.topology, device=config.device,
         gpus=parse_gpus(config.gpus), gpu_sharing=config.gpu_sharing,
         kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size, host=config.host, token=token,
     ))
+    token_file = run_dir() / "token"
+    write_token_file(token_file, token)
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     stack_file = None
     started = time.perf_counter()

@@ -46,3 +46,4 @@ def test_reconfig_up_without_a_visible_gpu_exits_2_before_starting(tmp_path):
                             env={"PATH": "", "CUDA_VISIBLE_DEVICES": "", "RECONFIG_RUN_DIR": str(tmp_path)})
     assert result.returncode == 2, result.stderr
     assert "no GPU is visible" in result.stderr and "reconfig is up" not in result.stdout
+    assert not (tmp_path / "token").exists()  # refused before the stack wrote anything
