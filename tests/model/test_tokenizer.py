@@ -5,7 +5,7 @@ from pathlib import Path
 
 import jinja2
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from tokenizers import pre_tokenizers
 
@@ -69,9 +69,11 @@ def test_one_token_per_byte_and_round_trip(tokenizer: Tokenizer, text: str) -> N
 @given(text=st.text(TEXT_CHARACTERS))
 def test_round_trip_of_any_text(tokenizer: Tokenizer, text: str) -> None:
     ids = tokenizer.encode(text, add_bos=False)
+    # Special-token strings in user text become one special token each, as in HF (hypothesis draws them: it mines
+    # this module's string constants); test_bos_is_not_doubled and the special-token tests cover that case.
+    assume("<|" not in text)
     assert len(ids) == len(text.encode())
-    if "<|" not in text:  # special-token strings in user text become special tokens, as in HF
-        assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(ids) == text
 
 
 def test_bos_is_not_doubled(tokenizer: Tokenizer) -> None:
