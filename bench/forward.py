@@ -36,6 +36,7 @@ class BenchConfig:
     prompt_len: int
     new_tokens: int                       # tokens per prompt: 1 from prefill, new_tokens - 1 decode steps
     hf_threads: tuple[int, ...]
+    worker_threads: int | None            # torch threads per worker; None: reconfig's default (cores // active)
     warmup_tokens: int
     repeats: int
     block_size: int
@@ -111,13 +112,14 @@ async def _measure_layout(addresses: list[str], topology: str, num_workers: int,
 
     results = []
     async with Driver(addresses) as driver:
+        num_threads = max(info.num_threads for info in driver.infos if info.num_kv_blocks > 0)
         for batch_size in config.batch_sizes:
             await _run_once(driver, prompts[batch_size], config.warmup_tokens, "warmup")
             runs = [await _run_once(driver, prompts[batch_size], config.new_tokens, f"run{r}")
                     for r in range(config.repeats)]
             _, steps, compute, tokens = min(runs, key=lambda run: sum(run[1]))
             prefill = min(run[0] for run in runs)
-            results.append(Measurement(topology, num_workers, 1, batch_size, prefill, sum(steps), len(steps),
+            results.append(Measurement(topology, num_workers, num_threads, batch_size, prefill, sum(steps), len(steps),
                                        steps, compute, tokens, all(run[3] == tokens for run in runs)))
             _progress(results[-1])
     return results
@@ -137,7 +139,8 @@ def measure_reconfig(config: BenchConfig, prompts: dict[int, list[list[int]]]) -
     for topology, num_workers in config.layouts:
         cluster_config = ClusterConfig(
             model=config.model, num_workers=num_workers, topology=topology, block_size=config.block_size,
-            kv_cache_bytes=(num_blocks + 1) * bytes_per_block, env={"RECONFIG_LOG_LEVEL": "WARNING"},
+            kv_cache_bytes=(num_blocks + 1) * bytes_per_block, num_threads=config.worker_threads,
+            env={"RECONFIG_LOG_LEVEL": "WARNING"},
         )
         with LocalCluster(cluster_config) as cluster:
             results += asyncio.run(_measure_layout(cluster.worker_addresses, topology, num_workers, config, prompts))
@@ -220,18 +223,20 @@ def _worker_ms(m: Measurement) -> str:
 
 
 def format_table(results: list[Measurement], num_cpus: int, hf_threads: int) -> str:
-    """Markdown table plus notes; ratios are against HF generate with `hf_threads` threads at the same batch."""
-    reference = {m.batch_size: m for m in results if m.name == HF and m.num_threads == hf_threads}
-    lines = [f"| config | workers | threads/proc | batch | decode tok/s | ms/step | worker ms/step | prefill ms "
-             f"| vs HF {hf_threads} thr | greedy = HF |",
+    """Markdown table plus notes; ratios are against HF generate at the same batch with the row's thread count per
+    process when it was measured, else with `hf_threads`."""
+    reference = {(m.batch_size, m.num_threads): m for m in results if m.name == HF}
+    lines = ["| config | workers | threads/proc | batch | decode tok/s | ms/step | worker ms/step | prefill ms "
+             "| vs HF | greedy = HF |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
     for m in results:
-        ratio = m.tokens_per_second / reference[m.batch_size].tokens_per_second
+        ref = reference.get((m.batch_size, m.num_threads)) or reference[m.batch_size, hf_threads]
+        ratio = f"{m.tokens_per_second / ref.tokens_per_second:.2f}x ({ref.num_threads} thr)"
         check = "ref" if m.matches_hf is None else ("✓" if m.matches_hf else "✗")
         lines.append(f"| {m.name} | {m.num_workers or '-'} | {m.num_threads} | {m.batch_size} | "
                      f"{m.tokens_per_second:.1f} | {m.ms_per_step:.2f} | {_worker_ms(m)} | "
                      f"{1e3 * m.prefill_seconds:.1f} | "
-                     f"{ratio:.2f}x | {check} |")
+                     f"{ratio} | {check} |")
     oversubscribed = sorted({m.name for m in results if m.num_workers > num_cpus})
     lines += ["", f"Notes: {num_cpus} CPUs. Decode tok/s = batch x decode steps / decode seconds (prefill excluded).",
               "- reconfig: each decode step timed at the driver (gRPC round trip included); PP stages run one "
@@ -301,6 +306,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--prompt-len", type=int, help=f"prompt tokens (default {DEFAULTS['prompt_len']})")
     parser.add_argument("--new-tokens", type=int, help=f"tokens per prompt (default {DEFAULTS['new_tokens']})")
     parser.add_argument("--hf-threads", default="1,2", help="torch thread counts for the HF baseline")
+    parser.add_argument("--worker-threads", type=int,
+                        help="torch threads per worker (default: reconfig's own, usable cores // active workers)")
     parser.add_argument("--warmup-tokens", type=int, default=4, help="tokens of the untimed warm-up run")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per point; the fastest is kept")
     parser.add_argument("--block-size", type=int, default=16)
@@ -317,6 +324,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     return BenchConfig(
         model=args.model, batch_sizes=_ints(pick["batch_sizes"]), layouts=tuple(layouts),
         prompt_len=pick["prompt_len"], new_tokens=pick["new_tokens"], hf_threads=_ints(args.hf_threads),
+        worker_threads=args.worker_threads,
         warmup_tokens=min(args.warmup_tokens, pick["new_tokens"]), repeats=args.repeats,
         block_size=args.block_size, seed=args.seed, out=args.out,
     )

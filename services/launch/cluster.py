@@ -40,7 +40,7 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     start_timeout_s: float = 120.0
     collective_timeout_s: float = 60.0
-    num_threads: int = 1                 # torch threads per worker
+    num_threads: int | None = None       # torch threads per worker (None: cores // active workers)
     candidate_topologies: tuple[str, ...] | None = None  # groups built at start (None: every valid topology)
     token: str | None = None             # control-plane token the workers require (None: no auth, tests)
     faults: str = ""                     # fault-injection rules for the workers (tests only)

@@ -15,21 +15,22 @@ class SequenceSlice:
     token_start: int          # index of its first new token in the step's [T] arrays
     num_new_tokens: int
     context_len: int          # cached + new tokens after this step
-    block_table: torch.Tensor  # [num_blocks_used] global block ids, int64
+    context_slots: torch.Tensor | None = None  # [context_len] flat cache slots (multi-token sequences only)
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeBatch:
     """The step's single-token sequences, attended to in one padded SDPA call instead of one call each."""
 
-    token_index: torch.Tensor   # [B] index of each decode token in the step's [T] arrays
-    block_tables: torch.Tensor  # [B, max_blocks] padded with block 0 (masked out)
-    key_mask: torch.Tensor      # [B, 1, 1, max_blocks * block_size] True where the key is in the context
+    token_index: torch.Tensor | None  # [B] index of each decode token in the step's [T] arrays; None: T == B, in order
+    slots: torch.Tensor               # [B * L] flat cache slot of each key, L = the longest context (padding: slot 0)
+    context_lens: torch.Tensor        # [B]
+    key_mask: torch.Tensor | None     # [B, 1, 1, L] True where the key is in the context; None: every context is L
 
 
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
-    """Per-step attention inputs shared by every layer of a worker."""
+    """Per-step attention inputs shared by every layer of a worker (built once per step, not per layer)."""
 
     sequences: tuple[SequenceSlice, ...]   # every sequence of the step, in batch order
     slot_mapping: torch.Tensor  # [T] flat cache slot (block * block_size + offset) of each new token
@@ -41,7 +42,7 @@ class AttentionMetadata:
     def build(cls, starts: list[int], lengths: list[int], block_tables: list[list[int]], block_size: int,
               device: torch.device) -> AttentionMetadata:
         """From each sequence's start position, number of new tokens and block table."""
-        sequences, slots, token_start = [], [], 0
+        sequences, slots, tables, token_start = [], [], [], 0
         for start, length, table in zip(starts, lengths, block_tables, strict=True):
             context_len = start + length
             needed = -(-context_len // block_size)
@@ -49,15 +50,17 @@ class AttentionMetadata:
                 raise ValueError(
                     f"block table has {len(table)} blocks, {needed} needed for {context_len} tokens"
                 )
-            table_t = torch.tensor(table[:needed], dtype=torch.int64, device=device)
-            positions = torch.arange(start, context_len, device=device)
-            slots.append(table_t[positions // block_size] * block_size + positions % block_size)
-            sequences.append(SequenceSlice(token_start, length, context_len, table_t))
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, context_len)]
+            context = _context_slots([table[:needed]], context_len, block_size, device)[0] if length != 1 else None
+            sequences.append(SequenceSlice(token_start, length, context_len, context))
+            tables.append(table[:needed])
             token_start += length
-        slot_mapping = torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64, device=device)
-        decodes = [s for s in sequences if s.num_new_tokens == 1]
+        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+        decodes = [i for i, s in enumerate(sequences) if s.num_new_tokens == 1]
         prefills = tuple(s for s in sequences if s.num_new_tokens != 1)
-        return cls(tuple(sequences), slot_mapping, block_size, prefills, _decode_batch(decodes, block_size, device))
+        decode_batch = _decode_batch([sequences[i] for i in decodes], [tables[i] for i in decodes], block_size,
+                                     token_start, device) if decodes else None
+        return cls(tuple(sequences), slot_mapping, block_size, prefills, decode_batch)
 
 
 def write_kv(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -75,14 +78,18 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMet
     query [T, q_heads, D]; cache [2, num_blocks, block_size, kv_heads, D] (already holding this step's KV);
     returns [T, q_heads, D]. Query heads map to KV heads in contiguous groups (GQA).
     """
+    decodes = meta.decodes
+    if decodes is not None and decodes.token_index is None:
+        return _batched_decode(query, cache, decodes, scale, sliding_window)  # a pure decode step
     out = torch.empty_like(query)
     num_kv_heads, head_dim = cache.shape[3], cache.shape[4]
-    if meta.decodes is not None:
-        out[meta.decodes.token_index] = _batched_decode(query, cache, meta.decodes, scale, sliding_window)
+    if decodes is not None:
+        out[decodes.token_index] = _batched_decode(query, cache, decodes, scale, sliding_window)
+    flat = cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_blocks * block_size, Hkv, D]
     for seq in meta.prefills:
         q = query[seq.token_start: seq.token_start + seq.num_new_tokens]  # [n, Hq, D]
-        kv = cache[:, seq.block_table].reshape(2, -1, num_kv_heads, head_dim)[:, : seq.context_len]
-        k, v = kv[0].to(q.dtype), kv[1].to(q.dtype)  # [ctx, Hkv, D]
+        kv = flat.index_select(1, seq.context_slots)  # [2, ctx, Hkv, D]
+        k, v = kv[0].to(q.dtype), kv[1].to(q.dtype)
         mask = _mask(seq.num_new_tokens, seq.context_len, sliding_window, q.device)
         attn = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, Hq, n, D]
@@ -109,32 +116,49 @@ def _mask(num_new: int, context_len: int, sliding_window: int | None, device: to
     return mask
 
 
-def _decode_batch(decodes: list[SequenceSlice], block_size: int, device: torch.device) -> DecodeBatch | None:
-    if not decodes:
-        return None
-    max_blocks = max(len(s.block_table) for s in decodes)
-    tables = torch.zeros(len(decodes), max_blocks, dtype=torch.int64, device=device)
-    for i, seq in enumerate(decodes):
-        tables[i, : len(seq.block_table)] = seq.block_table
-    lengths = torch.tensor([s.context_len for s in decodes], device=device)
-    key_mask = torch.arange(max_blocks * block_size, device=device)[None, :] < lengths[:, None]
-    index = torch.tensor([s.token_start for s in decodes], dtype=torch.int64, device=device)
-    return DecodeBatch(index, tables, key_mask[:, None, None, :])
+def _context_slots(tables: list[list[int]], num_keys: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """[len(tables), num_keys] flat cache slots of the first num_keys positions of each block table (short tables
+    padded with block 0)."""
+    width = max(len(table) for table in tables)
+    padded = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int64, device=device)
+    offsets = torch.arange(block_size, device=device)
+    return (padded[:, :, None] * block_size + offsets).view(len(tables), -1)[:, :num_keys]
+
+
+def _decode_keys_mask(context_lens: torch.Tensor, num_keys: int, sliding_window: int | None) -> torch.Tensor:
+    """[B, 1, 1, num_keys]: True where key position p is in the context (and within the window of the new token,
+    at position context_len - 1)."""
+    positions = torch.arange(num_keys, device=context_lens.device)[None, :]
+    mask = positions < context_lens[:, None]
+    if sliding_window is not None:
+        mask &= positions > context_lens[:, None] - 1 - sliding_window
+    return mask[:, None, None, :]
+
+
+def _decode_batch(decodes: list[SequenceSlice], tables: list[list[int]], block_size: int, num_tokens: int,
+                  device: torch.device) -> DecodeBatch:
+    lengths = [s.context_len for s in decodes]
+    num_keys = max(lengths)
+    slots = _context_slots(tables, num_keys, block_size, device).reshape(-1)
+    context_lens = torch.tensor(lengths, device=device)
+    key_mask = None if min(lengths) == num_keys else _decode_keys_mask(context_lens, num_keys, None)
+    token_starts = [s.token_start for s in decodes]
+    in_order = len(decodes) == num_tokens  # then token_starts == 0..T-1
+    index = None if in_order else torch.tensor(token_starts, dtype=torch.int64, device=device)
+    return DecodeBatch(index, slots, context_lens, key_mask)
 
 
 def _batched_decode(query: torch.Tensor, cache: torch.Tensor, decodes: DecodeBatch, scale: float,
                     sliding_window: int | None) -> torch.Tensor:
-    """One new token per sequence: gather each sequence's blocks (padded), mask past its length. -> [B, Hq, D]"""
+    """One new token per sequence: gather each sequence's keys (padded), mask past its length. -> [B, Hq, D]"""
     num_kv_heads, head_dim = cache.shape[3], cache.shape[4]
-    batch, max_blocks = decodes.block_tables.shape
-    kv = cache[:, decodes.block_tables]  # [2, B, max_blocks, block_size, Hkv, D]
-    kv = kv.reshape(2, batch, -1, num_kv_heads, head_dim).transpose(2, 3)  # [2, B, Hkv, L, D]
-    q = query[decodes.token_index].unsqueeze(2)  # [B, Hq, 1, D]
+    batch = decodes.context_lens.shape[0]
+    flat = cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_blocks * block_size, Hkv, D]
+    kv = flat.index_select(1, decodes.slots).view(2, batch, -1, num_kv_heads, head_dim).transpose(2, 3)  # [2,B,Hkv,L,D]
+    q = query if decodes.token_index is None else query[decodes.token_index]
     mask = decodes.key_mask
     if sliding_window is not None:
-        lengths = mask.sum(-1, keepdim=True)
-        positions = torch.arange(mask.shape[-1], device=mask.device)
-        mask = mask & (positions > lengths - 1 - sliding_window)  # key within the window of the new token
-    out = F.scaled_dot_product_attention(q, kv[0].to(q.dtype), kv[1].to(q.dtype), attn_mask=mask, scale=scale,
-                                         enable_gqa=True)
+        mask = _decode_keys_mask(decodes.context_lens, kv.shape[3], sliding_window)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0].to(q.dtype), kv[1].to(q.dtype), attn_mask=mask,
+                                         scale=scale, enable_gqa=True)  # [B, Hq, 1, D]
     return out.squeeze(2)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from services.model.attention import AttentionMetadata, paged_attention, write_kv
 from services.model.layers import (
+    Linear,
     ParallelLMHead,
     RotaryEmbedding,
     RowParallelLinear,
@@ -43,22 +44,22 @@ class DecoderLayer:
         self.input_norm = loader.full(p + "input_layernorm.weight")
         self.post_norm = loader.full(p + "post_attention_layernorm.weight")
         qkv = [(p + f"self_attn.{n}_proj", r) for n, r in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))]
-        self.qkv_weight = torch.cat([loader.rows(n + ".weight", r) for n, r in qkv])  # [(Hq+2Hkv)_local*D, h]
-        self.qkv_bias = torch.cat([loader.rows(n + ".bias", r) for n, r in qkv]) if spec.qkv_bias else None
+        self.qkv = Linear(torch.cat([loader.rows(n + ".weight", r) for n, r in qkv]),  # [(Hq+2Hkv)_local*D, h]
+                          torch.cat([loader.rows(n + ".bias", r) for n, r in qkv]) if spec.qkv_bias else None)
         self.q_norm = loader.full(p + "self_attn.q_norm.weight") if spec.qk_norm else None
         self.k_norm = loader.full(p + "self_attn.k_norm.weight") if spec.qk_norm else None
         self.o_proj = RowParallelLinear(
-            loader.cols(p + "self_attn.o_proj.weight", q_rows),
+            Linear(loader.cols(p + "self_attn.o_proj.weight", q_rows)),
             loader.full(p + "self_attn.o_proj.bias") if spec.o_bias else None,
             group,
         )
         gate_up = [p + "mlp.gate_proj", p + "mlp.up_proj"]
-        self.gate_up_weight = torch.cat([loader.rows(n + ".weight", wp.intermediate) for n in gate_up])
-        self.gate_up_bias = (
-            torch.cat([loader.rows(n + ".bias", wp.intermediate) for n in gate_up]) if spec.mlp_bias else None
+        self.gate_up = Linear(
+            torch.cat([loader.rows(n + ".weight", wp.intermediate) for n in gate_up]),  # [2 * I_local, h]
+            torch.cat([loader.rows(n + ".bias", wp.intermediate) for n in gate_up]) if spec.mlp_bias else None,
         )
         self.down_proj = RowParallelLinear(
-            loader.cols(p + "mlp.down_proj.weight", wp.intermediate),
+            Linear(loader.cols(p + "mlp.down_proj.weight", wp.intermediate)),
             loader.full(p + "mlp.down_proj.bias") if spec.mlp_bias else None,
             group,
         )
@@ -66,29 +67,29 @@ class DecoderLayer:
     def regrouped(self, group: TPGroup) -> DecoderLayer:
         """The same weights (shared, not copied) reducing over another TP group."""
         layer = copy.copy(self)
-        layer.o_proj = RowParallelLinear(self.o_proj.weight, self.o_proj.bias, group)
-        layer.down_proj = RowParallelLinear(self.down_proj.weight, self.down_proj.bias, group)
+        layer.o_proj = self.o_proj.regrouped(group)
+        layer.down_proj = self.down_proj.regrouped(group)
         return layer
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes this step's K/V into `cache`."""
         spec, d, t = self.spec, self.spec.head_dim, x.shape[0]
+        num_q, num_qk = self.num_q_heads, self.num_q_heads + self.num_kv_heads
         h = rms_norm(x, self.input_norm, spec.rms_norm_eps)
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([self.num_q_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
-        q = q.view(t, self.num_q_heads, d)
-        k = k.view(t, self.num_kv_heads, d)
-        v = v.view(t, self.num_kv_heads, d)
+        qkv = self.qkv(h)  # [T, (Hq + 2 Hkv) * D]
+        qk = qkv[:, : num_qk * d].view(t, num_qk, d)  # q and k heads side by side: one rotary for both
+        v = qkv[:, num_qk * d:].view(t, self.num_kv_heads, d)
         if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, spec.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, spec.rms_norm_eps)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qk = torch.cat((rms_norm(qk[:, :num_q], self.q_norm, spec.rms_norm_eps),
+                            rms_norm(qk[:, num_q:], self.k_norm, spec.rms_norm_eps)), dim=1)
+        qk = apply_rotary(qk, cos, sin)
+        q, k = qk[:, :num_q], qk[:, num_q:]
         write_kv(cache, k, v, meta.slot_mapping)
         attn = paged_attention(q, cache, meta, d**-0.5, spec.sliding_window)  # [T, Hq_local, D]
-        x = x + self.o_proj(attn.reshape(t, self.num_q_heads * d))
+        x = x + self.o_proj(attn.reshape(t, num_q * d))
         h = rms_norm(x, self.post_norm, spec.rms_norm_eps)
-        gate, up = F.linear(h, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
 
@@ -123,12 +124,12 @@ class ShardedCausalLM:
         if wp.is_last_stage:
             self.final_norm = loader.full(FINAL_NORM)
             tied = spec.tie_word_embeddings or not loader.has(LM_HEAD)
-            if tied and self.embed is not None:
-                head = self.embed.weight  # tied and on this worker already: share, do not copy twice
-            elif same_vocab and previous.lm_head is not None:
-                head = previous.lm_head.weight
+            if same_vocab and previous.lm_head is not None:
+                head = previous.lm_head.linear  # same rows: reuse them as they are (packed, maybe)
+            elif tied and self.embed is not None:
+                head = Linear(self.embed.weight, keep_weight=True)  # on this worker already: do not load it twice
             else:
-                head = loader.rows(EMBED if tied else LM_HEAD, wp.vocab_rows)
+                head = Linear(loader.rows(EMBED if tied else LM_HEAD, wp.vocab_rows))
             self.lm_head = ParallelLMHead(head, spec.vocab_size, group)
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -139,6 +140,17 @@ class ShardedCausalLM:
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, cache, meta)
         return x
+
+    def pack_weights(self) -> None:
+        """Pack every linear layer's weight for MKL's GEMM, on the thread that runs the steps (Linear.pack)."""
+        for linear in self._linears():
+            linear.pack()
+
+    def _linears(self) -> list[Linear]:
+        linears = [self.lm_head.linear] if self.lm_head is not None else []
+        for layer in self.layers:
+            linears += [layer.qkv, layer.o_proj.linear, layer.gate_up, layer.down_proj.linear]
+        return linears
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (last stage) -> float32 logits [N, vocab_size]."""
@@ -152,9 +164,10 @@ class ShardedCausalLM:
     def parameter_tensors(self) -> dict[int, torch.Tensor]:
         """Every parameter tensor, by id (shared tensors once)."""
         tensors: dict[int, torch.Tensor] = {}
-        modules: list[object] = [self, self.embed, self.lm_head, *self.layers]
+        modules: list[object] = [self, self.embed, self.lm_head, *self.layers, *self._linears()]
         for layer in self.layers:
             modules += [layer.o_proj, layer.down_proj]
-        for module in filter(None, modules):
-            tensors.update({id(v): v for v in vars(module).values() if isinstance(v, torch.Tensor)})
+        for module in filter(None, modules):  # a packed copy is the same parameter in another layout: not counted
+            tensors.update({id(v): v for name, v in vars(module).items() if isinstance(v, torch.Tensor)
+                            and name != "packed"})
         return tensors

@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default: loopback)")
     parser.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     parser.add_argument("--port-file", type=Path, help="write the bound gRPC port here once ready")
-    parser.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch intra-op threads (default: usable cores // active workers, 1 on standby)")
     parser.add_argument("--collective-timeout", type=float, default=60.0, help="seconds before a collective fails")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     parser.add_argument("--join", action="store_true",

@@ -27,7 +27,7 @@ class WorkerConfig:
     port: int = 0                      # 0: pick a free port and report it
     collective_timeout_s: float = 60.0 # every collective / point-to-point op fails after this
     parent_pid: int | None = None      # exit when this process is gone (no orphans)
-    num_threads: int = 1               # torch intra-op threads
+    num_threads: int | None = None     # torch intra-op threads; None: usable cores // active workers
     # Topologies whose process groups are built at start (the MPU state space); None: every valid one.
     # A switch to any other topology builds its groups first (the slow path, reported by the switch).
     candidate_topologies: tuple[str, ...] | None = None
@@ -46,5 +46,7 @@ class WorkerConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda', not {self.device!r}")
         if self.device != "cuda" and (self.gpu is not None or self.gpu_sharing):
             raise ValueError("gpu and gpu_sharing need device 'cuda'")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, not {self.num_threads}")
         if self.gpu is not None and self.gpu < 0:
             raise ValueError(f"gpu must be a CUDA ordinal >= 0, not {self.gpu}")

@@ -49,13 +49,14 @@ async def serve_worker(config: WorkerConfig, ready: Connection | None = None) ->
         await asyncio.to_thread(parallel.build_groups, shard.candidates(topology))
         await asyncio.to_thread(shard.load)
     servicer = WorkerServicer(shard)
+    await asyncio.get_running_loop().run_in_executor(servicer.model_thread, shard.prepare_steps)
     server, port = await start_server(servicer, config.host, config.port, config.token)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, servicer.stopped.set)
     log.info("worker.ready", rank=config.rank, port=port, topology=str(topology), join=config.join,
              param_bytes=shard.info().param_bytes, kv_blocks=shard.info().num_kv_blocks,
-             seconds=round(time.perf_counter() - started, 3))
+             num_threads=shard.num_threads, seconds=round(time.perf_counter() - started, 3))
     if ready is not None:
         ready.send({"rank": config.rank, "port": port, "pid": os.getpid()})
     try:
@@ -69,6 +70,7 @@ async def serve_worker(config: WorkerConfig, ready: Connection | None = None) ->
 
 
 def run_worker(config: WorkerConfig, ready: Connection | None = None) -> None:
-    """Process target: configure the process, then serve."""
-    torch.set_num_threads(config.num_threads)
+    """Process target: configure the process, then serve. Loading runs on one thread unless told otherwise;
+    steps get their share of the cores on the model thread (WorkerShard.prepare_steps)."""
+    torch.set_num_threads(config.num_threads or 1)
     run_service("worker", serve_worker(config, ready), ready, config.parent_pid)

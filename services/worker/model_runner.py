@@ -45,9 +45,8 @@ class ModelRunner:
             self.kv_cache.block_size,
             self.device,
         )
-        positions = torch.cat(
-            [torch.arange(s.start_position, s.start_position + len(s.token_ids)) for s in seqs]
-        ).to(self.device)
+        positions = torch.tensor([s.start_position + i for s in seqs for i in range(len(s.token_ids))],
+                                 dtype=torch.int64, device=self.device)
         if self.prev_rank is None:
             inputs = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64, device=self.device)
         else:

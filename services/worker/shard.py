@@ -23,6 +23,7 @@ from services.worker.faults import FAULTS
 from services.worker.kv_migration import MigrationAborted, MigrationStats, migrate_kv
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel import ParallelState
+from services.worker.threads import set_threads, threads_per_worker, usable_cores
 
 log = structlog.get_logger(__name__)
 
@@ -66,11 +67,26 @@ class WorkerShard:
         self.needs_apply = False  # regrouped: the runner's groups are gone until the next ApplySwitch
         self.kv_intact = True  # false while (or after being cut off while) KV moves between layouts
         self._new_cache: KVCache | None = None  # the target's cache while a switch fills it
+        self.num_threads = 0  # torch threads of the model thread (prepare_steps)
 
     def load(self) -> None:
         """Load this worker's shard of the start layout (its groups must be built)."""
         with MappedCheckpoint(self.manifest) as checkpoint:
             self.runner = self._build(self.topology, self.layer_partition, checkpoint, None, None)
+
+    def prepare_steps(self) -> None:
+        """On the model thread, at start and after every switch: give it this worker's share of the cores in the
+        live layout (worker/threads.py), and pack the new weights there (MKL's packed GEMM runs at full speed
+        only on the thread that packed)."""
+        num_threads = self.config.num_threads or threads_per_worker(
+            usable_cores(), self.topology.num_workers, is_active=self.runner is not None)
+        set_threads(num_threads)
+        if num_threads != self.num_threads:
+            log.info("worker.threads", rank=self.rank, topology=str(self.topology), num_threads=num_threads,
+                     previous=self.num_threads)
+        self.num_threads = num_threads
+        if self.runner is not None:
+            self.runner.model.pack_weights()
 
     @property
     def rank(self) -> int:
@@ -231,6 +247,7 @@ class WorkerShard:
         loaded = sum(t.numel() * t.element_size() for t in new_tensors.values()) - reused
         self.runner, self.topology, self.layer_partition = runner, target, partition
         self.kv_intact = True
+        self.prepare_steps()
         log.info("worker.switched", operation_id=request.operation_id, topology=str(target),
                  kv_received=stats.bytes_received, kv_local=stats.bytes_local, weights_loaded=loaded,
                  weights_reused=reused, migrate_s=round(stats.seconds, 4), reload_s=round(reload_seconds, 4))
@@ -292,7 +309,7 @@ class WorkerShard:
         info = worker_pb2.WorkerInfo(
             rank=self.rank, world_size=self.world_size, pid=os.getpid(), topology=str(self.topology),
             device=str(self.device), candidate_topologies=[str(t) for t in self.parallel.candidates],
-            state=self._state(), generation=self.parallel.generation,
+            state=self._state(), generation=self.parallel.generation, num_threads=self.num_threads,
         )
         if self.runner is not None:
             wp, kv = self.runner.wp, self.runner.kv_cache

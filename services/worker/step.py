@@ -84,7 +84,7 @@ class SequenceStep:
             token_ids=self.token_ids,
             start_position=self.start_position,
             block_table=self.block_table,
-            sampling=self.sampling.to_pb(),
+            sampling=self.sampling.to_pb() if self.sampling != GREEDY else None,  # absent: greedy (most steps)
             sample=self.sample,
             return_logits=self.return_logits,
             num_generated=self.num_generated,
@@ -104,7 +104,7 @@ class SequenceStep:
             token_ids=tuple(pb.token_ids),
             start_position=pb.start_position,
             block_table=tuple(pb.block_table),
-            sampling=SamplingParams.from_pb(pb.sampling),
+            sampling=SamplingParams.from_pb(pb.sampling) if pb.HasField("sampling") else GREEDY,
             sample=pb.sample,
             return_logits=pb.return_logits,
             num_generated=pb.num_generated,

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import random
 
+import grpc
 import pytest
 
 from services.controller.status import OperationState
 from services.controller.transaction import OperationBusy
 from services.router.contracts import GenerationRequest
-from services.topology import TopologyError
+from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
+from services.topology import Topology, TopologyError
+from services.worker.threads import threads_per_worker, usable_cores
 from tests.conftest import hf_greedy, until
 from tests.reconfigure.conftest import generated_tokens
 
@@ -86,3 +89,18 @@ async def test_a_restarted_controller_recovers_the_live_layout(live_stack, tmp_p
     finally:
         await restarted.close()
     await live_stack.reconfigurer.reconfigure("tp2pp2")
+
+
+async def test_workers_get_their_share_of_the_cores_after_each_switch(live_stack):
+    """Threads = usable cores // active workers, set again by every switch; a standby keeps 1 (on 2 cores:
+    tp1pp1 gives its worker both, tp2pp2 gives each of the 4 one)."""
+    for target in ("tp1pp1", "tp2pp2"):
+        operation = await live_stack.reconfigurer.reconfigure(target)
+        assert operation.state is OperationState.SUCCEEDED, operation.error
+        topology, threads = Topology.parse(target), []
+        for address in live_stack.cluster.worker_addresses:
+            async with grpc.aio.insecure_channel(address) as channel:
+                info = await worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
+                threads.append(info.num_threads)
+        assert threads == [threads_per_worker(usable_cores(), topology.num_workers, rank < topology.num_workers)
+                           for rank in range(len(threads))], target

@@ -241,7 +241,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("rank", "world_size", "pid", "topology", "pp_rank", "tp_rank", "layer_start", "layer_end", "kv_head_start", "kv_head_end", "num_kv_blocks", "block_size", "kv_cache_bytes", "param_bytes", "device", "candidate_topologies", "rss_bytes", "state", "generation")
+    __slots__ = ("rank", "world_size", "pid", "topology", "pp_rank", "tp_rank", "layer_start", "layer_end", "kv_head_start", "kv_head_end", "num_kv_blocks", "block_size", "kv_cache_bytes", "param_bytes", "device", "candidate_topologies", "rss_bytes", "state", "generation", "num_threads")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +261,7 @@ class WorkerInfo(_message.Message):
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     pid: int
@@ -280,7 +281,8 @@ class WorkerInfo(_message.Message):
     rss_bytes: int
     state: str
     generation: int
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., topology: _Optional[str] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., param_bytes: _Optional[int] = ..., device: _Optional[str] = ..., candidate_topologies: _Optional[_Iterable[str]] = ..., rss_bytes: _Optional[int] = ..., state: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    num_threads: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., topology: _Optional[str] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., param_bytes: _Optional[int] = ..., device: _Optional[str] = ..., candidate_topologies: _Optional[_Iterable[str]] = ..., rss_bytes: _Optional[int] = ..., state: _Optional[str] = ..., generation: _Optional[int] = ..., num_threads: _Optional[int] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ()
