@@ -16,17 +16,15 @@ import json
 import os
 import platform
 import random
-import signal
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stack import REPO_ROOT, Stack  # noqa: E402  (stdlib only at import time)
+
 DEFAULT_TRACE = REPO_ROOT / ".." / "shared" / "traces" / "azure_llm_2023_conv.csv"
 MIN_PROMPT_TOKEN_ID, MAX_PROMPT_TOKEN_ID = 3, 255  # random byte tokens of the presets' tokenizer
 MIN_OUTPUT_TOKENS = 2  # so every request has a TPOT
@@ -48,6 +46,8 @@ class ReplayConfig:
     max_output_tokens: int
     layouts: tuple[tuple[str, int], ...]      # (topology, num_workers) per `reconfig up`
     kv_cache_mb: int
+    hf_threads: tuple[int, ...]               # torch threads of the Hugging Face baseline, one run each
+    hf_repeats: int                           # generate calls per request; the fastest is kept
     request_timeout: float                    # seconds per request, from its send
     startup_timeout: float                    # seconds for a stack to become ready
     seed: int
@@ -56,6 +56,8 @@ class ReplayConfig:
     def __post_init__(self) -> None:
         if self.num_requests < 1 or self.start < 0 or min(self.prompt_scale, self.output_scale, self.time_scale) <= 0:
             raise ValueError("need --num-requests >= 1, --start >= 0 and positive scales")
+        if self.hf_repeats < 1 or not self.hf_threads or min(self.hf_threads) < 1:
+            raise ValueError("need --hf-repeats >= 1 and --hf-threads >= 1")
         if self.max_prompt_tokens < 1 or self.max_output_tokens < MIN_OUTPUT_TOKENS:
             raise ValueError(f"need --max-prompt-tokens >= 1 and --max-output-tokens >= {MIN_OUTPUT_TOKENS}")
 
@@ -149,8 +151,9 @@ def load_requests(config: ReplayConfig, vocab_size: int) -> list[TraceRequest]:
     return requests
 
 
-def run_transformers(config: ReplayConfig, requests: list[TraceRequest]) -> ConfigResult:
-    """HF greedy generate, one request at a time in arrival order, against the same arrival times."""
+def run_transformers(config: ReplayConfig, requests: list[TraceRequest]) -> list[ConfigResult]:
+    """HF greedy generate, one request at a time in arrival order, against the same arrival times; one result per
+    thread count (on a shared machine either may be the faster: the ratio is taken against the best)."""
     import torch
     import transformers
 
@@ -183,26 +186,37 @@ def run_transformers(config: ReplayConfig, requests: list[TraceRequest]) -> Conf
                                     max_new_tokens=max_tokens, stopping_criteria=[clock])
         return started, clock.times, output[0, input_ids.shape[1]:].tolist()
 
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    previous_threads, results = torch.get_num_threads(), []
     try:
-        generate(requests[0].prompt, 4)  # warm-up
-        result, free_at = ConfigResult(HF, 0), 0.0
-        for request in requests:
-            started, times, tokens = generate(request.prompt, request.max_tokens)
-            if len(tokens) != request.max_tokens:
-                raise RuntimeError(f"HF generate stopped early ({len(tokens)} of {request.max_tokens} tokens)")
-            begin = max(request.arrival, free_at)  # simulated: waits for the previous request to finish
-            first = _first_text_token(tokenizer, tokens)
-            end = begin + times[-1] - started
-            result.requests.append(RequestResult(
-                request.index, ttft=begin - request.arrival + times[first] - started, first_text_token=first,
-                e2e=end - request.arrival, num_tokens=len(tokens), finished_at=end, text=tokenizer.decode(tokens),
-            ))
-            free_at = end
-        result.wall_seconds = free_at - requests[0].arrival
+        for num_threads in config.hf_threads:
+            torch.set_num_threads(num_threads)
+            generate(requests[0].prompt, 4)  # warm-up
+            results.append(_replay_one_at_a_time(requests, generate, tokenizer, f"{HF} {num_threads}t",
+                                                 config.hf_repeats))
     finally:
         torch.set_num_threads(previous_threads)
+    return results
+
+
+def _replay_one_at_a_time(requests: list[TraceRequest], generate, tokenizer, name: str,
+                          num_repeats: int) -> ConfigResult:
+    """Every request through `generate`, timed for real (the fastest of `num_repeats` calls: a stall of another
+    process on a shared machine must not count against HF); the queue simulated on the arrival times."""
+    result, free_at = ConfigResult(name, 0), 0.0
+    for request in requests:
+        runs = [generate(request.prompt, request.max_tokens) for _ in range(num_repeats)]
+        started, times, tokens = min(runs, key=lambda run: run[1][-1] - run[0])
+        if len(tokens) != request.max_tokens:
+            raise RuntimeError(f"HF generate stopped early ({len(tokens)} of {request.max_tokens} tokens)")
+        begin = max(request.arrival, free_at)  # simulated: waits for the previous request to finish
+        first = _first_text_token(tokenizer, tokens)
+        end = begin + times[-1] - started
+        result.requests.append(RequestResult(
+            request.index, ttft=begin - request.arrival + times[first] - started, first_text_token=first,
+            e2e=end - request.arrival, num_tokens=len(tokens), finished_at=end, text=tokenizer.decode(tokens),
+        ))
+        free_at = end
+    result.wall_seconds = free_at - requests[0].arrival
     return result
 
 
@@ -213,72 +227,6 @@ def _first_text_token(tokenizer, tokens: list[int]) -> int:
         if decoder.push(token_id):
             return i
     return len(tokens) - 1
-
-
-class Stack:
-    """A `reconfig up` subprocess on loopback with ephemeral ports; stopped with SIGTERM on exit."""
-
-    def __init__(self, config: ReplayConfig, topology: str, num_workers: int) -> None:
-        self._run_dir = tempfile.TemporaryDirectory(prefix="reconfig-bench-")
-        self._log = open(Path(self._run_dir.name) / "up.log", "w+")
-        command = [sys.executable, "-m", "services.cli", "up", "--model", config.model, "--workers",
-                   str(num_workers), "--topology", topology, "--http-port", "0", "--grpc-port", "0",
-                   "--controller-port", "0", "--kv-cache-mb", str(config.kv_cache_mb)]
-        env = {**os.environ, "RECONFIG_RUN_DIR": self._run_dir.name}
-        self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=self._log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
-        self.base_url = self._wait_ready(config.startup_timeout)
-
-    def _wait_ready(self, timeout: float) -> str:
-        deadline, stack_file = time.monotonic() + timeout, Path(self._run_dir.name) / "stack.json"
-        base_url = None
-        while time.monotonic() < deadline and self.process.poll() is None:
-            if base_url is None and stack_file.exists():
-                base_url = json.loads(stack_file.read_text())["router_http_address"]
-            if base_url is not None:
-                try:
-                    with urllib.request.urlopen(f"{base_url}/ready", timeout=2) as response:
-                        if response.status == 200:
-                            return base_url
-                except OSError:
-                    pass
-            time.sleep(0.2)
-        self.close()
-        raise RuntimeError(f"reconfig up did not become ready:\n{self.log_tail()}")
-
-    def log_tail(self, num_chars: int = 3000) -> str:
-        self._log.flush()
-        return (Path(self._run_dir.name) / "up.log").read_text()[-num_chars:]
-
-    def scrape(self) -> dict:
-        """The router's reconfig:* counters and latency sums from /metrics."""
-        with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=5) as response:
-            text = response.read().decode()
-        wanted = ("num_preemptions", "time_to_first_token_seconds_sum", "time_to_first_token_seconds_count",
-                  "generation_tokens", "prompt_tokens")
-        values = {}
-        for line in text.splitlines():
-            name, value = line.partition("{")[0].partition(" ")[0], line.rsplit(" ", 1)[-1]
-            if any(name.startswith(f"reconfig:{w}") for w in wanted):
-                values[name.removeprefix("reconfig:")] = float(value)
-        return values
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:  # the launcher hung: end its whole session (its children)
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
-        self._log.close()
-        self._run_dir.cleanup()
-
-    def __enter__(self) -> Stack:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 async def _send(client, model: str, request: TraceRequest, t0: float, timeout: float) -> RequestResult:
@@ -330,7 +278,7 @@ async def replay(base_url: str, requests: list[TraceRequest], timeout: float) ->
 def run_stack(config: ReplayConfig, topology: str, num_workers: int, requests: list[TraceRequest]) -> ConfigResult:
     """Start `reconfig up` for one layout, replay the slice, stop it."""
     print(f"  {topology} ({num_workers} workers): starting", file=sys.stderr, flush=True)
-    with Stack(config, topology, num_workers) as stack:
+    with Stack(config.model, topology, num_workers, config.kv_cache_mb, config.startup_timeout) as stack:
         results, wall = asyncio.run(replay(stack.base_url, requests, config.request_timeout))
         server = stack.scrape()
         if any(r.error for r in results):
@@ -344,39 +292,43 @@ def format_table(results: list[ConfigResult], config: ReplayConfig, requests: li
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value:.0f}" if value >= 100 else f"{value:.1f}"
 
-    lines = ["| config | workers | ok | failed | = HF | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 "
-             "| TPOT p99 | e2e p50 | e2e p99 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| config | workers | ok | failed | = HF | req/s | out tok/s | ÷ HF | TTFT p50 | TTFT p99 | TPOT p50 "
+             "| TPOT p99 | e2e p50 | e2e p99 |", "|---|" + "---:|" * 13]
+    hf_throughput = max(r.summary()["output_token_throughput"] for r in results if r.name.startswith(HF))
     for result in results:
         s = result.summary()
         lines.append(
             f"| {result.name} | {result.num_workers or '-'} | {s['completed']} | {s['failed']} | "
-            f"{'ref' if result.name == HF else s['matches_hf']} | {s['request_throughput']:.2f} | "
-            f"{s['output_token_throughput']:.1f} | "
+            f"{'ref' if result is results[0] else s['matches_hf']} | {s['request_throughput']:.2f} | "
+            f"{s['output_token_throughput']:.1f} | {s['output_token_throughput'] / hf_throughput:.2f}x | "
             + " | ".join(ms(s[f"{m}_p{q}_ms"]) for m in ("ttft", "tpot", "e2e") for q in (50, 99)) + " |")
     prompts, outputs = [len(r.prompt) for r in requests], [r.max_tokens for r in requests]
     span = requests[-1].arrival
     num_late = sum(r.first_text_token > 0 for r in results[0].requests)
     lines += [
         "", f"Notes: {config.model}, {len(requests)} requests (trace rows {config.start}.."
-        f"{config.start + len(requests) - 1}) over {span:.1f}s ({len(requests) / span:.1f} req/s offered); "
+        f"{config.start + len(requests) - 1}) over {span:.1f}s ({len(requests) / max(span, 1e-9):.1f} req/s offered); "
         f"prompt tokens = context x {config.prompt_scale:g} in [1, {config.max_prompt_tokens}] "
         f"(mean {sum(prompts) / len(prompts):.0f}), output tokens = generated x {config.output_scale:g} "
         f"in [{MIN_OUTPUT_TOKENS}, {config.max_output_tokens}] (mean "
         f"{sum(outputs) / len(outputs):.0f}), arrivals = trace offsets x {config.time_scale}. {num_cpus} CPUs. "
         "Latencies in ms.",
-        "- reconfig: `reconfig up` per config (1 torch thread per worker); each request streamed through the openai "
-        "client (greedy, ignore_eos) at its arrival time, timed from its send (client send lag up to "
+        "- reconfig: `reconfig up` per config (its own torch threads per worker); each request streamed through the "
+        "openai client (greedy, ignore_eos) at its arrival time, timed from its send (client send lag up to "
         f"{max(r.summary()['send_lag_max_ms'] for r in results):.0f} ms, not counted). Throughput: completed requests "
         "and tokens over first arrival to last completion.",
         f"- TTFT = time to the first chunk with text. The router sends no chunk for a token without text (one that "
         f"begins a UTF-8 character, or a special token): for {num_late} of {len(requests)} requests that is token 2 "
         "or later (same tokens on every side). TPOT = (e2e - TTFT) / tokens after that first chunk's; requests "
         "with none have no TPOT.",
-        f"- {HF}: transformers float32, 1 torch thread, greedy, eos off, one request at a time in arrival order. "
+        f"- {HF} Nt: transformers float32, N torch threads, greedy, eos off, one request at a time in arrival order "
+        f"(each the fastest of {config.hf_repeats} generate call(s)). "
         "Each generate is timed for real (every token timestamped); the queue is simulated on the same arrival "
         "times: a request starts when it arrives or the previous one finishes; TTFT = wait + time to the same "
         "first text-carrying token (prefill alone when that is the first token), e2e = wait + generate time.",
-        "- = HF: completed requests whose streamed text equals the decoded HF tokens.",
+        "- = HF: completed requests whose streamed text equals the decoded HF tokens (of the first HF row). ÷ HF: "
+        "output tokens/s over the fastest HF row's; with arrivals compressed below the service time (saturation), "
+        "HF's is its one-request-at-a-time throughput.",
     ]
     oversubscribed = [r.name for r in results if r.num_workers + 1 > num_cpus]
     if oversubscribed:
@@ -426,6 +378,8 @@ def parse_args(argv: list[str] | None = None) -> ReplayConfig:
     parser.add_argument("--kv-cache-mb", type=int, default=64, help="KV cache per worker")
     parser.add_argument("--request-timeout", type=float, default=60.0, help="seconds per request")
     parser.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to /ready")
+    parser.add_argument("--hf-threads", default="", help="HF baseline's torch threads, comma-separated [1,usable CPUs]")
+    parser.add_argument("--hf-repeats", type=int, default=1, help="HF generate calls per request, fastest kept")
     parser.add_argument("--seed", type=int, default=0, help="of the random prompts")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "serve.json")
     args = parser.parse_args(argv)
@@ -438,7 +392,9 @@ def parse_args(argv: list[str] | None = None) -> ReplayConfig:
         prompt_scale=args.prompt_scale, output_scale=args.output_scale, time_scale=args.time_scale,
         max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens, layouts=tuple(layouts),
         kv_cache_mb=args.kv_cache_mb, request_timeout=args.request_timeout, startup_timeout=args.startup_timeout,
-        seed=args.seed, out=args.out,
+        hf_threads=tuple(int(n) for n in args.hf_threads.split(",")) if args.hf_threads
+        else tuple(sorted({1, len(os.sched_getaffinity(0))})), hf_repeats=args.hf_repeats, seed=args.seed,
+        out=args.out,
     )
 
 
@@ -467,10 +423,13 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     requests = load_requests(config, Tokenizer.from_dir(resolve_model(config.model)).vocab_size)
     print(f"serve bench: {config.model}, {len(requests)} requests over {requests[-1].arrival:.1f}s", file=sys.stderr)
-    baseline = run_transformers(config, requests)
+    results = run_transformers(config, requests)
     print(f"  {HF}: done", file=sys.stderr, flush=True)
     gc.collect()  # drop the HF model before the stacks start
-    results = [baseline]
+    baseline = results[0]
+    for other in results[1:]:  # the HF runs at other thread counts must produce the same tokens
+        for mine, reference in zip(other.requests, baseline.requests):
+            mine.matches_hf = mine.text == reference.text
     for topology, num_workers in config.layouts:
         result = run_stack(config, topology, num_workers, requests)
         for mine, reference in zip(result.requests, baseline.requests):
@@ -498,7 +457,7 @@ def main(argv: list[str] | None = None) -> None:
     plot(results, plot_path, f"{config.model}: trace replay, {len(requests)} requests ({info['usable_cpus']} CPUs)")
     print(f"\nwrote {config.out} and {plot_path} in {elapsed:.0f}s", file=sys.stderr)
     failed = sum(r.summary()["failed"] for r in results)
-    mismatched = sum(r.summary()["completed"] - r.summary()["matches_hf"] for r in results[1:])
+    mismatched = sum(r.summary()["completed"] - r.summary()["matches_hf"] for r in results if r is not baseline)
     if failed or mismatched:
         raise SystemExit(f"{failed} failed request(s), {mismatched} output(s) differ from Hugging Face")
 

@@ -23,7 +23,7 @@ from services.router.api.fanout import gather_all, merge_events, start_all, summ
 from services.router.api.protocol import (
     MAX_CHOICES, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionChunk,
     CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
-    TokenizeRequest, TokenizeResponse,
+    StreamOptions, TokenizeRequest, TokenizeResponse,
 )
 from services.router.api.streaming import GenerationRun, guarded_events, sse_event, unless_disconnected
 from services.router.contracts import EngineProtocol, GenerationRequest
@@ -206,9 +206,9 @@ class OpenAIServing:
         form = CompletionFormat(self.engine.tokenizer, body.echo, body.logprobs)
         prompt_of = [prompt for prompt in prompts for _ in range(body.n)]
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            streams = [form.events(i, run, prompt_of[i], header, include_usage) for i, run in enumerate(runs)]
-            return _event_stream(self._with_usage(merge_events(streams), runs, body.n, include_usage,
+            options = body.stream_options or StreamOptions()
+            streams = [form.events(i, run, prompt_of[i], header, options) for i, run in enumerate(runs)]
+            return _event_stream(self._with_usage(merge_events(streams), runs, body.n, options.include_usage,
                                                   CompletionChunk(**header, choices=[])))
         results = await unless_disconnected(request, gather_all([run.collect() for run in runs]))
         choices = [form.choice(i, run, text, prompt_of[i]) for i, (run, (text, _, _)) in enumerate(zip(runs, results))]
@@ -235,9 +235,9 @@ class OpenAIServing:
         header = {"id": response_id, "created": int(time.time()), "model": body.model}
         form = ChatFormat(self.engine.tokenizer, num_logprobs is not None)
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            streams = [form.events(i, run, header, include_usage) for i, run in enumerate(runs)]
-            return _event_stream(self._with_usage(merge_events(streams), runs, body.n, include_usage,
+            options = body.stream_options or StreamOptions()
+            streams = [form.events(i, run, header, options) for i, run in enumerate(runs)]
+            return _event_stream(self._with_usage(merge_events(streams), runs, body.n, options.include_usage,
                                                   ChatCompletionChunk(**header, choices=[])))
         results = await unless_disconnected(request, gather_all([run.collect() for run in runs]))
         choices = [form.choice(i, run, text) for i, (run, (text, _, _)) in enumerate(zip(runs, results))]

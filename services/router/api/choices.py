@@ -10,7 +10,7 @@ from services.model.tokenizer import Tokenizer
 from services.router.api.logprobs import chat_logprobs, completion_logprobs
 from services.router.api.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatDelta, CompletionChoice,
-    CompletionChunk, CompletionLogprobs,
+    CompletionChunk, CompletionLogprobs, StreamOptions,
 )
 from services.router.api.streaming import GenerationRun, sse_event
 from services.worker.step import TokenLogprob
@@ -57,7 +57,7 @@ class CompletionFormat:
                                 logprobs=self.logprobs(token_ids + run.token_ids, values + list(run.logprobs)))
 
     async def events(self, index: int, run: GenerationRun, prompt: Prompt, header: dict[str, Any],
-                     include_usage: bool) -> AsyncIterator[str]:
+                     options: StreamOptions) -> AsyncIterator[str]:
         """A choice's chunks: the echoed prompt first (once its logprobs are known, when asked), then the text."""
         is_echo_pending, text_offset = self.echo, 0
         async for delta in run.deltas():
@@ -73,7 +73,8 @@ class CompletionFormat:
             if text or delta.finish_reason or logprobs is not None:
                 choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
                                           finish_reason=delta.finish_reason)
-                yield sse_event(CompletionChunk(**header, choices=[choice]), include_usage)
+                usage = run.usage if options.is_continuous else None
+                yield sse_event(CompletionChunk(**header, choices=[choice], usage=usage), options.include_usage)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,12 +91,13 @@ class ChatFormat:
                           finish_reason=run.finish_reason)
 
     async def events(self, index: int, run: GenerationRun, header: dict[str, Any],
-                     include_usage: bool) -> AsyncIterator[str]:
+                     options: StreamOptions) -> AsyncIterator[str]:
         """A choice's chunks: the role first (as OpenAI, before any text), the content, then the finish reason."""
 
         def chunk(delta: ChatDelta, finish_reason: str | None = None, logprobs: Any = None) -> str:
             choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
-            return sse_event(ChatCompletionChunk(**header, choices=[choice]), include_usage)
+            usage = run.usage if options.is_continuous else None
+            return sse_event(ChatCompletionChunk(**header, choices=[choice], usage=usage), options.include_usage)
 
         yield chunk(ChatDelta(role="assistant", content=""))
         async for delta in run.deltas():

@@ -60,6 +60,13 @@ class StreamOptions(BaseModel):
     model_config = REQUEST_CONFIG
 
     include_usage: bool = False  # one more chunk before [DONE]: empty choices, the request's usage
+    # vLLM's extension (guidellm sends it): with include_usage, every chunk also carries its choice's usage so far.
+    continuous_usage_stats: bool = False
+
+    @property
+    def is_continuous(self) -> bool:
+        """Whether every chunk carries usage (vLLM ignores continuous_usage_stats without include_usage)."""
+        return self.include_usage and self.continuous_usage_stats
 
 
 class SamplingFields(BaseModel):

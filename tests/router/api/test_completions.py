@@ -104,6 +104,30 @@ async def test_streamed_completion_format(client):
     assert events[-1] == "[DONE]" and all("usage" not in chunk for chunk in events[:-1])
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_continuous_usage_stats(client, path):
+    # vLLM's stream_options.continuous_usage_stats, which guidellm always sends (it was a 400 "Extra inputs").
+    # guidellm's exact body: stop null, ignore_eos; every chunk then carries its choice's usage so far.
+    prompt = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": PROMPT}]}
+    body = {**GREEDY, "stop": None, "stream": True, **prompt}
+    plain = parse_sse((await client.post(path, json={**body, "stream_options": {"include_usage": True}})).text)
+    response = await client.post(path, json={**body, "stream_options": {"include_usage": True,
+                                                                         "continuous_usage_stats": True}})
+    assert response.status_code == 200, response.text
+    events = parse_sse(response.text)
+    assert events[-1] == "[DONE]"
+    assert events[-2] == {**plain[-2], "id": events[-2]["id"], "created": events[-2]["created"]}
+    chunks, final = events[:-2], events[-2]["usage"]
+    assert [c["choices"] for c in chunks] == [c["choices"] for c in plain[:-2]]  # same chunks, usage added
+    completed = [c["usage"]["completion_tokens"] for c in chunks]
+    assert completed == sorted(completed) and completed[-1] == NUM_REFERENCE_TOKENS
+    assert all(c["usage"]["prompt_tokens"] == final["prompt_tokens"] and
+               c["usage"]["total_tokens"] == final["prompt_tokens"] + c["usage"]["completion_tokens"] for c in chunks)
+    # Without include_usage the option changes nothing (as vLLM).
+    alone = parse_sse((await client.post(path, json={**body, "stream_options": {"continuous_usage_stats": True}})).text)
+    assert all("usage" not in chunk for chunk in alone[:-1])
+
+
 async def test_chat_greedy_equals_transformers_on_the_chat_template(client, serving_engine, serving_checkpoint,
                                                                     checkpoint_facts):
     import transformers
