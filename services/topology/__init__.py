@@ -1,7 +1,30 @@
-"""Topologies (tp × pp), their validation for a model, the placement of a model on workers and of workers on GPUs,
-migration plans."""
+"""Topologies (tp × pp, ep × pp), their validation for a model, the placement of a model on workers and of workers on
+GPUs, migration and weight plans, and the expert load-balancing policy (EPLB)."""
 
 from services.topology.devices import DevicePlacementError, assign_gpus, parse_gpus
+from services.topology.eplb import (
+    EplbConfig,
+    ExpertMove,
+    LoadWindow,
+    balancedness,
+    expert_moves,
+    initial_phy2log,
+    layer_balancedness,
+    logical_loads,
+    physical_loads,
+    rank_loads,
+    rebalance,
+    replicate,
+)
+from services.topology.experts import (
+    MOE_STYLES,
+    check_expert_map,
+    expert_copies,
+    expert_tensor_names,
+    identity_map,
+    physical_slot,
+    router_tensor_name,
+)
 from services.topology.migration_plan import (
     LOST,
     KVLostError,
@@ -27,6 +50,7 @@ from services.topology.topology import (
     validate,
 )
 from services.topology.weight_plan import (
+    ExpertMaps,
     WeightFlags,
     WeightReload,
     WeightSlice,
@@ -36,10 +60,15 @@ from services.topology.weight_plan import (
 
 __all__ = [
     "DevicePlacementError",
+    "EplbConfig",
+    "ExpertMaps",
+    "ExpertMove",
     "LOST",
     "KVLostError",
     "KVMigrationPlan",
     "KVTransfer",
+    "LoadWindow",
+    "MOE_STYLES",
     "ModelShape",
     "Placement",
     "Topology",
@@ -49,15 +78,30 @@ __all__ = [
     "WeightSlice",
     "WorkerPlacement",
     "assign_gpus",
+    "balancedness",
     "candidate_topologies",
+    "check_expert_map",
     "degraded_topology",
+    "expert_copies",
+    "expert_moves",
+    "expert_tensor_names",
+    "identity_map",
+    "initial_phy2log",
+    "layer_balancedness",
     "layer_partition",
+    "logical_loads",
     "lost_kv",
     "padded_vocab_size",
     "parse_gpus",
+    "physical_loads",
+    "physical_slot",
     "place",
     "plan_kv_migration",
     "plan_weight_reload",
+    "rank_loads",
+    "rebalance",
+    "replicate",
+    "router_tensor_name",
     "shard_slices",
     "validate",
     "workers_by_rank",

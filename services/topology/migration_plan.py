@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.topology.placement import Placement, WorkerPlacement
+from services.topology.topology import TopologyError
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +60,14 @@ def workers_by_rank(placement: Placement, ranks: Sequence[int], allow_lost: bool
 
 
 def lost_kv(old: Placement, old_ranks: Sequence[int]) -> list[tuple[int, int]]:
-    """(layer, KV head) slices of the old layout that no surviving worker holds (old_ranks may hold LOST)."""
-    held = {(layer, head) for worker in workers_by_rank(old, old_ranks, allow_lost=True).values()
-            for layer in worker.layers for head in worker.kv_heads}
+    """(layer, KV head) slices of the old layout that no surviving worker holds (old_ranks may hold LOST).
+    In an expert-parallel layout each rank holds the KV of its own requests only, which no other rank has: a lost
+    rank's stage reports all its (layer, KV head) slices."""
+    survivors = list(workers_by_rank(old, old_ranks, allow_lost=True).values())
+    if old.topology.is_expert_parallel:
+        broken = {old.workers[index].pp_rank for index, rank in enumerate(old_ranks) if rank == LOST}
+        survivors = [worker for worker in survivors if worker.pp_rank not in broken]
+    held = {(layer, head) for worker in survivors for layer in worker.layers for head in worker.kv_heads}
     return [(layer, head) for layer in range(old.shape.num_layers) for head in range(old.shape.num_kv_heads)
             if (layer, head) not in held]
 
@@ -195,6 +201,7 @@ def plan_kv_migration(old: Placement, old_ranks: Sequence[int], new: Placement, 
     """The KV migration from (old, old_ranks) to (new, new_ranks); ranks[i] is the world rank of active index i.
     old_ranks may hold LOST (a worker gone): its slices come from replicas, or KVLostError says which have none."""
     check_same_model(old, new)
+    _refuse_expert_parallel(old, old_ranks, new, new_ranks)
     old_workers, new_workers = workers_by_rank(old, old_ranks, allow_lost=True), workers_by_rank(new, new_ranks)
     if LOST in old_ranks and (missing := lost_kv(old, old_ranks)):
         raise KVLostError(f"{len(missing)} (layer, KV head) slices lived only on lost workers, e.g. {missing[0]}")
@@ -218,6 +225,19 @@ def plan_kv_migration(old: Placement, old_ranks: Sequence[int], new: Placement, 
                                          head - src_heads.start, head - dst_heads.start))
             transfers.extend(_merge(pieces))
     return KVMigrationPlan(old, tuple(old_ranks), new, tuple(new_ranks), tuple(transfers), tuple(order))
+
+
+def _refuse_expert_parallel(old: Placement, old_ranks: Sequence[int], new: Placement, new_ranks: Sequence[int]
+                            ) -> None:
+    """TopologyError for a switch from or to an EP layout: its attention is data-parallel, each rank holding all KV
+    heads of its own requests, so KV moves per request (to a rank chosen by the router), not per head. Staying in
+    the same EP layout on the same ranks moves nothing and is allowed."""
+    if not (old.topology.is_expert_parallel or new.topology.is_expert_parallel):
+        return
+    if old == new and tuple(old_ranks) == tuple(new_ranks):
+        return
+    raise TopologyError(f"{old.topology} -> {new.topology}: live switch between expert-parallel layouts is not "
+                        "supported yet (issue 14)")
 
 
 def _merge(pieces: list[KVTransfer]) -> list[KVTransfer]:

@@ -51,7 +51,7 @@ def _slice(total: int, tp_size: int, tp_rank: int) -> range:
 class WorkerPlacement:
     """What one active worker holds in a topology."""
 
-    index: int  # position in the active worker list = pp_rank * tp_size + tp_rank
+    index: int  # position in the active worker list = pp_rank * stage size + tp_rank (or ep_rank)
     pp_rank: int
     tp_rank: int
     layers: range  # global layer ids held
@@ -62,6 +62,22 @@ class WorkerPlacement:
     pp_size: int
     tp_size: int
     num_kv_replicas: int  # TP ranks holding the same KV head: tp // Hkv when Hkv < tp, else 1
+    # Mixture of experts. TP: every expert, the tp_rank-th slice of its intermediate dimension. EP (ep_size > 1):
+    # attention data-parallel (all heads, for this rank's own requests), whole experts in a range of slots.
+    ep_rank: int = 0
+    ep_size: int = 1
+    expert_slots: range = range(0)  # physical expert slots held (EP: a contiguous range; TP: all of them)
+    expert_intermediate: range = range(0)  # columns of each expert's gate/up, rows of its down
+
+    @property
+    def stage_rank(self) -> int:
+        """Rank within the stage's group (its TP group, or its EP group)."""
+        return self.ep_rank if self.ep_size > 1 else self.tp_rank
+
+    @property
+    def dp_rank(self) -> int:
+        """The data-parallel rank whose requests this worker runs attention for (0 outside EP layouts)."""
+        return self.ep_rank
 
     @property
     def is_first_stage(self) -> bool:
@@ -82,28 +98,29 @@ class Placement:
     shape: ModelShape
     workers: tuple[WorkerPlacement, ...]  # indexed by active position
     padded_vocab_size: int
+    num_physical_experts: int = 0  # expert slots per MoE layer: num_experts (+ redundant ones in an EP layout)
 
     def worker(self, pp_rank: int, tp_rank: int) -> WorkerPlacement:
-        """The worker at stage pp_rank, TP rank tp_rank."""
-        if not (0 <= pp_rank < self.topology.pp and 0 <= tp_rank < self.topology.tp):
+        """The worker at stage pp_rank, rank tp_rank of the stage's group (its TP or EP rank)."""
+        if not (0 <= pp_rank < self.topology.pp and 0 <= tp_rank < self.topology.stage_size):
             raise IndexError(f"no worker pp_rank={pp_rank}, tp_rank={tp_rank} in {self.topology}")
-        return self.workers[pp_rank * self.topology.tp + tp_rank]
+        return self.workers[pp_rank * self.topology.stage_size + tp_rank]
 
     def stage(self, pp_rank: int) -> tuple[WorkerPlacement, ...]:
-        """The TP group of a stage, by tp_rank."""
+        """The group of a stage (TP or EP), by rank."""
         return tuple(self.workers[index] for index in self.tp_group_indices(pp_rank))
 
     def tp_group_indices(self, pp_rank: int) -> list[int]:
-        """Active indices of a stage's TP group."""
+        """Active indices of a stage's group (its TP group, or its EP group)."""
         if not 0 <= pp_rank < self.topology.pp:
             raise IndexError(f"no stage pp_rank={pp_rank} in {self.topology}")
-        tp = self.topology.tp
-        return list(range(pp_rank * tp, (pp_rank + 1) * tp))
+        size = self.topology.stage_size
+        return list(range(pp_rank * size, (pp_rank + 1) * size))
 
     def stage_of_layer(self, layer: int) -> int:
         """The pp_rank of the stage holding a global layer id."""
         for pp_rank in range(self.topology.pp):
-            if layer in self.workers[pp_rank * self.topology.tp].layers:
+            if layer in self.workers[pp_rank * self.topology.stage_size].layers:
                 return pp_rank
         raise IndexError(f"layer {layer} not in a model of {self.shape.num_layers} layers")
 
@@ -118,10 +135,38 @@ class Placement:
         return tuple(worker for worker in self.owners_of_layer(layer) if kv_head in worker.kv_heads)
 
 
-def place(topology: Topology, shape: ModelShape, layer_partition: Sequence[int] | None = None) -> Placement:
-    """Validate (num_workers = topology.num_workers) and compute the placement."""
-    validate(topology, shape, topology.num_workers, layer_partition)
+def place(topology: Topology, shape: ModelShape, layer_partition: Sequence[int] | None = None,
+          num_redundant_experts: int = 0) -> Placement:
+    """Validate (num_workers = topology.num_workers) and compute the placement. num_redundant_experts: extra expert
+    slots of an EP layout (ignored by TP layouts, where every rank holds a slice of every expert)."""
+    validate(topology, shape, topology.num_workers, layer_partition, num_redundant_experts)
+    if topology.is_expert_parallel:
+        return _expert_parallel_placement(topology, shape, layer_partition, num_redundant_experts)
     return _compute_placement(topology, shape, layer_partition)
+
+
+def _expert_parallel_placement(topology: Topology, shape: ModelShape, partition: Sequence[int] | None,
+                               num_redundant_experts: int) -> Placement:
+    """ep × pp: each rank of a stage holds the stage's layers whole (attention for its own requests, the dense MLPs,
+    the embedding / lm_head) and a contiguous range of the physical expert slots, each expert whole."""
+    ep, pp = topology.ep, topology.pp
+    stage_layers = layer_partition(shape.num_layers, pp, partition)
+    num_physical = shape.num_experts + num_redundant_experts
+    per_rank = num_physical // ep
+    padded = padded_vocab_size(shape.vocab_size, 1)
+    workers = tuple(
+        WorkerPlacement(
+            index=pp_rank * ep + ep_rank, pp_rank=pp_rank, tp_rank=0, layers=stage_layers[pp_rank],
+            q_heads=range(shape.num_heads), kv_heads=range(shape.num_kv_heads),
+            intermediate=range(shape.intermediate_size), vocab_rows=range(padded), pp_size=pp, tp_size=1,
+            num_kv_replicas=1, ep_rank=ep_rank, ep_size=ep,
+            expert_slots=range(ep_rank * per_rank, (ep_rank + 1) * per_rank),
+            expert_intermediate=range(shape.moe_intermediate_size),
+        )
+        for pp_rank in range(pp) for ep_rank in range(ep)
+    )
+    return Placement(topology=topology, shape=shape, workers=workers, padded_vocab_size=padded,
+                     num_physical_experts=num_physical)
 
 
 def _compute_placement(topology: Topology, shape: ModelShape, partition: Sequence[int] | None) -> Placement:
@@ -150,6 +195,9 @@ def _compute_placement(topology: Topology, shape: ModelShape, partition: Sequenc
                     pp_size=pp,
                     tp_size=tp,
                     num_kv_replicas=num_kv_replicas,
+                    expert_slots=range(shape.num_experts),
+                    expert_intermediate=_slice(shape.moe_intermediate_size, tp, tp_rank),
                 )
             )
-    return Placement(topology=topology, shape=shape, workers=tuple(workers), padded_vocab_size=padded)
+    return Placement(topology=topology, shape=shape, workers=tuple(workers), padded_vocab_size=padded,
+                     num_physical_experts=shape.num_experts)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
 
+from services.topology.eplb import initial_phy2log
+from services.topology.experts import MOE_STYLES, check_expert_map, expert_tensor_names, router_tensor_name
 from services.topology.migration_plan import check_same_model, workers_by_rank
 from services.topology.placement import Placement, WorkerPlacement
 from services.topology.topology import ModelShape
+
+ExpertMaps = Mapping[int, Sequence[int]]  # MoE layer id -> phy2log (the logical expert of each physical slot)
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,11 +24,13 @@ class WeightFlags:
     mlp_bias: bool = False
     qk_norm: bool = False
     tie_word_embeddings: bool = False  # also True when the checkpoint has no lm_head.weight
+    moe_style: str = ""  # checkpoint names of the experts (services.topology.experts.MOE_STYLES); "" for dense
 
     @classmethod
     def of(cls, spec: object) -> WeightFlags:
-        """The flags of any object with these attributes (a ModelSpec)."""
-        return cls(**{name: bool(getattr(spec, name)) for name in cls.__slots__})
+        """The flags of any object with these attributes (a ModelSpec; one without moe_style is dense)."""
+        flags = {name: bool(getattr(spec, name)) for name in cls.__slots__ if name != "moe_style"}
+        return cls(**flags, moe_style=str(getattr(spec, "moe_style", "") or ""))
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -55,13 +61,19 @@ class WeightSlice:
         return WeightSlice(self.tensor, self.dim, start, stop, self.full_shape)
 
 
-def shard_slices(wp: WorkerPlacement, shape: ModelShape, flags: WeightFlags) -> frozenset[WeightSlice]:
-    """Every checkpoint slice worker `wp` loads (names and cuts as services/model/llama.py loads them)."""
-    hidden, head_dim, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
+def shard_slices(wp: WorkerPlacement, shape: ModelShape, flags: WeightFlags,
+                 expert_maps: ExpertMaps | None = None) -> frozenset[WeightSlice]:
+    """Every checkpoint slice worker `wp` loads (names and cuts as services/model loads them).
+
+    A sparse layer (shape.moe_layers) has no dense MLP: its router whole and, for each slot in wp.expert_slots, the
+    gate/up rows and down columns wp.expert_intermediate of the slot's logical expert (expert_maps[layer][slot];
+    a layer missing from expert_maps has the initial map, see initial_phy2log). A rank holding two copies of one
+    expert needs its slices once.
+    """
+    hidden, head_dim = shape.hidden_size, shape.head_dim
     q_size, kv_size = shape.num_heads * head_dim, shape.num_kv_heads * head_dim
     q_cut = (wp.q_heads.start * head_dim, wp.q_heads.stop * head_dim)
     kv_cut = (wp.kv_heads.start * head_dim, wp.kv_heads.stop * head_dim)
-    mlp_cut = (wp.intermediate.start, wp.intermediate.stop)
     slices: list[WeightSlice] = []
 
     def add(name: str, full_shape: tuple[int, ...], dim: int = 0, cut: tuple[int, int] | None = None) -> None:
@@ -73,6 +85,7 @@ def shard_slices(wp: WorkerPlacement, shape: ModelShape, flags: WeightFlags) -> 
     vocab_cut = (wp.vocab_rows.start, wp.vocab_rows.stop)
     if wp.is_first_stage:
         add("model.embed_tokens.weight", (shape.vocab_size, hidden), 0, vocab_cut)
+    sparse = _sparse_layers(wp, shape, flags, expert_maps)
     for layer in wp.layers:
         prefix = f"model.layers.{layer}."
         add(prefix + "input_layernorm.weight", (hidden,))
@@ -87,18 +100,59 @@ def shard_slices(wp: WorkerPlacement, shape: ModelShape, flags: WeightFlags) -> 
         add(prefix + "self_attn.o_proj.weight", (hidden, q_size), 1, q_cut)
         if flags.o_bias:
             add(prefix + "self_attn.o_proj.bias", (hidden,))
-        for name in ("gate", "up"):
-            add(f"{prefix}mlp.{name}_proj.weight", (inter, hidden), 0, mlp_cut)
-            if flags.mlp_bias:
-                add(f"{prefix}mlp.{name}_proj.bias", (inter,), 0, mlp_cut)
-        add(prefix + "mlp.down_proj.weight", (hidden, inter), 1, mlp_cut)
-        if flags.mlp_bias:
-            add(prefix + "mlp.down_proj.bias", (hidden,))
+        if layer in sparse:
+            _add_experts(add, wp, shape, flags.moe_style, layer, sparse[layer])
+        else:
+            _add_dense_mlp(add, wp, shape, flags, prefix)
     if wp.is_last_stage:
         add("model.norm.weight", (hidden,))
         head = "model.embed_tokens.weight" if flags.tie_word_embeddings else "lm_head.weight"
         add(head, (shape.vocab_size, hidden), 0, vocab_cut)
     return frozenset(slices)
+
+
+def _sparse_layers(wp: WorkerPlacement, shape: ModelShape, flags: WeightFlags,
+                   expert_maps: ExpertMaps | None) -> dict[int, tuple[int, ...]]:
+    """The held sparse layers -> their phy2log; ValueError on an unknown moe_style or a bad map."""
+    held = [layer for layer in shape.moe_layers if layer in wp.layers]
+    if not held:
+        return {}
+    if flags.moe_style not in MOE_STYLES:
+        raise ValueError(f"a mixture-of-experts model needs WeightFlags.moe_style in {MOE_STYLES}, "
+                         f"got {flags.moe_style!r}")
+    num_physical = len(wp.expert_slots) * wp.ep_size
+    maps = dict(expert_maps or {})
+    if any(layer not in maps for layer in held):
+        initial = initial_phy2log(shape.num_experts, num_physical, wp.ep_size)
+        maps.update({layer: initial for layer in held if layer not in maps})
+    return {layer: check_expert_map(maps[layer], shape.num_experts, num_physical) for layer in held}
+
+
+def _add_experts(add: Callable[..., None], wp: WorkerPlacement, shape: ModelShape, style: str, layer: int,
+                 phy2log: tuple[int, ...]) -> None:
+    """The router (every rank routes its own tokens) and the held slots' experts, cut by wp.expert_intermediate."""
+    hidden, inter = shape.hidden_size, shape.moe_intermediate_size
+    cut = (wp.expert_intermediate.start, wp.expert_intermediate.stop)
+    add(router_tensor_name(style, layer), (shape.num_experts, hidden))
+    for logical in sorted({phy2log[slot] for slot in wp.expert_slots}):
+        gate, up, down = expert_tensor_names(style, layer, logical)
+        add(gate, (inter, hidden), 0, cut)
+        add(up, (inter, hidden), 0, cut)
+        add(down, (hidden, inter), 1, cut)
+
+
+def _add_dense_mlp(add: Callable[..., None], wp: WorkerPlacement, shape: ModelShape, flags: WeightFlags,
+                   prefix: str) -> None:
+    """gate/up split by columns (rows of the checkpoint tensor), down by its columns; a row-parallel bias whole."""
+    hidden, inter = shape.hidden_size, shape.intermediate_size
+    mlp_cut = (wp.intermediate.start, wp.intermediate.stop)
+    for name in ("gate", "up"):
+        add(f"{prefix}mlp.{name}_proj.weight", (inter, hidden), 0, mlp_cut)
+        if flags.mlp_bias:
+            add(f"{prefix}mlp.{name}_proj.bias", (inter,), 0, mlp_cut)
+    add(prefix + "mlp.down_proj.weight", (hidden, inter), 1, mlp_cut)
+    if flags.mlp_bias:
+        add(prefix + "mlp.down_proj.bias", (hidden,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,14 +177,16 @@ class WeightReload:
 
 
 def plan_weight_reload(old: Placement, old_ranks: Sequence[int], new: Placement, new_ranks: Sequence[int],
-                       flags: WeightFlags) -> dict[int, WeightReload]:
-    """Rank -> its reload, for every rank active before or after (a leaving rank drops all, a joining one loads all)."""
+                       flags: WeightFlags, old_expert_maps: ExpertMaps | None = None,
+                       new_expert_maps: ExpertMaps | None = None) -> dict[int, WeightReload]:
+    """Rank -> its reload, for every rank active before or after (a leaving rank drops all, a joining one loads all).
+    Expert maps: each layout's phy2log per MoE layer (default: its initial map), as in shard_slices."""
     check_same_model(old, new)
     old_workers, new_workers = workers_by_rank(old, old_ranks), workers_by_rank(new, new_ranks)
     plans = {}
     for rank in sorted(set(old_workers) | set(new_workers)):
-        before = _by_tensor(old_workers.get(rank), old.shape, flags)
-        after = _by_tensor(new_workers.get(rank), new.shape, flags)
+        before = _by_tensor(old_workers.get(rank), old.shape, flags, old_expert_maps)
+        after = _by_tensor(new_workers.get(rank), new.shape, flags, new_expert_maps)
         keep, load, drop = [], [], []
         for name, piece in after.items():
             held = before.get(name)
@@ -147,9 +203,10 @@ def plan_weight_reload(old: Placement, old_ranks: Sequence[int], new: Placement,
     return plans
 
 
-def _by_tensor(wp: WorkerPlacement | None, shape: ModelShape, flags: WeightFlags) -> dict[str, WeightSlice]:
+def _by_tensor(wp: WorkerPlacement | None, shape: ModelShape, flags: WeightFlags,
+               expert_maps: ExpertMaps | None) -> dict[str, WeightSlice]:
     """A shard as tensor name -> its one slice (a shard holds at most one slice of any tensor)."""
-    return {} if wp is None else {piece.tensor: piece for piece in shard_slices(wp, shape, flags)}
+    return {} if wp is None else {piece.tensor: piece for piece in shard_slices(wp, shape, flags, expert_maps)}
 
 
 def _minus(piece: WeightSlice, other: WeightSlice) -> list[WeightSlice]:

@@ -17,6 +17,7 @@ from services.topology import (
     ModelShape,
     Placement,
     Topology,
+    TopologyError,
     candidate_topologies,
     lost_kv,
     place,
@@ -337,3 +338,48 @@ def test_invalid_inputs_are_refused() -> None:
         plan_kv_migration(tp2, [0, LOST], layout("tp1pp1", shape), [0])
     with pytest.raises(ValueError, match="different models"):
         plan_kv_migration(tp2, [0, 1], layout("tp2pp1", make_shape(num_layers=5)), [0, 1])
+
+
+# --- expert-parallel layouts ----------------------------------------------------------------------------------------
+
+def make_moe_shape(num_layers: int = 4) -> ModelShape:
+    return ModelShape(num_layers=num_layers, num_heads=8, num_kv_heads=4, head_dim=HEAD_DIM, hidden_size=64,
+                      intermediate_size=840, vocab_size=100, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, moe_layers=tuple(range(num_layers)))
+
+
+@pytest.mark.parametrize(("old", "new"), [("ep2pp1", "tp2pp1"), ("tp2pp1", "ep2pp1"), ("ep2pp1", "ep4pp1"),
+                                          ("ep2pp2", "ep2pp1"), ("ep2pp1", "tp1pp1")])
+def test_switching_from_or_to_expert_parallel_is_refused(old: str, new: str) -> None:
+    shape = make_moe_shape()
+    old_layout, new_layout = layout(old, shape), layout(new, shape)
+    with pytest.raises(TopologyError) as raised:
+        plan_kv_migration(old_layout, list(range(old_layout.topology.num_workers)), new_layout,
+                          list(range(new_layout.topology.num_workers)))
+    assert str(raised.value) == (f"{old} -> {new}: live switch between expert-parallel layouts is not supported "
+                                 "yet (issue 14)")
+
+
+def test_expert_parallel_kv_moves_per_request_not_per_head() -> None:
+    """The same EP layout on other ranks would need each request's KV moved to its new rank: refused too."""
+    ep2 = layout("ep2pp1", make_moe_shape())
+    with pytest.raises(TopologyError, match="issue 14"):
+        plan_kv_migration(ep2, [0, 1], ep2, [1, 0])
+    with pytest.raises(TopologyError, match="issue 14"):
+        plan_kv_migration(ep2, [0, 1], place(Topology(ep=2), make_moe_shape(), num_redundant_experts=2), [0, 1])
+    same = plan_kv_migration(ep2, [0, 1], ep2, [0, 1])  # nothing changes: every layer stays in place
+    assert all(t.is_local and same.is_identity_for(t.dst_rank, t.layer) for t in same.transfers)
+
+
+def test_moe_tensor_parallel_switches_are_planned_as_dense_ones() -> None:
+    shape = make_moe_shape()
+    plan = plan_kv_migration(layout("tp2pp2", shape), [0, 1, 2, 3], layout("tp4pp1", shape), [0, 1, 2, 3])
+    new_caches, _ = execute(plan, start_caches(plan))
+    assert_lands_on_new_owners(plan, new_caches)
+
+
+def test_a_lost_expert_parallel_rank_loses_its_requests_kv() -> None:
+    """Each EP rank holds all heads of its own requests: the others hold other requests, not replicas."""
+    ep2pp2 = layout("ep2pp2", make_moe_shape())
+    assert lost_kv(ep2pp2, [0, 1, LOST, 3]) == [(layer, head) for layer in (2, 3) for head in range(4)]
+    assert lost_kv(ep2pp2, [0, 1, 2, 3]) == []

@@ -201,3 +201,92 @@ def test_placement_invariants_explicit_partition(shape: ModelShape, tp: int, dat
     placement = place(topology, shape, partition)
     check_invariants(placement, explicit=True)
     assert [len(placement.stage(s)[0].layers) for s in range(topology.pp)] == partition
+
+
+# --- expert parallelism -------------------------------------------------------------------------------------------
+
+def make_moe_shape(**overrides) -> ModelShape:
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, moe_layers=(1, 2, 3))
+    return make_shape(**(moe | overrides))
+
+
+def test_expert_parallel_placement_example() -> None:
+    shape = make_moe_shape(num_layers=5, moe_layers=(0, 2, 4))
+    placement = place(Topology.parse("ep2pp2"), shape, num_redundant_experts=2)
+    assert placement.num_physical_experts == 10 and placement.padded_vocab_size == 1024
+    assert placement.tp_group_indices(1) == [2, 3]
+    worker = placement.worker(pp_rank=1, tp_rank=1)
+    assert worker.index == 3 and worker.layers == range(3, 5) and worker.is_last_stage
+    assert (worker.ep_rank, worker.ep_size, worker.stage_rank, worker.dp_rank) == (1, 2, 1, 1)
+    assert (worker.tp_rank, worker.tp_size, worker.num_kv_replicas) == (0, 1, 1)
+    assert worker.expert_slots == range(5, 10) and worker.expert_intermediate == range(96)
+    assert worker.q_heads == range(8) and worker.kv_heads == range(2)  # data-parallel attention: every head
+    assert worker.intermediate == range(704) and worker.vocab_rows == range(1024)
+    assert [w.expert_slots for w in placement.stage(0)] == [range(0, 5), range(5, 10)]
+    assert placement.owners_of_kv_head(layer=0, kv_head=1) == placement.stage(0)  # each for its own requests
+    with pytest.raises(IndexError):
+        placement.worker(0, 2)
+
+
+def test_tensor_parallel_moe_placement_splits_every_expert() -> None:
+    placement = place(Topology(tp=4), make_moe_shape(), num_redundant_experts=4)  # redundancy is EP-only
+    assert placement.num_physical_experts == 8
+    assert [w.expert_intermediate for w in placement.workers] == [range(0, 24), range(24, 48), range(48, 72),
+                                                                 range(72, 96)]
+    assert all(w.expert_slots == range(8) and w.ep_size == 1 and w.ep_rank == 0 for w in placement.workers)
+    assert [w.stage_rank for w in placement.workers] == [0, 1, 2, 3]
+    assert place(Topology(tp=2), make_shape()).workers[1].expert_slots == range(0)  # dense: no experts
+
+
+def test_expert_parallel_placement_rejections() -> None:
+    with pytest.raises(TopologyError, match=r"^ep=2 needs a mixture-of-experts model \(this one is dense\)$"):
+        place(Topology(ep=2), make_shape())
+    with pytest.raises(TopologyError, match=r"^ep=4 does not divide the 10 physical experts \(8 \+ 2 redundant\)$"):
+        place(Topology(ep=4), make_moe_shape(), num_redundant_experts=2)
+    with pytest.raises(TopologyError, match=r"^tp=4 does not divide the experts' moe_intermediate_size=90$"):
+        place(Topology(tp=4), make_moe_shape(moe_intermediate_size=90))
+
+
+@st.composite
+def moe_shapes(draw: st.DrawFn) -> ModelShape:
+    shape = draw(shapes())
+    num_layers = shape.num_layers
+    moe_layers = tuple(sorted(draw(st.sets(st.integers(0, num_layers - 1), min_size=1, max_size=num_layers))))
+    num_experts = draw(st.integers(1, 64))
+    return dataclasses.replace(shape, num_experts=num_experts, num_experts_per_tok=draw(st.integers(1, num_experts)),
+                               moe_intermediate_size=draw(st.integers(1, 512)), moe_layers=moe_layers)
+
+
+@given(shape=moe_shapes(), ep=st.integers(2, 8), pp=st.integers(1, 6), redundant=st.integers(0, 16))
+@settings(max_examples=150, deadline=None)
+def test_expert_parallel_placement_invariants(shape: ModelShape, ep: int, pp: int, redundant: int) -> None:
+    topology = Topology(ep=ep, pp=pp)
+    try:
+        validate(topology, shape, topology.num_workers, num_redundant_experts=redundant)
+    except TopologyError:
+        with pytest.raises(TopologyError):
+            place(topology, shape, num_redundant_experts=redundant)
+        return
+    placement = place(topology, shape, num_redundant_experts=redundant)
+    num_physical = shape.num_experts + redundant
+    assert placement.num_physical_experts == num_physical
+    assert [w.index for w in placement.workers] == list(range(ep * pp))
+    assert placement.padded_vocab_size == padded_vocab_size(shape.vocab_size, 1)
+    stage_layers = layer_partition(shape.num_layers, pp)
+    for pp_rank in range(pp):
+        group = placement.stage(pp_rank)
+        assert [w.ep_rank for w in group] == [w.stage_rank for w in group] == [w.dp_rank for w in group] == list(
+            range(ep))
+        assert all(w.pp_rank == pp_rank and w.layers == stage_layers[pp_rank] for w in group)
+        # the experts: contiguous equal ranges of slots, an exact cover in rank order, each expert whole
+        assert [slot for w in group for slot in w.expert_slots] == list(range(num_physical))
+        assert {len(w.expert_slots) for w in group} == {num_physical // ep}
+        for w in group:
+            assert (w.tp_rank, w.tp_size, w.ep_size, w.pp_size, w.num_kv_replicas) == (0, 1, ep, pp, 1)
+            assert w.expert_intermediate == range(shape.moe_intermediate_size)
+            # attention, dense MLP and vocabulary whole: the rank runs them for its own requests
+            assert w.q_heads == range(shape.num_heads) and w.kv_heads == range(shape.num_kv_heads)
+            assert w.intermediate == range(shape.intermediate_size)
+            assert w.vocab_rows == range(placement.padded_vocab_size)
+        for layer in stage_layers[pp_rank]:
+            assert placement.owners_of_layer(layer) == group
