@@ -14,6 +14,9 @@ import torch
 
 # Styles the core must reproduce: Llama (GQA), Qwen2 (qkv bias, tied embeddings), Qwen3 (q/k norm).
 CHECKPOINT_STYLES = ("llama", "qwen2", "qwen3")
+# Mixture-of-experts styles: Qwen3-MoE (a dense layer through mlp_only_layers, renormalized top-k) and Mixtral.
+MOE_CHECKPOINT_STYLES = ("qwen3_moe", "mixtral")
+_ROUTER_SCALE = 2.0  # router logits of std ~2: top-k choices far from ties that float rounding could flip
 
 
 def _config(style: str):
@@ -32,6 +35,13 @@ def _config(style: str):
         return transformers.MistralConfig(**common, tie_word_embeddings=False, sliding_window=6)
     if style == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
+    if style == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, head_dim=16, tie_word_embeddings=False, num_experts=8,
+                                           num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
+                                           norm_topk_prob=True)
+    if style == "mixtral":  # Mixtral's experts are intermediate_size wide; every layer is sparse
+        return transformers.MixtralConfig(**{**common, "intermediate_size": 32}, tie_word_embeddings=False,
+                                          num_local_experts=8, num_experts_per_tok=2)
     raise ValueError(style)
 
 
@@ -45,9 +55,9 @@ def _decisive_init(model: torch.nn.Module, seed: int) -> None:
                 param.copy_((1.0 if "norm" in name else 0.0) + noise)
             elif "embed" in name:
                 param.copy_(torch.randn(param.shape, generator=generator))
-            else:
-                fan_in = param.shape[1]
-                scale = 2.0 if "lm_head" in name else 1.0
+            else:  # 2-D weights [out, in]; fused experts [E, out, in]
+                fan_in = param.shape[-1]
+                scale = 2.0 if "lm_head" in name else _ROUTER_SCALE if name.endswith("mlp.gate.weight") else 1.0
                 param.copy_(torch.randn(param.shape, generator=generator) * scale / math.sqrt(fan_in))
 
 
@@ -110,6 +120,12 @@ def no_leaked_shared_memory():
 @pytest.fixture(scope="session", params=CHECKPOINT_STYLES)
 def hf_checkpoint(request, tmp_path_factory) -> Path:
     """A checkpoint directory per style, made once per session."""
+    return make_checkpoint(tmp_path_factory.mktemp(f"ckpt-{request.param}"), request.param)
+
+
+@pytest.fixture(scope="session", params=MOE_CHECKPOINT_STYLES)
+def hf_moe_checkpoint(request, tmp_path_factory) -> Path:
+    """A mixture-of-experts checkpoint directory per MoE style, made once per session."""
     return make_checkpoint(tmp_path_factory.mktemp(f"ckpt-{request.param}"), request.param)
 
 

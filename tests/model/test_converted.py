@@ -119,7 +119,7 @@ def test_models_list(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RECONFIG_LOG_LEVEL", "WARNING")  # what cli.main would set for the rest of the session
     states = {status.name: (status.kind, status.state) for status in preset_statuses()}
     assert states == {"tiny-llama": ("generated", "generated"), "llama-135m": ("generated", "generated"),
-                      "smollm2-135m": ("converted", "not pulled")}
+                      "tiny-moe": ("generated", "generated"), "smollm2-135m": ("converted", "not pulled")}
     (tmp_path / "models" / "smollm2-135m-v1").mkdir(parents=True)
     assert cli.main(["models", "list", "--json"]) == 0
     listed = {entry["name"]: entry for entry in json.loads(capsys.readouterr().out)}
@@ -128,7 +128,7 @@ def test_models_list(tmp_path, monkeypatch, capsys):
     assert cli.main(["models", "list"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == ["NAME", "KIND", "PARAMS", "DISK", "STATE", "PATH"]
-    assert table[3].split()[:3] == ["smollm2-135m", "converted", "134.5M"]
+    assert table[4].split()[:3] == ["smollm2-135m", "converted", "134.5M"]
 
 
 def test_cache_dir_follows_xdg(tmp_path, monkeypatch):

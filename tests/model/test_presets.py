@@ -136,7 +136,7 @@ def test_resolve_model(tiny_dir: Path, tmp_path: Path) -> None:
     assert resolve_model(str(tiny_dir)) == tiny_dir
     (tmp_path / "no_config").mkdir()
     for model in (str(tmp_path / "no_config"), str(tmp_path / "missing"), "llama-7b"):
-        message = (f"model '{model}' is neither a preset (tiny-llama, llama-135m, smollm2-135m) nor a directory "
+        message = (f"model '{model}' is neither a preset (tiny-llama, llama-135m, tiny-moe, smollm2-135m) nor a directory "
                    "with config.json")
         with pytest.raises(ValueError) as error:
             resolve_model(model, tmp_path)

@@ -1,0 +1,241 @@
+"""A sparse mixture-of-experts layer on one rank: the router's top-k, and the experts in their TP or EP form."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from services.model.layers import ShardLoader, TPGroup
+from services.model.spec import ModelSpec
+from services.topology import WorkerPlacement
+from services.topology.experts import expert_tensor_names, router_tensor_name
+
+ExpertWeights = tuple[torch.Tensor, ...]  # (gate_up [2 * I_local, hidden], down [hidden, I_local]) of one slot
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
+          cast_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's router, in its order of operations: softmax in float32, top-k, optional renormalization;
+    Qwen3-MoE casts the weights back to x's dtype (cast_weights), Mixtral keeps them in float32 (its weighted sum
+    is then taken in float32). x [T, hidden] -> (weights [T, k], logical expert ids [T, k] int64)."""
+    probs = F.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)  # [T, E]
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights.to(x.dtype) if cast_weights else weights), experts
+
+
+def expert_mlp(x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+    """SwiGLU of one expert (or its intermediate slice: then partial sums). x [N, hidden] -> [N, hidden]."""
+    gate_up, down = weights
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
+
+
+def load_expert(loader: ShardLoader, style: str, layer: int, expert: int, intermediate: range) -> ExpertWeights:
+    """One logical expert's weights from the checkpoint, cut to `intermediate` (gate/up rows, down columns)."""
+    gate, up, down = expert_tensor_names(style, layer, expert)
+    return (torch.cat([loader.rows(gate, intermediate), loader.rows(up, intermediate)]),  # [2 * I_local, hidden]
+            loader.cols(down, intermediate))  # [hidden, I_local]
+
+
+def copy_tables(phy2log: Sequence[int], num_experts: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per logical expert: its number of copies [E], and its slots in ascending order [E, max copies] (padded)."""
+    slots: list[list[int]] = [[] for _ in range(num_experts)]
+    for slot, logical in enumerate(phy2log):
+        slots[logical].append(slot)
+    width = max(len(s) for s in slots)
+    table = torch.tensor([s + [s[0]] * (width - len(s)) for s in slots], dtype=torch.int64, device=device)
+    counts = torch.tensor([len(s) for s in slots], dtype=torch.int64, device=device)
+    return counts, table
+
+
+def physical_slots(experts: torch.Tensor, num_copies: torch.Tensor, copy_slots: torch.Tensor) -> torch.Tensor:
+    """The slot each (token, k) assignment goes to: copy (token row % copies) of its logical expert, copies in
+    ascending slot order (the convention every rank shares). experts [T, k] -> slots [T, k]."""
+    rows = torch.arange(experts.shape[0], device=experts.device)[:, None]  # [T, 1]
+    return copy_slots[experts, rows % num_copies[experts]]
+
+
+def check_expert_map(phy2log: Sequence[int], num_experts: int, num_physical: int) -> tuple[int, ...]:
+    """The map as a tuple; ValueError unless it has num_physical slots, each a logical expert, and every logical
+    expert has at least one slot."""
+    phy2log = tuple(int(e) for e in phy2log)
+    if len(phy2log) != num_physical:
+        raise ValueError(f"expert map has {len(phy2log)} slots, the placement has {num_physical}")
+    if any(not 0 <= e < num_experts for e in phy2log):
+        raise ValueError(f"expert map {phy2log} names experts outside 0..{num_experts - 1}")
+    if missing := sorted(set(range(num_experts)) - set(phy2log)):
+        raise ValueError(f"expert map {phy2log} has no slot for logical experts {missing}")
+    return phy2log
+
+
+class SparseMoeBlock:
+    """One sparse layer's router and this rank's experts.
+
+    TP form (ep_size 1): every expert's `expert_intermediate` slice; the routed partial outputs are summed locally
+    and reduced with ONE all-reduce over the TP group. EP form (ep_size > 1): whole experts of the physical slots
+    `expert_slots`; each (token, k) assignment travels to the rank owning its slot and back by all-to-all, so a
+    rank only ever computes the experts it holds. Both forms keep the router whole: routing is decided where the
+    token lives, with no collective."""
+
+    def __init__(self, spec: ModelSpec, wp: WorkerPlacement, layer_id: int, loader: ShardLoader, group: TPGroup,
+                 phy2log: Sequence[int] | None = None, previous: SparseMoeBlock | None = None) -> None:
+        """group: the TP group (TP form) or the stage's EP group (EP form). phy2log: the logical expert of every
+        physical slot (None: the identity; the TP form accepts only the identity). previous: this layer's block
+        before a reconfiguration: the router and the experts it holds with the same intermediate slice are shared,
+        not loaded again (an EP -> TP switch at full width reloads only the experts this rank lacked)."""
+        self.layer_id = layer_id
+        self.num_experts = spec.num_experts
+        self.top_k = spec.num_experts_per_tok
+        self.renormalize = spec.norm_topk_prob
+        self.cast_weights = spec.moe_style != "mixtral"
+        self.is_expert_parallel = wp.ep_size > 1
+        self.slots = wp.expert_slots
+        self.intermediate = wp.expert_intermediate
+        self.group = group
+        num_physical = len(phy2log) if phy2log is not None else spec.num_experts
+        if len(self.slots) * wp.ep_size != num_physical:
+            raise ValueError(f"layer {layer_id}: {wp.ep_size} ranks of {len(self.slots)} slots do not hold the "
+                             f"{num_physical} physical experts of the map")
+        self.phy2log = check_expert_map(phy2log if phy2log is not None else range(num_physical), spec.num_experts,
+                                        num_physical)
+        if not self.is_expert_parallel and self.phy2log != tuple(range(spec.num_experts)):
+            raise ValueError(f"layer {layer_id}: a TP layout holds every expert once; its map must be the identity")
+        held: dict[int, ExpertWeights] = {}  # by logical expert
+        if previous is not None:
+            self.router = previous.router  # [E, hidden]
+            if previous.intermediate == self.intermediate:
+                held = {previous.phy2log[s]: w for s, w in zip(previous.slots, previous.experts, strict=True)}
+        else:
+            self.router = loader.full(router_tensor_name(spec.moe_style, layer_id))  # [E, hidden]
+        self.experts = self._load_experts(loader, spec.moe_style, held)  # by local slot
+        device = self.router.device
+        self.num_copies, self.copy_slots = copy_tables(self.phy2log, self.num_experts, device)
+        self.load = torch.zeros(num_physical, dtype=torch.int64, device=device)  # (token, k) assignments per slot
+        # In TP form every rank of the group routes the same tokens: only rank 0 counts them, so summing the
+        # stage's counters gives the true load in both forms.
+        self.counts_load = self.is_expert_parallel or wp.tp_rank == 0
+
+    def _load_experts(self, loader: ShardLoader, style: str, held: dict[int, ExpertWeights]) -> list[ExpertWeights]:
+        """The weights of every local slot: `held` ones shared, the others loaded (two local slots of one logical
+        expert share its tensors)."""
+        experts = []
+        for slot in self.slots:
+            logical = self.phy2log[slot]
+            if logical not in held:
+                held[logical] = load_expert(loader, style, self.layer_id, logical, self.intermediate)
+            experts.append(held[logical])
+        return experts
+
+    @property
+    def num_physical(self) -> int:
+        """Physical expert slots of this layer across the stage."""
+        return len(self.phy2log)
+
+    def regrouped(self, group: TPGroup) -> SparseMoeBlock:
+        """The same weights (shared, not copied) over another group; a fresh load counter."""
+        block = copy.copy(self)
+        block.group = group
+        block.experts = list(self.experts)
+        block.load = torch.zeros_like(self.load)
+        return block
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] (T may be 0: the rank still joins the collectives) -> [T, hidden], reduced over the group."""
+        weights, experts = route(x, self.router, self.top_k, self.renormalize, self.cast_weights)  # [T, k] each
+        slots = physical_slots(experts, self.num_copies, self.copy_slots)  # [T, k]
+        if self.counts_load:
+            self.load += torch.bincount(slots.reshape(-1), minlength=self.num_physical)
+        if self.is_expert_parallel:
+            return self._expert_parallel(x, weights, slots)
+        return self.group.all_reduce(self._combine_local(x, weights, slots))
+
+    def _combine_local(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """TP form: sum of every assignment's weighted expert (slice) output, per token. -> [T, hidden] partial."""
+        flat = slots.reshape(-1)  # [T * k]; TP: slot == logical expert
+        order = torch.argsort(flat, stable=True)
+        rows = order // self.top_k  # token of each sorted assignment
+        outputs = self._run_experts(x.index_select(0, rows), flat[order], self.slots.start)  # [T * k, hidden]
+        return self._weighted_sum(x, outputs, weights.reshape(-1)[order], rows)
+
+    def _expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """EP form: dispatch each assignment to its slot's rank, compute there, combine back. -> [T, hidden]."""
+        flat = slots.reshape(-1)  # [T * k]
+        order = torch.argsort(flat, stable=True)  # by slot, hence by destination rank (slots are contiguous)
+        sorted_slots = flat[order]
+        rows = order // self.top_k
+        size = self.group.size
+        send_counts = torch.bincount(sorted_slots // len(self.slots), minlength=size)  # [ep]
+        recv_counts = torch.empty_like(send_counts)
+        self.group.all_to_all(recv_counts, send_counts, [1] * size, [1] * size)
+        sends, recvs = send_counts.tolist(), recv_counts.tolist()
+        hidden = x.shape[1]
+        received = x.new_empty((sum(recvs), hidden))
+        self.group.all_to_all(received, x.index_select(0, rows), recvs, sends)  # dispatch
+        received_slots = sorted_slots.new_empty(sum(recvs))
+        self.group.all_to_all(received_slots, sorted_slots, recvs, sends)
+        local_order = torch.argsort(received_slots, stable=True)
+        computed = self._run_experts(received.index_select(0, local_order), received_slots[local_order],
+                                     self.slots.start)
+        results = torch.empty_like(computed).index_copy_(0, local_order, computed)  # back in arrival order
+        returned = x.new_empty((len(flat), hidden))
+        self.group.all_to_all(returned, results, sends, recvs)  # combine: row j answers sorted assignment j
+        return self._weighted_sum(x, returned, weights.reshape(-1)[order], rows)
+
+    def _run_experts(self, inputs: torch.Tensor, slots: torch.Tensor, first_slot: int) -> torch.Tensor:
+        """inputs [N, hidden] sorted by slot (all local) -> each row through its slot's expert, [N, hidden]."""
+        counts = torch.bincount(slots - first_slot, minlength=len(self.experts)).tolist()
+        outputs = inputs.new_empty(inputs.shape)
+        start = 0
+        for local, count in enumerate(counts):
+            if count:
+                outputs[start:start + count] = expert_mlp(inputs[start:start + count], self.experts[local])
+                start += count
+        return outputs
+
+    @staticmethod
+    def _weighted_sum(x: torch.Tensor, outputs: torch.Tensor, weights: torch.Tensor,
+                      rows: torch.Tensor) -> torch.Tensor:
+        """Sum over k of weight * expert output, per token (as transformers: the product in the weights' dtype,
+        then cast to x's). outputs [T*k, hidden], weights [T*k], rows [T*k] -> [T, hidden]."""
+        weighted = (outputs * weights[:, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, rows, weighted)
+
+    def take_load(self) -> torch.Tensor:
+        """The assignments counted per physical slot since the last call; the counter restarts at zero."""
+        load, self.load = self.load, torch.zeros_like(self.load)
+        return load
+
+    def slot_weights(self, slot: int) -> ExpertWeights:
+        """The weights of a physical slot this rank holds (to copy to a peer): (gate_up, down)."""
+        if slot not in self.slots:
+            raise KeyError(f"layer {self.layer_id}: slot {slot} is not held here (slots {self.slots})")
+        return self.experts[slot - self.slots.start]
+
+    def remap(self, phy2log: Sequence[int], new_weights: Mapping[int, ExpertWeights]) -> None:
+        """Install a new physical -> logical map and the weights of the local slots whose expert changed, in one
+        go: everything is checked before anything changes. Slots not given keep their tensors (no copy)."""
+        if not self.is_expert_parallel:
+            raise ValueError("a TP layout has no expert map to change")
+        phy2log = check_expert_map(phy2log, self.num_experts, self.num_physical)
+        if foreign := sorted(set(new_weights) - set(self.slots)):
+            raise ValueError(f"layer {self.layer_id}: slots {foreign} are not held here (slots {self.slots})")
+        for slot, weights in new_weights.items():
+            held = self.slot_weights(slot)
+            if len(weights) != len(held) or any(w.shape != h.shape for w, h in zip(weights, held)):
+                raise ValueError(f"layer {self.layer_id}: slot {slot}'s new weights have shapes "
+                                 f"{[tuple(w.shape) for w in weights]}, expected {[tuple(h.shape) for h in held]}")
+        if moved := [s for s in self.slots if phy2log[s] != self.phy2log[s] and s not in new_weights]:
+            raise ValueError(f"layer {self.layer_id}: slots {moved} change expert but got no weights")
+        for slot, weights in new_weights.items():
+            self.experts[slot - self.slots.start] = tuple(weights)
+        self.phy2log = phy2log
+        self.num_copies, self.copy_slots = copy_tables(phy2log, self.num_experts, self.router.device)
+
+    def parameter_tensors(self) -> list[torch.Tensor]:
+        """The router and every expert tensor held (a logical expert in two local slots appears twice)."""
+        return [self.router, *(t for weights in self.experts for t in weights)]
