@@ -118,6 +118,8 @@ class EngineStats:
 
     num_running: int = 0
     num_waiting: int = 0
+    # Per worker: in EP layouts each data-parallel rank has its own pool of num_kv_blocks_total blocks (what Rebind
+    # sets), and num_kv_blocks_used is the fullest rank's, so used <= total still reads as the KV cache usage.
     num_kv_blocks_total: int = 0
     num_kv_blocks_used: int = 0
     num_preemptions: int = 0
@@ -127,6 +129,8 @@ class EngineStats:
     is_frozen: bool = False
     extra: dict[str, float] = field(default_factory=dict)
     stalled: str = ""                  # why no step can run (a worker failed a step); "" when steps can run
+    # EP layouts: blocks in use by data-parallel rank (router-local: RouterStats does not carry it); () otherwise.
+    num_kv_blocks_used_per_dp_rank: tuple[int, ...] = ()
 
 
 class EngineProtocol(Protocol):

@@ -3,7 +3,9 @@
 Each schedule() builds one micro-batch from the sequences not in flight: decodes of running sequences first,
 then the rest of running chunked prefills (each pass oldest first), then new prefills from the waiting queue
 (FCFS), within the token budget, max_num_seqs and the free KV blocks. With pipeline parallelism up to
-num_inflight_batches (= pp) disjoint micro-batches are in flight.
+num_inflight_batches (= pp) disjoint micro-batches are in flight. With data-parallel attention (EP layouts) each
+DP rank has its own KV pool (services.router.dp): a request is bound to one while it holds blocks, and everything
+below about blocks holds per rank (a victim frees blocks only for sequences of its own rank).
 
 When a running sequence cannot get a block, it preempts by recompute the newest running sequence that is
 newer than itself and not in flight, taking it out of this micro-batch if it was put there: the victim's
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 from services.router.block_manager import BlockManager, num_blocks_for
 from services.router.config import SchedulerConfig
 from services.router.contracts import QueueFullError, RequestError
+from services.router.dp import DataParallelBlocks
 from services.router.sequence import Sequence, SequenceStatus
 from services.worker.step import SequenceOutput, SequenceStep, TokenLogprob
 
@@ -72,9 +75,11 @@ class SequenceUpdate:
 class Scheduler:
     """Owns the waiting and running queues; builds micro-batches and applies their results."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+    def __init__(self, config: SchedulerConfig, block_manager: DataParallelBlocks | BlockManager,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        if isinstance(block_manager, BlockManager):  # one pool: the layouts without data-parallel attention
+            block_manager = DataParallelBlocks.of(block_manager)
         self.block_manager = block_manager
         self.clock = clock
         self.waiting: deque[Sequence] = deque()   # FCFS; preempted sequences go to the front
@@ -101,9 +106,9 @@ class Scheduler:
                 f"the prompt ({num_prompt} tokens) plus max_tokens ({seq.max_tokens}) is "
                 f"{num_prompt + seq.max_tokens} tokens, more than the context of {max_model_len} tokens"
             )
-        if (needed := self._max_blocks(seq)) > self.block_manager.num_total:
-            raise RequestError(f"the request needs {needed} KV blocks, the cache has "
-                               f"{self.block_manager.num_total}")
+        if (needed := self._max_blocks(seq)) > (capacity := self.block_manager.num_blocks_per_rank):
+            cache = "the cache has" if self.block_manager.num_ranks == 1 else "each data-parallel rank's cache has"
+            raise RequestError(f"the request needs {needed} KV blocks, {cache} {capacity}")
         if seq.request_id in self._sequences:
             raise RequestError(f"request id {seq.request_id!r} is already in use")
         if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_ids:
@@ -124,7 +129,7 @@ class Scheduler:
             return None
         budget = self.config.max_num_batched_tokens
         items: dict[str, ScheduledItem] = {}  # by request_id, in the order scheduled
-        short_of_blocks = False
+        short_ranks: set[int | None] = set()  # DP ranks where a running sequence lacked blocks (None: it had none)
         # Decodes first (one token each), then the next chunks of running prefills; each pass oldest first.
         for decodes in (True, False):
             for seq in list(self.running):
@@ -138,8 +143,8 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill and num_new_tokens < seq.num_uncomputed_tokens:
                     continue
                 while not self.block_manager.append_slots(seq, num_new_tokens):
-                    short_of_blocks = True
-                    victim = self._newest_running(newer_than=seq)
+                    short_ranks.add(rank := self.block_manager.rank_of(seq))
+                    victim = self._newest_running(newer_than=seq, rank=rank)
                     if victim is None:
                         break  # seq waits: older sequences, or newer ones in flight, hold the blocks it lacks
                     self._preempt(victim)
@@ -148,16 +153,17 @@ class Scheduler:
                 else:
                     items[seq.request_id] = self._item(seq, num_new_tokens)
                     budget -= num_new_tokens
-        # New prefills, FCFS, only in a step where every running sequence got its blocks (they are short otherwise).
-        while (not short_of_blocks and self.waiting and budget > 0
+        # New prefills, FCFS, only into ranks where every running sequence got its blocks (they are short otherwise).
+        while (None not in short_ranks and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             num_new_tokens = min(seq.num_uncomputed_tokens, budget)
             if not self.config.enable_chunked_prefill and num_new_tokens < seq.num_uncomputed_tokens:
                 break
-            if not self.block_manager.can_allocate(self.block_manager.num_blocks_needed(seq, num_new_tokens)):
+            needed = self.block_manager.num_blocks_needed(seq, num_new_tokens)
+            if not self.block_manager.can_allocate(needed, seq, excluded_ranks=short_ranks):
                 break
-            self.block_manager.allocate(seq, num_new_tokens)
+            self.block_manager.allocate(seq, num_new_tokens, excluded_ranks=short_ranks)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             seq.num_prefills += 1
@@ -260,13 +266,16 @@ class Scheduler:
     def _age(self, seq: Sequence) -> int:
         return self._admission_index[seq.request_id]  # add() order: larger = newer
 
-    def _newest_running(self, newer_than: Sequence | None = None, among: set[str] | None = None) -> Sequence | None:
-        """The newest running sequence not in flight (newer than `newer_than`, owning one of `among`); None if none."""
+    def _newest_running(self, newer_than: Sequence | None = None, among: set[str] | None = None,
+                        rank: int | None = None) -> Sequence | None:
+        """The newest running sequence not in flight (newer than `newer_than`, owning one of `among`, not bound to a
+        DP rank other than `rank`: its blocks would be of no use there); None if none."""
         oldest = -1 if newer_than is None else self._age(newer_than)
         for seq in reversed(self.running):  # newest first
             if self._age(seq) <= oldest:
                 return None
-            if seq.request_id not in self._inflight_ids and (among is None or seq.request_id in among):
+            if (seq.request_id not in self._inflight_ids and (among is None or seq.request_id in among)
+                    and (rank is None or self.block_manager.rank_of(seq) in (None, rank))):
                 return seq
         return None
 
@@ -292,7 +301,8 @@ class Scheduler:
         return self._is_frozen
 
     def rebind(self, num_blocks: int) -> list[Sequence]:
-        """Take a new KV capacity (REBINDING); preempts, newest first, the owners of ids past it. Returns them."""
+        """Take a new KV capacity per DP rank (REBINDING); preempts, newest first, the owners of ids past it in any
+        rank. Returns them."""
         if not self._is_frozen or self._inflight:
             raise RuntimeError("rebind needs a frozen scheduler with nothing in flight")
         if num_blocks < 1:
@@ -301,8 +311,7 @@ class Scheduler:
         if too_large:
             raise ValueError(f"{len(too_large)} requests (e.g. {too_large[0]!r}) need more than {num_blocks} blocks")
         preempted = []
-        while blocking := self.block_manager.resize(num_blocks):
-            owners = {self.block_manager.owner(block_id) for block_id in blocking}
+        while owners := self.block_manager.resize(num_blocks):  # every DP rank takes the new size
             victim = self._newest_running(among=owners)
             self._preempt(victim)
             self.num_switch_preemptions += 1
@@ -328,6 +337,8 @@ class Scheduler:
 
     def _item(self, seq: Sequence, num_new_tokens: int) -> ScheduledItem:
         start = seq.num_computed_tokens
+        if (dp_rank := self.block_manager.rank_of(seq)) is None:
+            raise RuntimeError(f"{seq.request_id} is scheduled without KV blocks")
         sample = start + num_new_tokens == seq.num_tokens and seq.max_tokens > 0
         step = SequenceStep(
             request_id=seq.request_id,
@@ -337,6 +348,7 @@ class Scheduler:
             sampling=seq.sampling,
             sample=sample,
             num_generated=len(seq.output_token_ids),
+            dp_rank=dp_rank,
             **_sampling_context(seq, start, num_new_tokens, sample),
         )
         return ScheduledItem(seq, step)
