@@ -1,4 +1,5 @@
-"""`reconfigctl`: the operator's command line for the controller: `status`, `plan` and `reconfigure`."""
+"""`reconfigctl`: the operator's command line for the controller: `status`, `plan`, `reconfigure`, `add-worker` and
+`eplb status|rebalance` (MoE expert load balancing)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,19 @@ from services.controller.client import (
     EXIT_OK,
     CommandFailed,
     Target,
+    fetch_expert_status,
     fetch_plan,
     fetch_status,
     resolve_target,
     run_add_worker,
+    run_rebalance,
     run_reconfigure,
 )
+from services.controller.eplb_view import balance_line, format_expert_status, format_rebalance, message_to_json
 from services.controller.progress import PhaseDisplay, format_bytes, operation_lines, ordered_phases, outcome_line
 from services.controller.status import OperationState, OperationStatus, StackStatus, WorkerState, WorkerStatus
-from services.rpc.reconfig.v1 import controller_pb2
+from services.rpc.reconfig.v1 import controller_pb2, router_pb2
+from services.topology import Topology, TopologyError
 
 DEFAULT_TIMEOUT_S = 10.0   # status and plan; reconfigure waits for the operation (the controller has a deadline)
 
@@ -45,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--token-file", type=Path, default=os.environ.get("RECONFIG_TOKEN_FILE"),
                         help="control-plane token file (default: $RECONFIG_TOKEN_FILE, else the stack file)")
     common.add_argument("--timeout", type=float, default=None,
-                        help=f"seconds to wait for the controller (default: {DEFAULT_TIMEOUT_S:g}; reconfigure: "
-                             "until the operation ends)")
+                        help=f"seconds to wait for the controller (default: {DEFAULT_TIMEOUT_S:g}; reconfigure and "
+                             "eplb rebalance: until the operation ends)")
     parser = argparse.ArgumentParser(prog="reconfigctl", description="Inspect and steer a running reconfig stack.")
     commands = parser.add_subparsers(dest="command", required=True)
     status = commands.add_parser("status", parents=[common],
@@ -71,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--topology", default="", help="switch into this layout once it has joined (e.g. tp2pp2)")
     add.add_argument("--operation-id", default="", help="idempotency key (default: a new one)")
     add.add_argument("--json", action="store_true", help="print the result as JSON")
+    eplb = commands.add_parser("eplb", help="MoE expert load balancing (EP layouts): its status, or a rebalance now")
+    eplb_commands = eplb.add_subparsers(dest="eplb_command", required=True)
+    eplb_status = eplb_commands.add_parser(
+        "status", parents=[common], help="per sparse layer: balancedness, rank loads and the physical -> logical map")
+    rebalance = eplb_commands.add_parser(
+        "rebalance", parents=[common], help="rebalance the experts now, while serving (exit 0 done, 1 failed, "
+                                            "2 refused); waits until the new map is live")
+    for command in (eplb_status, rebalance):
+        command.add_argument("--json", action="store_true", help="print the result as JSON")
     return parser
 
 
@@ -116,8 +130,9 @@ def _operation_line(op: OperationStatus | None) -> str:
     return line
 
 
-def format_table(status: StackStatus) -> str:
-    """The human view of a status: header, one row per worker, requests and the last operation."""
+def format_table(status: StackStatus, experts_line: str = "") -> str:
+    """The human view of a status: header, one row per worker, requests, the experts' balance (EP layouts) and
+    the last operation."""
     lines = [f"topology: {status.topology}    state: {status.state.name}    model: {status.model or '-'}"]
     if status.reason:
         lines.append(f"reason: {status.reason}")
@@ -148,6 +163,8 @@ def format_table(status: StackStatus) -> str:
         lines.append(f"requests: {router.num_running} running, {router.num_waiting} waiting    "
                      f"KV cache: {router.num_kv_blocks_used}/{router.num_kv_blocks_total} blocks ({usage:.1%})    "
                      f"preemptions: {router.num_preemptions}")
+    if experts_line:
+        lines.append(experts_line)
     lines.append(_operation_line(status.last_operation))
     if status.last_operation is not None:
         lines += operation_lines(status.last_operation)
@@ -186,10 +203,36 @@ def plan_to_json(plan: controller_pb2.PlanResponse) -> dict:
     return {**scalars(plan), "workers": [scalars(w) for w in plan.workers]}
 
 
+def _is_expert_parallel(topology: str) -> bool:
+    try:
+        return Topology.parse(topology).is_expert_parallel
+    except TopologyError:
+        return False
+
+
 def _status_command(args: argparse.Namespace, target: Target) -> int:
-    status = fetch_status(target, args.timeout or DEFAULT_TIMEOUT_S)
-    print(json.dumps(status.to_json(), indent=2) if args.json else format_table(status))
+    timeout_s = args.timeout or DEFAULT_TIMEOUT_S
+    status = fetch_status(target, timeout_s)
+    experts: router_pb2.ExpertStatusResponse | str | None = None  # asked only in EP layouts (it asks every worker)
+    if _is_expert_parallel(status.topology):
+        try:
+            experts = fetch_expert_status(target, timeout_s)
+        except CommandFailed as exc:  # the status itself is still worth showing
+            experts = str(exc)
+    if args.json:
+        out = status.to_json()
+        if experts is not None:
+            out["experts"] = {"error": experts} if isinstance(experts, str) else message_to_json(experts)
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_table(status, _experts_line(experts)))
     return EXIT_OK
+
+
+def _experts_line(experts: router_pb2.ExpertStatusResponse | str | None) -> str:
+    if experts is None:
+        return ""
+    return f"experts: unknown ({experts})" if isinstance(experts, str) else balance_line(experts)
 
 
 def _plan_command(args: argparse.Namespace, target: Target) -> int:
@@ -235,8 +278,18 @@ def _add_worker_command(args: argparse.Namespace, target: Target) -> int:
     return EXIT_OK
 
 
+def _eplb_command(args: argparse.Namespace, target: Target) -> int:
+    if args.eplb_command == "status":
+        response = fetch_expert_status(target, args.timeout or DEFAULT_TIMEOUT_S)
+        print(json.dumps(message_to_json(response), indent=2) if args.json else format_expert_status(response))
+    else:  # rebalance: like reconfigure, it waits for the operation unless --timeout says otherwise
+        response = run_rebalance(target, args.timeout)
+        print(json.dumps(message_to_json(response), indent=2) if args.json else format_rebalance(response))
+    return EXIT_OK
+
+
 _COMMANDS = {"status": _status_command, "plan": _plan_command, "reconfigure": _reconfigure_command,
-             "add-worker": _add_worker_command}
+             "add-worker": _add_worker_command, "eplb": _eplb_command}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _COMMANDS[args.command](args, resolve_target(args.controller, args.token_file))
     except CommandFailed as exc:
-        print(f"reconfigctl {args.command}: {exc}", file=sys.stderr)
+        name = " ".join(filter(None, (args.command, getattr(args, "eplb_command", None))))
+        print(f"reconfigctl {name}: {exc}", file=sys.stderr)
         return exc.exit_code
 
 

@@ -12,11 +12,12 @@ from services.controller.progress import PhaseDisplay
 from services.controller.status import OperationStatus, StackStatus
 from services.launch.stackfile import StackFile, StackNotFoundError
 from services.rpc.auth import auth_metadata, read_token_file
-from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc
+from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc, router_pb2
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2   # 2 is also argparse's usage error
 WATCH_INTERVAL_S = 0.1     # how often the progress display hears from the controller while a phase runs
 _REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+ROUTER_ERROR_PREFIX = "router at "  # the controller's message for an error of a call it forwarded to the router
 
 
 class CommandFailed(RuntimeError):
@@ -57,6 +58,8 @@ def resolve_target(controller: str | None, token_file: Path | None) -> Target:
 def _rpc_failure(exc: grpc.RpcError, target: Target) -> CommandFailed:
     """What a failed call means to the operator: unreachable (1), refused (2, the server's message) or failed."""
     code, details = exc.code(), exc.details()
+    if code not in _REFUSALS and (details or "").startswith(ROUTER_ERROR_PREFIX):  # a call the controller forwarded
+        return CommandFailed(f"{code.name} from the {details}")
     if code is grpc.StatusCode.UNAUTHENTICATED:
         return Unreachable(f"the controller at {target.controller_address} refused the token: {details}")
     if code in _REFUSALS:
@@ -130,6 +133,33 @@ def run_add_worker(target: Target, request: controller_pb2.AddWorkerRequest,
         except grpc.RpcError as exc:
             raise _rpc_failure(exc, target) from None
     return OperationStatus.from_pb(pb)
+
+
+def fetch_expert_status(target: Target, timeout_s: float) -> router_pb2.ExpertStatusResponse:
+    """Controller.ExpertStatus (the router's expert maps and balancedness)."""
+    with grpc.insecure_channel(target.controller_address) as channel:
+        stub = controller_pb2_grpc.ControllerStub(channel)
+        try:
+            return stub.ExpertStatus(router_pb2.ExpertStatusRequest(), timeout=timeout_s,
+                                     metadata=auth_metadata(target.token))
+        except grpc.RpcError as exc:
+            raise _rpc_failure(exc, target) from None
+
+
+def run_rebalance(target: Target, timeout_s: float | None) -> router_pb2.RebalanceExpertsResponse:
+    """Controller.RebalanceExperts: returns once the new expert map is live (exit 2 when refused, 1 when a worker
+    failed it and the old map stays)."""
+    with grpc.insecure_channel(target.controller_address) as channel:
+        stub = controller_pb2_grpc.ControllerStub(channel)
+        try:
+            return stub.RebalanceExperts(router_pb2.RebalanceExpertsRequest(), timeout=timeout_s,
+                                         metadata=auth_metadata(target.token))
+        except grpc.RpcError as exc:
+            if (exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+                    and not (exc.details() or "").startswith(ROUTER_ERROR_PREFIX)):
+                raise CommandFailed(f"no answer within {timeout_s:g} s; the rebalance may go on in the router "
+                                    "(`reconfigctl eplb status` shows its epoch)") from None
+            raise _rpc_failure(exc, target) from None
 
 
 def _follow(watch, operation_id: str, display: PhaseDisplay) -> None:

@@ -6,6 +6,7 @@ import time
 
 import grpc
 
+from services.controller.experts import ExpertOperations, NoRouter, RouterCallFailed
 from services.controller.state import ControllerState
 from services.controller.status import OperationState, OperationStatus
 from services.controller.plan import plan_switch
@@ -19,13 +20,15 @@ MIN_WATCH_INTERVAL_S = 0.1  # a client cannot make the controller spin
 
 
 class ControllerServicer(controller_pb2_grpc.ControllerServicer):
-    """GetStatus and WatchStatus over ControllerState; Reconfigure and Plan over the Reconfigurer."""
+    """GetStatus and WatchStatus over ControllerState; Reconfigure and Plan over the Reconfigurer; the EPLB RPCs
+    over ExpertOperations (forwarded to the router)."""
 
     def __init__(self, state: ControllerState, reconfigurer: Reconfigurer | None = None,
-                 recoverer: Recoverer | None = None) -> None:
+                 recoverer: Recoverer | None = None, experts: ExpertOperations | None = None) -> None:
         self.state = state
         self.reconfigurer = reconfigurer
         self.recoverer = recoverer or (Recoverer(reconfigurer) if reconfigurer is not None else None)
+        self.experts = experts or ExpertOperations.for_state(state, reconfigurer)
 
     async def GetStatus(self, request, context):  # noqa: N802 (gRPC naming)
         """The state of the stack, refreshed before answering."""
@@ -80,9 +83,28 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             await context.abort(status_code_for(exc), str(exc))
         return operation.to_pb()
 
+    async def ExpertStatus(self, request, context):  # noqa: N802
+        """MoE: the router's expert maps, rank loads and balancedness."""
+        try:
+            return await self.experts.status()
+        except (NoRouter, RouterCallFailed) as exc:
+            await context.abort(_expert_code(exc), str(exc))
+
+    async def RebalanceExperts(self, request, context):  # noqa: N802
+        """MoE: an EPLB rebalance now; refused while a layout operation runs, and holds new ones off until done."""
+        try:
+            return await self.experts.rebalance()
+        except (NoRouter, RouterCallFailed, OperationBusy) as exc:
+            await context.abort(_expert_code(exc), str(exc))
+
     async def _reconfigurer(self, context) -> Reconfigurer:
         if self.reconfigurer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this controller cannot reconfigure: it was started without a model directory "
                                 "or a router")
         return self.reconfigurer
+
+
+def _expert_code(exc: BaseException) -> grpc.StatusCode:
+    """A forwarded call keeps the router's code; no router, or another operation running, is a precondition."""
+    return exc.code if isinstance(exc, RouterCallFailed) else grpc.StatusCode.FAILED_PRECONDITION

@@ -39,6 +39,7 @@ class ControllerConfig:
     rpc_timeout_s: float = 2.0                 # deadline of each GetInfo / Stats call
     model_dir: str = ""                        # checkpoint directory: Reconfigure validates targets against it
     switch_rpc_timeout_s: float = 120.0        # deadline of each RPC of a Reconfigure transaction
+    eplb_rpc_timeout_s: float = 300.0          # deadline of a forwarded RebalanceExperts (prepare + commit)
     state_file: str = ""                       # where the live layout and the last operation survive a restart
     heartbeat_misses: int = 2                  # refreshes a worker may miss in a row before it counts as lost
 

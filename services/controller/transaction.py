@@ -95,6 +95,11 @@ class Reconfigurer:
         """Parse and validate against the model and the worker count (TopologyError says why not)."""
         target = SwitchTarget(Topology.parse(topology), tuple(layer_partition) or None)
         validate(target.topology, self.spec.shape, len(self.workers), target.layer_partition)
+        live = self.state.topology
+        if live != target.topology and (live.is_expert_parallel or target.topology.is_expert_parallel):
+            # The KV of data-parallel attention belongs to requests, not heads: it needs its own move.
+            raise TopologyError(f"{live} -> {target.topology}: a live switch to or from an expert-parallel layout "
+                                "is not supported yet (issue 14)")
         return target
 
     async def reconfigure(self, topology: str, operation_id: str = "", deadline_s: float = 0.0,

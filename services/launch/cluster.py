@@ -44,6 +44,8 @@ class ClusterConfig:
     candidate_topologies: tuple[str, ...] | None = None  # groups built at start (None: every valid topology)
     token: str | None = None             # control-plane token the workers require (None: no auth, tests)
     faults: str = ""                     # fault-injection rules for the workers (tests only)
+    num_redundant_experts: int = 0       # MoE: extra expert slots per layer in EP layouts (EPLB replicas)
+    eplb_window: int = 1000              # MoE: steps of expert load each worker keeps (EPLB's sliding window)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the children
 
 
@@ -92,7 +94,8 @@ class LocalCluster:
         self.model_dir = resolve_model(config.model)
         self.spec = ModelSpec.from_dir(self.model_dir)
         self.topology = Topology.parse(config.topology)
-        validate(self.topology, self.spec.shape, config.num_workers, config.layer_partition)
+        validate(self.topology, self.spec.shape, config.num_workers, config.layer_partition,
+                 config.num_redundant_experts)
         self.weightstore_address = ""
         self.worker_addresses: list[str] = []
         self._processes: list[tuple[str, int, mp.process.BaseProcess]] = []  # (name, tier, process)
@@ -162,7 +165,8 @@ class LocalCluster:
             gpu=self.gpus[rank] if self.gpus else None, gpu_sharing=cfg.gpu_sharing,
             block_size=cfg.block_size, host=cfg.host, collective_timeout_s=cfg.collective_timeout_s,
             parent_pid=os.getpid(), num_threads=cfg.num_threads, candidate_topologies=cfg.candidate_topologies,
-            token=cfg.token, faults=cfg.faults,
+            token=cfg.token, faults=cfg.faults, num_redundant_experts=cfg.num_redundant_experts,
+            eplb_window=cfg.eplb_window,
         )
 
     def _spawn(self, ctx, name: str, target, *args, tier: int) -> tuple[str, Connection, mp.process.BaseProcess]:

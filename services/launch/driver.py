@@ -117,13 +117,20 @@ class Driver:
         return min(i.num_kv_blocks for i in self.infos if i.num_kv_blocks > 0)
 
     @property
+    def dp_size(self) -> int:
+        """Data-parallel attention ranks, each with its own KV pool: the EP size of an expert-parallel layout, else
+        1 (the router keeps one block accounting per rank)."""
+        return max((i.ep_size for i in self.infos if i.num_kv_blocks > 0), default=1) or 1
+
+    @property
     def block_size(self) -> int:
         return next(i.block_size for i in self.infos if i.num_kv_blocks > 0)
 
-    async def submit(self, sequences) -> asyncio.Future[StepOutput]:
+    async def submit(self, sequences, commit_expert_map: int = 0) -> asyncio.Future[StepOutput]:
         """Send a step to every active worker now; the returned future resolves with the sampled outputs.
-        Several steps may be in flight (pipeline parallelism keeps every stage busy)."""
-        batch = StepBatch(next(self._step_ids), tuple(sequences))
+        Several steps may be in flight (pipeline parallelism keeps every stage busy). commit_expert_map: the EPLB
+        epoch whose staged expert map every worker installs before this step (0: none)."""
+        batch = StepBatch(next(self._step_ids), tuple(sequences), commit_expert_map)
         request = batch.to_pb()
         futures = [stream.expect(batch.step_id) for stream in self._streams]
         # All or nothing: a step written to some workers but not others would leave a PP send/recv or a TP
@@ -143,7 +150,9 @@ class Driver:
         errors = [f"rank {o.rank}: {o.error}" for o in outputs if o.error]
         if errors:
             raise StepError(f"step {step_id} failed: " + "; ".join(errors))
-        return max(outputs, key=lambda o: len(o.outputs))  # the last stage's TP rank 0 carries the tokens
+        # The last stage's TP rank 0 carries the tokens; in an EP layout every last-stage rank carries its own.
+        return StepOutput(step_id, outputs[0].rank, tuple(o for output in outputs for o in output.outputs),
+                          compute_seconds=max(o.compute_seconds for o in outputs))
 
     async def close(self) -> None:
         for stream in self._streams:

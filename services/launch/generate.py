@@ -29,6 +29,7 @@ class Generation:
 class _Running:
     index: int
     blocks: list[int]
+    dp_rank: int = 0  # EP layouts: the data-parallel rank whose KV pool holds the blocks
     cached: int = 0  # tokens whose KV is in the cache
 
 
@@ -37,7 +38,9 @@ async def generate(driver: Driver, prompts: list[list[int]], max_tokens: int, sa
     """Generate up to `max_tokens` per prompt; stops early at a stop token. Results in input order."""
     if max_tokens < 1:
         raise ValueError("max_tokens must be >= 1")
-    block_size, free = driver.block_size, list(range(driver.num_kv_blocks - 1, -1, -1))
+    # One pool of block ids per data-parallel rank (one outside EP layouts); each request lives in one pool.
+    block_size = driver.block_size
+    pools = [list(range(driver.num_kv_blocks - 1, -1, -1)) for _ in range(driver.dp_size)]
     results = [Generation(list(p)) for p in prompts]
     for i, prompt in enumerate(prompts):
         if not prompt:
@@ -47,9 +50,12 @@ async def generate(driver: Driver, prompts: list[list[int]], max_tokens: int, sa
     waiting, running = list(range(len(prompts))), []
     while waiting or running:
         # Admit in order while each admitted request's whole KV fits (no preemption needed in this loop).
-        while waiting and num_blocks_for(len(prompts[waiting[0]]) + max_tokens, block_size) <= len(free):
+        while waiting:
             need = num_blocks_for(len(prompts[waiting[0]]) + max_tokens, block_size)
-            running.append(_Running(waiting.pop(0), [free.pop() for _ in range(need)]))
+            rank = max(range(len(pools)), key=lambda r: (len(pools[r]), -r))  # the emptiest pool, lowest rank
+            if need > len(pools[rank]):
+                break
+            running.append(_Running(waiting.pop(0), [pools[rank].pop() for _ in range(need)], rank))
         steps = []
         for seq in running:
             gen = results[seq.index]
@@ -57,7 +63,7 @@ async def generate(driver: Driver, prompts: list[list[int]], max_tokens: int, sa
             steps.append((seq, SequenceStep(
                 request_id=str(seq.index), token_ids=tuple(new), start_position=seq.cached,
                 block_table=tuple(seq.blocks), sampling=sampling, return_logits=return_logits,
-                num_generated=len(gen.token_ids),
+                num_generated=len(gen.token_ids), dp_rank=seq.dp_rank,
             )))
         output = await driver.step([s for _, s in steps])
         by_id = {o.request_id: o for o in output.outputs}
@@ -73,5 +79,5 @@ async def generate(driver: Driver, prompts: list[list[int]], max_tokens: int, sa
                 gen.finish_reason = "length"
         for seq in [s for s in running if results[s.index].finish_reason]:
             running.remove(seq)
-            free.extend(seq.blocks)
+            pools[seq.dp_rank].extend(seq.blocks)
     return results

@@ -43,6 +43,10 @@ class UpConfig:
     http_keep_alive_s: float = 120.0     # idle HTTP connections outlive client pools (router/api/server.py)
     shutdown_grace_s: float = 5.0       # on stop, admitted requests get this long to finish
     replace_lost_workers: bool = True   # start a joining worker for each one lost (`reconfigctl add-worker` adds it)
+    num_redundant_experts: int = 0      # MoE, EP layouts: extra physical expert slots per layer (EPLB replicas)
+    eplb: bool = False                  # MoE, EP layouts: the router rebalances the experts every eplb_step_interval
+    eplb_window: int = 1000             # steps of per-expert load each worker keeps (EPLB's sliding window)
+    eplb_step_interval: int = 3000      # steps between automatic rebalances (vLLM's defaults: 1000 / 3000)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -51,6 +55,11 @@ class UpConfig:
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be a port number, not {getattr(self, name)}")
         parse_gpus(self.gpus)  # a malformed --gpus fails here, with the other settings
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be >= 0, not {self.num_redundant_experts}")
+        for name in ("eplb_window", "eplb_step_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
 
     @classmethod
     def load(cls, path: Path | None, overrides: dict) -> UpConfig:
@@ -86,7 +95,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on Ctrl-C/SIGTERM, requests already admitted get this long to finish [5]")
     parser.add_argument("--no-replace-lost-workers", dest="replace_lost_workers", action="store_false", default=None,
                         help="do not start a joining worker when one is lost (default: start one)")
+    add_expert_arguments(parser)
     parser.add_argument("--verbose", action="store_true", help="show the services' structured logs")
+
+
+def add_expert_arguments(parser: argparse.ArgumentParser) -> None:
+    """MoE models: redundant expert slots and EPLB (`reconfigctl eplb status|rebalance`)."""
+    parser.add_argument("--num-redundant-experts", type=int, metavar="N",
+                        help="MoE, EP layouts: N extra physical expert slots per layer, given to the hottest experts "
+                             "by EPLB (E must divide experts + N) [0]")
+    parser.add_argument("--eplb", action="store_true", default=None,
+                        help="MoE, EP layouts: rebalance the experts automatically every --eplb-step-interval steps "
+                             "[off; `reconfigctl eplb rebalance` runs one on demand]")
+    parser.add_argument("--eplb-window", type=int, metavar="STEPS",
+                        help="steps of per-expert load each worker keeps for EPLB [1000]")
+    parser.add_argument("--eplb-step-interval", type=int, metavar="STEPS",
+                        help="steps between automatic rebalances with --eplb [3000]")
 
 
 def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
@@ -122,6 +146,7 @@ def up(config: UpConfig) -> int:
         model=config.model, num_workers=config.workers, topology=config.topology, device=config.device,
         gpus=parse_gpus(config.gpus), gpu_sharing=config.gpu_sharing,
         kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size, host=config.host, token=token,
+        num_redundant_experts=config.num_redundant_experts, eplb_window=config.eplb_window,
     ))
     token_file = run_dir() / "token"
     write_token_file(token_file, token)
@@ -137,6 +162,7 @@ def up(config: UpConfig) -> int:
             api_key=config.api_key, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting,
             http_keep_alive_s=config.http_keep_alive_s, shutdown_grace_s=config.shutdown_grace_s,
+            eplb=config.eplb, eplb_step_interval=config.eplb_step_interval,
         ))
         router_grpc = f"{config.host}:{router['grpc_port']}"
         controller_config = ControllerConfig(

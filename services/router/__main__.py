@@ -8,7 +8,19 @@ from services.launch.process import run_service
 from services.router.main import RouterConfig, serve_router
 
 
-def main() -> None:
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line flags."""
     parser = argparse.ArgumentParser(prog="python -m services.router", description=__doc__)
     parser.add_argument("--workers", required=True, help="comma-separated worker gRPC addresses, rank order")
     parser.add_argument("--model", required=True, help="checkpoint directory (tokenizer, config.json)")
@@ -24,20 +36,31 @@ def main() -> None:
     parser.add_argument("--recovery-timeout-s", type=float, default=60.0,
                         help="after a worker fails a step, wait this long for the controller to recover the "
                              "workers before failing the requests [60]")
-    args = parser.parse_args()
+    parser.add_argument("--eplb", action="store_true",
+                        help="MoE, EP layouts: rebalance the experts every --eplb-step-interval steps [off]")
+    parser.add_argument("--eplb-step-interval", type=positive_int, default=3000,
+                        help="steps between automatic EPLB rebalances [3000]")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """The RouterConfig the flags describe (reads the token file)."""
     token = None
     if args.token_file:
         from services.rpc.auth import read_token_file
 
         token = read_token_file(args.token_file)
-    config = RouterConfig(
+    return RouterConfig(
         worker_addresses=tuple(a for a in args.workers.split(",") if a), model_dir=args.model,
         model_name=args.model_name, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         token=token, api_key=args.api_key, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
-        recovery_timeout_s=args.recovery_timeout_s,
+        recovery_timeout_s=args.recovery_timeout_s, eplb=args.eplb, eplb_step_interval=args.eplb_step_interval,
     )
-    run_service("router", serve_router(config), None)
+
+
+def main() -> None:
+    run_service("router", serve_router(config_from_args(build_parser().parse_args())), None)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import structlog
 
 from services.launch.driver import Driver, StepError
 from services.model.tokenizer import Tokenizer
-from services.router.block_manager import BlockManager
 from services.router.config import SchedulerConfig
 from services.router.contracts import (
     EngineDrainingError,
@@ -29,6 +28,8 @@ from services.router.contracts import (
     SwitchReport,
     SwitchTotals,
 )
+from services.router.dp import DataParallelBlocks
+from services.router.expert_balance import EplbSettings, ExpertBalancer
 from services.router.output import RequestStream
 from services.router.scheduler import ScheduledBatch, Scheduler
 from services.router.sequence import Sequence, SequenceStatus
@@ -39,8 +40,9 @@ log = structlog.get_logger(__name__)
 
 @dataclass(slots=True)
 class _InFlight:
-    batch: ScheduledBatch
+    batch: ScheduledBatch | None  # None: a step with no sequences, sent only to commit an expert map
     future: asyncio.Future
+    expert_commit: asyncio.Future | None = None  # resolved when this step (carrying an EPLB commit) returns
 
 
 class Engine:
@@ -48,7 +50,7 @@ class Engine:
 
     def __init__(self, driver: Driver, tokenizer: Tokenizer, model_name: str, max_model_len: int,
                  scheduler_config: SchedulerConfig | None = None, vocab_size: int | None = None,
-                 recovery_timeout_s: float = 0.0) -> None:
+                 recovery_timeout_s: float = 0.0, eplb: EplbSettings | None = None) -> None:
         _check_seconds("recovery_timeout_s", recovery_timeout_s)
         self.driver = driver
         self.vocab_size = vocab_size  # the model's (may differ from the tokenizer's); ids past it would fail a step
@@ -57,7 +59,9 @@ class Engine:
         self.max_model_len = max_model_len
         self.topology = Topology.parse(driver.infos[0].topology)
         config = scheduler_config or SchedulerConfig(max_model_len=max_model_len)
-        self.scheduler = Scheduler(config, BlockManager(driver.num_kv_blocks, driver.block_size))
+        # EP layouts: one KV pool per data-parallel attention rank; a rebind keeps the DP size.
+        blocks = DataParallelBlocks(driver.dp_size, driver.num_kv_blocks, driver.block_size)
+        self.scheduler = Scheduler(config, blocks)
         self.num_inflight_batches = max(config.num_inflight_batches, self.topology.pp)
         self._streams: dict[str, RequestStream] = {}
         self._inflight: list[_InFlight] = []
@@ -81,16 +85,21 @@ class Engine:
         # The controller's Freeze, apart from the scheduler's frozen flag, which a stall sets too: a stall
         # that times out must not unfreeze a router the controller holds.
         self._is_held = False
+        self.num_steps = 0  # steps completed (EPLB's step_interval counts them)
+        self._expert_commit: tuple[int, asyncio.Future] | None = None  # EPLB: (epoch, done) for the next step
+        self.experts = ExpertBalancer(self, eplb)  # MoE: EPLB's trigger, status and commit
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="engine-loop")
+        self.experts.start()
 
     async def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Finish the steps in flight (workers must see whole steps), then stop the loop and the streams."""
         self.scheduler.freeze()
         self._cancel_lease()
         self._clear_stall()  # its timer must not fire into a stopped engine
+        await self.experts.stop()
         try:
             await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
         except asyncio.TimeoutError:
@@ -155,11 +164,13 @@ class Engine:
 
     def stats(self) -> EngineStats:
         blocks = self.scheduler.block_manager
+        used_per_rank = blocks.per_rank_used()
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
-            num_kv_blocks_total=blocks.num_total,
-            num_kv_blocks_used=blocks.num_used,
+            num_kv_blocks_total=blocks.num_blocks_per_rank,
+            num_kv_blocks_used=max(used_per_rank),
+            num_kv_blocks_used_per_dp_rank=used_per_rank if blocks.num_ranks > 1 else (),
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
@@ -185,6 +196,10 @@ class Engine:
         _check_seconds("lease_s", lease_s)
         self._is_held = True
         self.scheduler.freeze()
+        if self._expert_commit is not None:  # EPLB's commit step will not go out: that rebalance aborts
+            epoch, done = self._expert_commit
+            self._expert_commit = None
+            done.set_exception(StepError(f"the router was frozen before the step committing expert map {epoch}"))
         self._cancel_lease()
         if lease_s > 0:
             self._lease_timer = asyncio.get_running_loop().call_later(lease_s, self._lease_expired, lease_s)
@@ -267,25 +282,52 @@ class Engine:
             while self._inflight and self._inflight[0].future.done():
                 self._complete(self._inflight.pop(0))
 
+    def commit_expert_map(self, epoch: int) -> asyncio.Future:
+        """EPLB: the next step carries `epoch`, so every worker installs the staged expert map before it (a step
+        with no sequences goes out if nothing else would). The future resolves when that step has returned."""
+        if self._expert_commit is not None:
+            raise RuntimeError(f"expert map {self._expert_commit[0]} is still waiting for its step")
+        done = asyncio.get_running_loop().create_future()
+        self._expert_commit = (epoch, done)
+        self._wakeup.set()
+        return done
+
     async def _fill_pipeline(self) -> None:
         while len(self._inflight) < self.num_inflight_batches:
             batch = self.scheduler.schedule()
-            if batch is None:
+            commit, epoch = self._expert_commit, 0
+            if batch is None and (commit is None or self.scheduler.is_frozen):
                 return
+            if commit is not None:
+                self._expert_commit, epoch = None, commit[0]
             self._idle.clear()
-            self.num_full_prefills += sum(1 for item in batch.items if item.step.start_position == 0)
+            steps = [item.step for item in batch.items] if batch is not None else []
+            if batch is not None:
+                self.num_full_prefills += sum(1 for item in batch.items if item.step.start_position == 0)
             try:
-                future = await self.driver.submit([item.step for item in batch.items])
+                future = await self.driver.submit(steps, commit_expert_map=epoch)
             except Exception as exc:  # noqa: BLE001 (a broken stream can fail the write: the loop lives on)
-                self._on_step_failed(batch, f"cannot send step {batch.batch_id} to the workers: {_describe(exc)}")
+                if commit is not None:
+                    commit[1].set_exception(StepError(f"cannot send the expert map's step: {_describe(exc)}"))
+                if batch is not None:
+                    self._on_step_failed(batch, f"cannot send step {batch.batch_id} to the workers: "
+                                                f"{_describe(exc)}")
                 continue
-            self._inflight.append(_InFlight(batch, future))
+            self._inflight.append(_InFlight(batch, future, commit[1] if commit is not None else None))
 
     def _complete(self, inflight: _InFlight) -> None:
         try:
             output = inflight.future.result()
         except (Exception, asyncio.CancelledError) as exc:  # StepError, or anything else: never end the loop
-            self._on_step_failed(inflight.batch, _describe(exc))
+            if inflight.expert_commit is not None and not inflight.expert_commit.done():
+                inflight.expert_commit.set_exception(StepError(_describe(exc)))
+            if inflight.batch is not None:
+                self._on_step_failed(inflight.batch, _describe(exc))
+            return
+        self.num_steps += 1
+        if inflight.expert_commit is not None and not inflight.expert_commit.done():
+            inflight.expert_commit.set_result(None)
+        if inflight.batch is None:
             return
         sampled = {o.request_id: o.token_id for o in output.outputs if o.token_id >= 0}
         with_logprobs = {o.request_id: o for o in output.outputs if o.logprob is not None or o.prompt_logprobs}

@@ -24,13 +24,15 @@ from services.router.contracts import (
 )
 from services.rpc.auth import TokenAuthInterceptor, generate_token, protect_methods
 from services.rpc.errors import ErrorInterceptor, check_address
+from services.router.expert_balance import ExpertBalanceAborted, ExpertBalanceError
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc
 from services.worker.step import SamplingParams
 
 log = structlog.get_logger(__name__)
 
 _SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name  # "reconfig.v1.Router"
-ADMIN_METHODS = tuple(f"/{_SERVICE}/{name}" for name in ("Freeze", "Rebind", "Resume", "Stats"))
+ADMIN_METHODS = tuple(f"/{_SERVICE}/{name}" for name in ("Freeze", "Rebind", "Resume", "Stats",
+                                                                   "ExpertStatus", "RebalanceExperts"))
 DEFAULT_FREEZE_TIMEOUT_S = 60.0
 MAX_KV_BLOCKS = 1 << 22       # the block manager lists its free ids: a larger capacity is a bad request, not a GiB
 
@@ -141,6 +143,7 @@ def stats_to_pb(stats: EngineStats) -> router_pb2.RouterStats:
         num_preemptions=stats.num_preemptions, num_prompt_tokens=stats.num_prompt_tokens,
         num_generation_tokens=stats.num_generation_tokens, topology=stats.topology,
         is_frozen=stats.is_frozen, extra=stats.extra, stalled=stats.stalled,
+        num_kv_blocks_used_per_dp_rank=stats.num_kv_blocks_used_per_dp_rank,
     )
 
 
@@ -152,6 +155,7 @@ def stats_from_pb(pb: router_pb2.RouterStats) -> EngineStats:
         num_preemptions=pb.num_preemptions, num_prompt_tokens=pb.num_prompt_tokens,
         num_generation_tokens=pb.num_generation_tokens, topology=pb.topology,
         is_frozen=pb.is_frozen, extra=dict(pb.extra), stalled=pb.stalled,
+        num_kv_blocks_used_per_dp_rank=tuple(pb.num_kv_blocks_used_per_dp_rank),
     )
 
 
@@ -216,6 +220,28 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Stats(self, request, context):  # noqa: N802
         """A snapshot of the engine."""
         return stats_to_pb(self.engine.stats())
+
+    async def ExpertStatus(self, request, context):  # noqa: N802
+        """MoE: per-layer expert maps, rank loads and balancedness (expert_parallel false otherwise)."""
+        experts = getattr(self.engine, "experts", None)
+        if experts is None:
+            return router_pb2.ExpertStatusResponse()
+        try:
+            return await experts.status()
+        except ExpertBalanceAborted as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    async def RebalanceExperts(self, request, context):  # noqa: N802
+        """MoE: EPLB now; the new map is live when this returns."""
+        experts = getattr(self.engine, "experts", None)
+        if experts is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this router has no EPLB")
+        try:
+            return await experts.rebalance()
+        except ExpertBalanceError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except ExpertBalanceAborted as exc:
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
 
 
 async def start_router_grpc(engine: AdminEngine, host: str, port: int,

@@ -17,6 +17,7 @@ from services.model.tokenizer import Tokenizer
 from services.router.api.server import DEFAULT_KEEP_ALIVE_S, HttpServer, bind_http_socket
 from services.router.config import SchedulerConfig
 from services.router.engine import Engine
+from services.router.expert_balance import EplbSettings
 from services.topology import Topology
 
 log = structlog.get_logger(__name__)
@@ -40,6 +41,8 @@ class RouterConfig:
     recovery_timeout_s: float = 60.0     # a stalled engine (a worker failed a step) fails its requests past this
     http_keep_alive_s: float = DEFAULT_KEEP_ALIVE_S  # idle HTTP connections live this long: past client pools
     shutdown_grace_s: float = 5.0        # on SIGTERM, admitted requests get this long to finish (new ones: 503)
+    eplb: bool = False                   # MoE, EP layouts: rebalance the experts every eplb_step_interval steps
+    eplb_step_interval: int = 3000
 
     def __post_init__(self) -> None:
         if self.http_keep_alive_s <= 0:
@@ -63,7 +66,8 @@ async def build_engine(config: RouterConfig) -> Engine:
     )
     engine = Engine(driver, Tokenizer.from_dir(model_dir), config.model_name or model_dir.name,
                     max_model_len, scheduler_config, vocab_size=spec.vocab_size,
-                    recovery_timeout_s=config.recovery_timeout_s)
+                    recovery_timeout_s=config.recovery_timeout_s,
+                    eplb=EplbSettings(enabled=config.eplb, step_interval=config.eplb_step_interval))
     await engine.start()
     return engine
 

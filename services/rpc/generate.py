@@ -23,7 +23,7 @@ def generate(out_dir: Path = OUT_DIR) -> list[Path]:
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed")
     written = []
-    for path in sorted((out_dir / "reconfig").rglob("*_pb2*.py*")):
+    for path in sorted(p for p in (out_dir / "reconfig").rglob("*_pb2*.py*") if p.suffix in (".py", ".pyi")):
         path.write_text(_ABSOLUTE_IMPORT.sub("from services.rpc.reconfig.v1 import", path.read_text()))
         written.append(path)
     for package in (out_dir / "reconfig", out_dir / "reconfig" / "v1"):

@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--join", action="store_true",
                         help="start in no world, as a replacement for a lost worker (`reconfigctl add-worker` "
                              "brings it in); --rank then only picks the device")
+    parser.add_argument("--num-redundant-experts", type=int, default=0,
+                        help="MoE: extra physical expert slots per layer in EP layouts (EPLB replicas)")
+    parser.add_argument("--eplb-window", type=int, default=1000,
+                        help="MoE: steps of per-expert load kept for EPLB (sliding window)")
     parser.add_argument("--token-file", type=Path, default=None,
                         help="control-plane token every RPC of this worker then requires (mode 0600 file)")
     return parser
@@ -68,6 +72,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         host=args.host, port=args.port, collective_timeout_s=args.collective_timeout,
         parent_pid=args.parent_pid, num_threads=args.num_threads,
         token=read_token_file(args.token_file) if args.token_file else None, join=args.join,
+        num_redundant_experts=args.num_redundant_experts, eplb_window=args.eplb_window,
     )
 
 

@@ -36,6 +36,8 @@ class WorkerConfig:
     # Start outside any world (a replacement for a lost worker): the controller's AddWorker regroups it in. Its
     # rank then only picks the device; world_size is the stack's full size (the candidates are planned for it).
     join: bool = False
+    num_redundant_experts: int = 0     # MoE, EP layouts: extra physical expert slots per layer (EPLB replicas)
+    eplb_window: int = 1000            # MoE: steps of expert load kept for EPLB (its sliding window)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -48,5 +50,9 @@ class WorkerConfig:
             raise ValueError("gpu and gpu_sharing need device 'cuda'")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, not {self.num_threads}")
+        if self.eplb_window < 1:
+            raise ValueError(f"eplb_window must be >= 1, not {self.eplb_window}")
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be >= 0, not {self.num_redundant_experts}")
         if self.gpu is not None and self.gpu < 0:
             raise ValueError(f"gpu must be a CUDA ordinal >= 0, not {self.gpu}")

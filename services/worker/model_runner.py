@@ -26,18 +26,26 @@ class ModelRunner:
         self.wp = wp
         self.parallel = parallel
         self.device = device
-        tp = placement.topology.tp
-        # World ranks of this worker's PP neighbours (same TP rank, previous / next stage).
-        self.prev_rank = (wp.pp_rank - 1) * tp + wp.tp_rank if not wp.is_first_stage else None
-        self.next_rank = (wp.pp_rank + 1) * tp + wp.tp_rank if not wp.is_last_stage else None
+        size = placement.topology.stage_size
+        # World ranks of this worker's PP neighbours (same TP / EP rank, previous / next stage).
+        self.prev_rank = (wp.pp_rank - 1) * size + wp.stage_rank if not wp.is_first_stage else None
+        self.next_rank = (wp.pp_rank + 1) * size + wp.stage_rank if not wp.is_last_stage else None
+        self.is_data_parallel = wp.ep_size > 1  # EP layout: attention for this rank's own requests only
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch, rank: int) -> StepOutput:
-        """Run one step. Only the last stage's TP rank 0 returns outputs."""
+        """Run one step. Only the last stage's TP rank 0 returns outputs (in an EP layout, every last-stage rank,
+        each for its own requests)."""
         started = time.perf_counter()
         if not batch.sequences:
             return StepOutput(batch.step_id, rank)
         seqs = batch.sequences
+        if self.is_data_parallel:
+            seqs = tuple(s for s in seqs if s.dp_rank == self.wp.dp_rank)
+            if not seqs:  # the stage has work, this rank none: its MoE layers still join the stage's all-to-alls
+                self.model.forward_empty()
+                return StepOutput(batch.step_id, rank, compute_seconds=time.perf_counter() - started)
+            batch = StepBatch(batch.step_id, seqs)
         meta = AttentionMetadata.build(
             [s.start_position for s in seqs],
             [len(s.token_ids) for s in seqs],

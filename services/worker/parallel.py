@@ -64,6 +64,13 @@ class DistTPGroup:
         dist.all_gather(parts, tensor, group=_live(self.device_group))
         return torch.cat(parts, dim=-1)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                   input_splits: list[int]) -> torch.Tensor:
+        """EP dispatch / combine: variable row counts per peer, one all_to_all_single on the device group."""
+        dist.all_to_all_single(output, input.contiguous(), output_splits, input_splits,
+                               group=_live(self.device_group))
+        return output
+
     def drop(self) -> None:
         """Forget both groups (the worker left its world)."""
         self.device_group = self.cpu_group = None
@@ -154,8 +161,10 @@ class ParallelState:
 
     @staticmethod
     def tp_group_ranks(topology: Topology) -> list[tuple[int, ...]]:
-        """World ranks of each stage's TP group; the active workers are ranks 0..tp*pp-1 in stage-major order."""
-        return [tuple(range(s * topology.tp, (s + 1) * topology.tp)) for s in range(topology.pp)]
+        """World ranks of each stage's group (TP, or EP: the same rank sets serve both); the active workers are
+        ranks 0..stage_size*pp-1 in stage-major order."""
+        size = topology.stage_size
+        return [tuple(range(s * size, (s + 1) * size)) for s in range(topology.pp)]
 
     def tp_group(self, topology: Topology, pp_rank: int) -> TPGroup:
         """The TP group of this worker's stage (a single-rank group when tp == 1)."""

@@ -13,6 +13,7 @@ from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
 from services.rpc.auth import TokenAuthInterceptor, protect_all
 from services.rpc.errors import ErrorInterceptor
 from services.worker.faults import FAULTS
+from services.worker.expert_balance import ExpertMapError
 from services.worker.shard import SwitchFailed, WorkerShard
 from services.worker.step import StepBatch, StepOutput
 
@@ -33,6 +34,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.shard = shard
         # One thread: steps run strictly in arrival order, so every worker issues collectives in the same order.
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        # EPLB's prepare: its collectives (the stage's CPU group) run beside the steps (the device group).
+        self.eplb_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eplb")
         self.stopped = asyncio.Event()
 
     @property
@@ -48,7 +51,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return StepOutput(batch.step_id, self.rank, error=f"worker {self.rank} was regrouped: its layout runs "
                                                               "again after the next ApplySwitch")
         try:
-            return runner.execute(batch, self.rank)
+            if batch.commit_expert_map:
+                self.shard.balancer.commit(batch.commit_expert_map)
+            output = runner.execute(batch, self.rank)
+            self.shard.balancer.record()
+            return output
         except Exception as exc:  # a failed step answers with an error; the stream stays open
             log.exception("worker.step_failed", step_id=batch.step_id)
             self.shard.leave_world(exc)  # peers may be blocked on this step's collectives: let them fail now
@@ -111,6 +118,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             log.exception("worker.regroup_failed", generation=request.generation)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"regroup to generation {request.generation} failed "
                                                              f"on this worker: {exc}")
+
+    async def GetExpertLoad(self, request, context):  # noqa: N802
+        return self.shard.balancer.load(self.rank)
+
+    async def PrepareExpertMap(self, request, context):  # noqa: N802
+        """EPLB: agree on the stage's load and stage the new map, on the EPLB thread while steps go on."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.eplb_thread, self.shard.balancer.prepare,
+                                                                    request.epoch, self.rank)
+        except ExpertMapError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except Exception as exc:
+            log.exception("worker.expert_map_prepare_failed", epoch=request.epoch)
+            self.shard.balancer.abort(request.epoch)
+            await context.abort(grpc.StatusCode.ABORTED, f"rank {self.rank} failed to stage the expert map of "
+                                                         f"epoch {request.epoch}: {exc}")
+
+    async def AbortExpertMap(self, request, context):  # noqa: N802
+        self.shard.balancer.abort(request.epoch)
+        return worker_pb2.AbortExpertMapResponse()
 
     def _with_faults(self, method: str, request, handler):
         FAULTS.check("rpc", method=method, rank=self.rank, topology=request.topology)

@@ -9,17 +9,19 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 import torch
 
-from services.model.layers import ShardLoader
+from services.model.layers import ShardLoader, SingleRankGroup
 from services.model.llama import ShardedCausalLM
 from services.model.spec import ModelSpec
 from services.rpc.reconfig.v1 import worker_pb2
 from services.topology import Placement, Topology, candidate_topologies, place, plan_kv_migration
+from services.topology.eplb import initial_phy2log
 from services.weightstore.client import MappedCheckpoint
 from services.weightstore.manifest import Manifest
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KVCache, num_blocks_for_budget
 from services.worker.channel import DistChannel, KVChannel, ShmChannel
 from services.worker.faults import FAULTS
+from services.worker.expert_balance import ExpertBalancer
 from services.worker.kv_migration import MigrationAborted, MigrationStats, migrate_kv
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel import ParallelState
@@ -68,11 +70,21 @@ class WorkerShard:
         self.kv_intact = True  # false while (or after being cut off while) KV moves between layouts
         self._new_cache: KVCache | None = None  # the target's cache while a switch fills it
         self.num_threads = 0  # torch threads of the model thread (prepare_steps)
+        self.balancer = ExpertBalancer(config.eplb_window)  # MoE: expert load window, EPLB's staged map
 
     def load(self) -> None:
         """Load this worker's shard of the start layout (its groups must be built)."""
         with MappedCheckpoint(self.manifest) as checkpoint:
             self.runner = self._build(self.topology, self.layer_partition, checkpoint, None, None)
+        self._bind_balancer()
+
+    def _bind_balancer(self) -> None:
+        """Point EPLB at the live runner's sparse layers and its stage's group (a fresh window)."""
+        runner = self.runner
+        group = None
+        if runner is not None and self.parallel is not None and runner.wp.ep_size > 1:
+            group = self.parallel.tp_group(self.topology, runner.wp.pp_rank)
+        self.balancer.bind(runner, group)
 
     def prepare_steps(self) -> None:
         """On the model thread, at start and after every switch: give it this worker's share of the cores in the
@@ -99,7 +111,7 @@ class WorkerShard:
 
     # ---- building ------------------------------------------------------------------------------------------------
     def _placement(self, topology: Topology, partition) -> Placement:
-        return place(topology, self.spec.shape, partition)
+        return place(topology, self.spec.shape, partition, self.config.num_redundant_experts)
 
     def num_kv_blocks_in(self, topology: Topology, partition) -> int:
         """This worker's KV capacity in `topology` (0 on standby)."""
@@ -115,9 +127,14 @@ class WorkerShard:
             return None
         placement = self._placement(topology, partition)
         wp = placement.workers[self.rank]
-        group = self.parallel.tp_group(topology, wp.pp_rank) if self.parallel else None
+        # The stage's group: tensor-parallel collectives, or in an EP layout the experts' all-to-all (attention
+        # is whole on each rank, data-parallel).
+        stage_group = self.parallel.tp_group(topology, wp.pp_rank) if self.parallel else None
+        group, ep_group = (SingleRankGroup(), stage_group) if topology.is_expert_parallel else (stage_group, None)
         loader = ShardLoader(checkpoint.tensor, set(self.manifest.tensors), self.dtype, self.device)
-        model = ShardedCausalLM(self.spec, wp, loader, group, previous.model if previous else None)
+        expert_maps = initial_expert_maps(self.spec.shape, placement) if self.spec.shape.is_moe else None
+        model = ShardedCausalLM(self.spec, wp, loader, group, previous.model if previous else None,
+                                ep_group=ep_group, expert_maps=expert_maps)
         if kv_cache is None:
             kv_cache = KVCache(wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size, self.dtype,
                                self.device, self.config.kv_cache_bytes)
@@ -189,7 +206,8 @@ class WorkerShard:
         if self.config.candidate_topologies is not None:
             candidates = [Topology.parse(t) for t in self.config.candidate_topologies]
         else:
-            candidates = candidate_topologies(self.spec.shape, self.config.world_size)
+            candidates = candidate_topologies(self.spec.shape, self.config.world_size,
+                                              self.config.num_redundant_experts)
         return candidates + ([live] if live not in candidates else [])
 
     def _apply(self, request, target: Topology, partition, rank: int,
@@ -247,6 +265,7 @@ class WorkerShard:
         loaded = sum(t.numel() * t.element_size() for t in new_tensors.values()) - reused
         self.runner, self.topology, self.layer_partition = runner, target, partition
         self.kv_intact = True
+        self._bind_balancer()
         self.prepare_steps()
         log.info("worker.switched", operation_id=request.operation_id, topology=str(target),
                  kv_received=stats.bytes_received, kv_local=stats.bytes_local, weights_loaded=loaded,
@@ -318,6 +337,8 @@ class WorkerShard:
             info.kv_head_start, info.kv_head_end = wp.kv_heads.start, wp.kv_heads.stop
             info.num_kv_blocks, info.block_size, info.kv_cache_bytes = kv.num_blocks, kv.block_size, kv.num_bytes
             info.param_bytes = self.runner.model.parameter_bytes()
+            info.ep_rank, info.ep_size = wp.ep_rank, wp.ep_size
+            info.expert_slot_start, info.expert_slot_end = wp.expert_slots.start, wp.expert_slots.stop
         return info
 
     def _state(self) -> str:
@@ -336,6 +357,14 @@ class WorkerShard:
     def close(self) -> None:
         if self.runner is not None:
             self.runner.kv_cache.close()
+
+
+def initial_expert_maps(shape, placement: Placement) -> dict[int, tuple[int, ...]]:
+    """Every sparse layer's physical -> logical map at load: the identity, or with redundant slots (an EP layout)
+    the EPLB policy's placement for a uniform load (EPLB's rebalances change it at runtime)."""
+    num_ranks = placement.topology.ep
+    phy2log = initial_phy2log(shape.num_experts, placement.num_physical_experts, num_ranks)
+    return {layer: phy2log for layer in shape.moe_layers}
 
 
 class SwitchFailed(RuntimeError):

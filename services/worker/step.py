@@ -77,6 +77,7 @@ class SequenceStep:
     distinct_prompt_token_ids: tuple[int, ...] = ()        # repetition penalty only
     suppressed_token_ids: tuple[int, ...] = ()  # stop tokens masked before sampling: min_tokens not reached
     prompt_logprob_token_ids: tuple[int, ...] = ()  # echo: the prompt tokens after positions start_position...
+    dp_rank: int = 0  # EP layouts: the data-parallel rank running this request's attention (its KV pool)
 
     def to_pb(self) -> worker_pb2.SequenceStep:
         return worker_pb2.SequenceStep(
@@ -93,6 +94,7 @@ class SequenceStep:
             distinct_prompt_token_ids=self.distinct_prompt_token_ids,
             suppressed_token_ids=self.suppressed_token_ids,
             prompt_logprob_token_ids=self.prompt_logprob_token_ids,
+            dp_rank=self.dp_rank,
         )
 
     @classmethod
@@ -112,6 +114,7 @@ class SequenceStep:
             distinct_prompt_token_ids=tuple(pb.distinct_prompt_token_ids),
             suppressed_token_ids=tuple(pb.suppressed_token_ids),
             prompt_logprob_token_ids=tuple(pb.prompt_logprob_token_ids),
+            dp_rank=pb.dp_rank,
         )
 
 
@@ -121,17 +124,19 @@ class StepBatch:
 
     step_id: int
     sequences: tuple[SequenceStep, ...]
+    commit_expert_map: int = 0  # MoE: nonzero = install the expert map staged for this epoch before the step
 
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.sequences)
 
     def to_pb(self) -> worker_pb2.StepRequest:
-        return worker_pb2.StepRequest(step_id=self.step_id, sequences=[s.to_pb() for s in self.sequences])
+        return worker_pb2.StepRequest(step_id=self.step_id, sequences=[s.to_pb() for s in self.sequences],
+                                      commit_expert_map=self.commit_expert_map)
 
     @classmethod
     def from_pb(cls, pb: worker_pb2.StepRequest) -> StepBatch:
-        return cls(pb.step_id, tuple(SequenceStep.from_pb(s) for s in pb.sequences))
+        return cls(pb.step_id, tuple(SequenceStep.from_pb(s) for s in pb.sequences), pb.commit_expert_map)
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,12 @@ class EngineStatsCollector(Collector):
         usage = stats.num_kv_blocks_used / stats.num_kv_blocks_total if stats.num_kv_blocks_total else 0.0
         yield gauge("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", usage)
         yield gauge("num_kv_blocks_total", "KV blocks the workers hold.", stats.num_kv_blocks_total)
+        per_rank = GaugeMetricFamily(PREFIX + "kv_blocks_used_per_dp_rank",
+                                     "KV blocks in use on each data-parallel attention rank (EP layouts only: one "
+                                     "pool per rank).", labels=(*LABELS, "dp_rank"))
+        for dp_rank, used in enumerate(stats.num_kv_blocks_used_per_dp_rank):
+            per_rank.add_metric([*labels, str(dp_rank)], used)
+        yield per_rank
         yield counter("prompt_tokens", "Prefilled prompt tokens.", stats.num_prompt_tokens)
         yield counter("generation_tokens", "Generated tokens.", stats.num_generation_tokens)
         yield counter("num_preemptions", "Requests preempted (re-prefilled later).", stats.num_preemptions)
@@ -58,6 +64,7 @@ class EngineStatsCollector(Collector):
         yield gauge("router_stalled", "1 while a failed worker step has the engine waiting for a recovery.",
                     float(bool(stats.stalled)))
         yield from switch_metrics(self._engine.switch_totals(), self._model_name)
+        yield from expert_metrics(getattr(self._engine, "experts", None), self._model_name)
 
 
 def switch_metrics(switches: SwitchTotals, model_name: str) -> Iterator[Metric]:
@@ -91,6 +98,26 @@ def switch_metrics(switches: SwitchTotals, model_name: str) -> Iterator[Metric]:
     for state in dict.fromkeys((*SWITCH_STATES, *sorted(switches.num_switches))):
         outcomes.add_metric([model_name, state], switches.num_switches.get(state, 0))
     yield outcomes
+
+
+def expert_metrics(experts, model_name: str) -> Iterator[Metric]:
+    """EPLB (MoE, EP layouts only): cached values, no worker is asked on a scrape. The balancedness is the measured
+    one of the last ExpertStatus (`reconfigctl status` in an EP layout, `reconfigctl eplb status`), which every
+    rebalance, manual or automatic (--eplb), also takes first."""
+    if experts is None or not experts.is_expert_parallel:
+        return
+    labels = [model_name]
+    balance = GaugeMetricFamily(PREFIX + "eplb_balancedness", "Mean / max expert load over the EP ranks, all sparse "
+                                "layers, as last measured (1: even).", labels=LABELS)
+    balance.add_metric(labels, experts.last_balancedness)
+    yield balance
+    rebalances = CounterMetricFamily(PREFIX + "eplb_rebalances", "EPLB rebalances committed.", labels=LABELS)
+    rebalances.add_metric(labels, experts.num_rebalances)
+    yield rebalances
+    epoch = GaugeMetricFamily(PREFIX + "eplb_epoch", "Epoch of the live expert map (0: the initial one).",
+                              labels=LABELS)
+    epoch.add_metric(labels, experts.epoch)
+    yield epoch
 
 
 class RequestTimer:

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from services.rpc.reconfig.v1 import controller_pb2 as reconfig_dot_v1_dot_controller__pb2
+from services.rpc.reconfig.v1 import router_pb2 as reconfig_dot_v1_dot_router__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -61,6 +62,16 @@ class ControllerStub:
                 request_serializer=reconfig_dot_v1_dot_controller__pb2.AddWorkerRequest.SerializeToString,
                 response_deserializer=reconfig_dot_v1_dot_controller__pb2.OperationStatus.FromString,
                 _registered_method=True)
+        self.ExpertStatus = channel.unary_unary(
+                '/reconfig.v1.Controller/ExpertStatus',
+                request_serializer=reconfig_dot_v1_dot_router__pb2.ExpertStatusRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_router__pb2.ExpertStatusResponse.FromString,
+                _registered_method=True)
+        self.RebalanceExperts = channel.unary_unary(
+                '/reconfig.v1.Controller/RebalanceExperts',
+                request_serializer=reconfig_dot_v1_dot_router__pb2.RebalanceExpertsRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_router__pb2.RebalanceExpertsResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -113,6 +124,21 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExpertStatus(self, request, context):
+        """MoE: the router's ExpertStatus (per-layer expert map, rank loads, balancedness).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RebalanceExperts(self, request, context):
+        """MoE: an EPLB rebalance now (the router's RebalanceExperts). FAILED_PRECONDITION while a
+        Reconfigure runs, or not an expert-parallel layout.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -140,6 +166,16 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.AddWorker,
                     request_deserializer=reconfig_dot_v1_dot_controller__pb2.AddWorkerRequest.FromString,
                     response_serializer=reconfig_dot_v1_dot_controller__pb2.OperationStatus.SerializeToString,
+            ),
+            'ExpertStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExpertStatus,
+                    request_deserializer=reconfig_dot_v1_dot_router__pb2.ExpertStatusRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_router__pb2.ExpertStatusResponse.SerializeToString,
+            ),
+            'RebalanceExperts': grpc.unary_unary_rpc_method_handler(
+                    servicer.RebalanceExperts,
+                    request_deserializer=reconfig_dot_v1_dot_router__pb2.RebalanceExpertsRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_router__pb2.RebalanceExpertsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -279,6 +315,60 @@ class Controller:
             '/reconfig.v1.Controller/AddWorker',
             reconfig_dot_v1_dot_controller__pb2.AddWorkerRequest.SerializeToString,
             reconfig_dot_v1_dot_controller__pb2.OperationStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExpertStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Controller/ExpertStatus',
+            reconfig_dot_v1_dot_router__pb2.ExpertStatusRequest.SerializeToString,
+            reconfig_dot_v1_dot_router__pb2.ExpertStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RebalanceExperts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Controller/RebalanceExperts',
+            reconfig_dot_v1_dot_router__pb2.RebalanceExpertsRequest.SerializeToString,
+            reconfig_dot_v1_dot_router__pb2.RebalanceExpertsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,70 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ExpertStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LayerBalance(_message.Message):
+    __slots__ = ("layer", "phy2log", "load", "rank_load", "balancedness")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    PHY2LOG_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    RANK_LOAD_FIELD_NUMBER: _ClassVar[int]
+    BALANCEDNESS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    phy2log: _containers.RepeatedScalarFieldContainer[int]
+    load: _containers.RepeatedScalarFieldContainer[int]
+    rank_load: _containers.RepeatedScalarFieldContainer[int]
+    balancedness: float
+    def __init__(self, layer: _Optional[int] = ..., phy2log: _Optional[_Iterable[int]] = ..., load: _Optional[_Iterable[int]] = ..., rank_load: _Optional[_Iterable[int]] = ..., balancedness: _Optional[float] = ...) -> None: ...
+
+class ExpertStatusResponse(_message.Message):
+    __slots__ = ("expert_parallel", "ep_size", "num_physical_experts", "balancedness", "layers", "epoch", "window_steps", "eplb_enabled", "step_interval", "num_rebalances")
+    EXPERT_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    EP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PHYSICAL_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    BALANCEDNESS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EPLB_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    STEP_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_REBALANCES_FIELD_NUMBER: _ClassVar[int]
+    expert_parallel: bool
+    ep_size: int
+    num_physical_experts: int
+    balancedness: float
+    layers: _containers.RepeatedCompositeFieldContainer[LayerBalance]
+    epoch: int
+    window_steps: int
+    eplb_enabled: bool
+    step_interval: int
+    num_rebalances: int
+    def __init__(self, expert_parallel: _Optional[bool] = ..., ep_size: _Optional[int] = ..., num_physical_experts: _Optional[int] = ..., balancedness: _Optional[float] = ..., layers: _Optional[_Iterable[_Union[LayerBalance, _Mapping]]] = ..., epoch: _Optional[int] = ..., window_steps: _Optional[int] = ..., eplb_enabled: _Optional[bool] = ..., step_interval: _Optional[int] = ..., num_rebalances: _Optional[int] = ...) -> None: ...
+
+class RebalanceExpertsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RebalanceExpertsResponse(_message.Message):
+    __slots__ = ("epoch", "balancedness_before", "balancedness_after", "bytes_moved", "slots_changed", "prepare_seconds", "commit_seconds")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BALANCEDNESS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    BALANCEDNESS_AFTER_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_CHANGED_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    balancedness_before: float
+    balancedness_after: float
+    bytes_moved: int
+    slots_changed: int
+    prepare_seconds: float
+    commit_seconds: float
+    def __init__(self, epoch: _Optional[int] = ..., balancedness_before: _Optional[float] = ..., balancedness_after: _Optional[float] = ..., bytes_moved: _Optional[int] = ..., slots_changed: _Optional[int] = ..., prepare_seconds: _Optional[float] = ..., commit_seconds: _Optional[float] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "prompt", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -127,7 +191,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RouterStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_total", "num_kv_blocks_used", "num_preemptions", "num_prompt_tokens", "num_generation_tokens", "topology", "is_frozen", "extra", "stalled")
+    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_total", "num_kv_blocks_used", "num_preemptions", "num_prompt_tokens", "num_generation_tokens", "topology", "is_frozen", "extra", "stalled", "num_kv_blocks_used_per_dp_rank")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +210,7 @@ class RouterStats(_message.Message):
     IS_FROZEN_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
     STALLED_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_USED_PER_DP_RANK_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_kv_blocks_total: int
@@ -157,4 +222,5 @@ class RouterStats(_message.Message):
     is_frozen: bool
     extra: _containers.ScalarMap[str, float]
     stalled: str
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., topology: _Optional[str] = ..., is_frozen: _Optional[bool] = ..., extra: _Optional[_Mapping[str, float]] = ..., stalled: _Optional[str] = ...) -> None: ...
+    num_kv_blocks_used_per_dp_rank: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., topology: _Optional[str] = ..., is_frozen: _Optional[bool] = ..., extra: _Optional[_Mapping[str, float]] = ..., stalled: _Optional[str] = ..., num_kv_blocks_used_per_dp_rank: _Optional[_Iterable[int]] = ...) -> None: ...

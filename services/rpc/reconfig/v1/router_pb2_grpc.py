@@ -62,6 +62,16 @@ class RouterStub:
                 request_serializer=reconfig_dot_v1_dot_router__pb2.StatsRequest.SerializeToString,
                 response_deserializer=reconfig_dot_v1_dot_router__pb2.RouterStats.FromString,
                 _registered_method=True)
+        self.ExpertStatus = channel.unary_unary(
+                '/reconfig.v1.Router/ExpertStatus',
+                request_serializer=reconfig_dot_v1_dot_router__pb2.ExpertStatusRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_router__pb2.ExpertStatusResponse.FromString,
+                _registered_method=True)
+        self.RebalanceExperts = channel.unary_unary(
+                '/reconfig.v1.Router/RebalanceExperts',
+                request_serializer=reconfig_dot_v1_dot_router__pb2.RebalanceExpertsRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_router__pb2.RebalanceExpertsResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -110,6 +120,23 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExpertStatus(self, request, context):
+        """MoE: per sparse layer, the physical -> logical expert map and the load of each EP rank summed
+        over the workers' windows, with its balancedness (mean / max rank load).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RebalanceExperts(self, request, context):
+        """EPLB now (it also runs every step_interval steps with --eplb): stage the new map on every
+        worker while serving, then commit it with the next step. FAILED_PRECONDITION: not an
+        expert-parallel layout, or a rebalance is running; ABORTED: a worker failed (old map kept).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +164,16 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=reconfig_dot_v1_dot_router__pb2.StatsRequest.FromString,
                     response_serializer=reconfig_dot_v1_dot_router__pb2.RouterStats.SerializeToString,
+            ),
+            'ExpertStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExpertStatus,
+                    request_deserializer=reconfig_dot_v1_dot_router__pb2.ExpertStatusRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_router__pb2.ExpertStatusResponse.SerializeToString,
+            ),
+            'RebalanceExperts': grpc.unary_unary_rpc_method_handler(
+                    servicer.RebalanceExperts,
+                    request_deserializer=reconfig_dot_v1_dot_router__pb2.RebalanceExpertsRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_router__pb2.RebalanceExpertsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -277,6 +314,60 @@ class Router:
             '/reconfig.v1.Router/Stats',
             reconfig_dot_v1_dot_router__pb2.StatsRequest.SerializeToString,
             reconfig_dot_v1_dot_router__pb2.RouterStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExpertStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Router/ExpertStatus',
+            reconfig_dot_v1_dot_router__pb2.ExpertStatusRequest.SerializeToString,
+            reconfig_dot_v1_dot_router__pb2.ExpertStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RebalanceExperts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Router/RebalanceExperts',
+            reconfig_dot_v1_dot_router__pb2.RebalanceExpertsRequest.SerializeToString,
+            reconfig_dot_v1_dot_router__pb2.RebalanceExpertsResponse.FromString,
             options,
             channel_credentials,
             insecure,

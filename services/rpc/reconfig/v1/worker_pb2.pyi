@@ -6,6 +6,66 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GetExpertLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LayerExperts(_message.Message):
+    __slots__ = ("layer", "phy2log", "load")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    PHY2LOG_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    phy2log: _containers.RepeatedScalarFieldContainer[int]
+    load: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer: _Optional[int] = ..., phy2log: _Optional[_Iterable[int]] = ..., load: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExpertLoad(_message.Message):
+    __slots__ = ("rank", "pp_rank", "ep_rank", "ep_size", "num_steps", "epoch", "layers")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    EP_RANK_FIELD_NUMBER: _ClassVar[int]
+    EP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    pp_rank: int
+    ep_rank: int
+    ep_size: int
+    num_steps: int
+    epoch: int
+    layers: _containers.RepeatedCompositeFieldContainer[LayerExperts]
+    def __init__(self, rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., ep_rank: _Optional[int] = ..., ep_size: _Optional[int] = ..., num_steps: _Optional[int] = ..., epoch: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerExperts, _Mapping]]] = ...) -> None: ...
+
+class PrepareExpertMapRequest(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+
+class PrepareExpertMapResponse(_message.Message):
+    __slots__ = ("layers", "bytes_received", "slots_changed", "seconds")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_CHANGED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[LayerExperts]
+    bytes_received: int
+    slots_changed: int
+    seconds: float
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerExperts, _Mapping]]] = ..., bytes_received: _Optional[int] = ..., slots_changed: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class AbortExpertMapRequest(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+
+class AbortExpertMapResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class RegroupRequest(_message.Message):
     __slots__ = ("generation", "rank", "world_size", "topology", "layer_partition", "operation_id")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -159,7 +219,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., num_logprobs: _Optional[int] = ...) -> None: ...
 
 class SequenceStep(_message.Message):
-    __slots__ = ("request_id", "token_ids", "start_position", "block_table", "sampling", "sample", "return_logits", "num_generated", "output_token_ids", "output_token_counts", "distinct_prompt_token_ids", "suppressed_token_ids", "prompt_logprob_token_ids")
+    __slots__ = ("request_id", "token_ids", "start_position", "block_table", "sampling", "sample", "return_logits", "num_generated", "output_token_ids", "output_token_counts", "distinct_prompt_token_ids", "suppressed_token_ids", "prompt_logprob_token_ids", "dp_rank")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +233,7 @@ class SequenceStep(_message.Message):
     DISTINCT_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SUPPRESSED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROB_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_position: int
@@ -186,15 +247,18 @@ class SequenceStep(_message.Message):
     distinct_prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     suppressed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_logprob_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., return_logits: _Optional[bool] = ..., num_generated: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., output_token_counts: _Optional[_Iterable[int]] = ..., distinct_prompt_token_ids: _Optional[_Iterable[int]] = ..., suppressed_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprob_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    dp_rank: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., return_logits: _Optional[bool] = ..., num_generated: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., output_token_counts: _Optional[_Iterable[int]] = ..., distinct_prompt_token_ids: _Optional[_Iterable[int]] = ..., suppressed_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprob_token_ids: _Optional[_Iterable[int]] = ..., dp_rank: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "sequences")
+    __slots__ = ("step_id", "sequences", "commit_expert_map")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_EXPERT_MAP_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceStep]
-    def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceStep, _Mapping]]] = ...) -> None: ...
+    commit_expert_map: int
+    def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceStep, _Mapping]]] = ..., commit_expert_map: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
@@ -241,7 +305,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("rank", "world_size", "pid", "topology", "pp_rank", "tp_rank", "layer_start", "layer_end", "kv_head_start", "kv_head_end", "num_kv_blocks", "block_size", "kv_cache_bytes", "param_bytes", "device", "candidate_topologies", "rss_bytes", "state", "generation", "num_threads")
+    __slots__ = ("rank", "world_size", "pid", "topology", "pp_rank", "tp_rank", "layer_start", "layer_end", "kv_head_start", "kv_head_end", "num_kv_blocks", "block_size", "kv_cache_bytes", "param_bytes", "device", "candidate_topologies", "rss_bytes", "state", "generation", "num_threads", "ep_rank", "ep_size", "expert_slot_start", "expert_slot_end")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +326,10 @@ class WorkerInfo(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
+    EP_RANK_FIELD_NUMBER: _ClassVar[int]
+    EP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_SLOT_START_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_SLOT_END_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     pid: int
@@ -282,7 +350,11 @@ class WorkerInfo(_message.Message):
     state: str
     generation: int
     num_threads: int
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., topology: _Optional[str] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., param_bytes: _Optional[int] = ..., device: _Optional[str] = ..., candidate_topologies: _Optional[_Iterable[str]] = ..., rss_bytes: _Optional[int] = ..., state: _Optional[str] = ..., generation: _Optional[int] = ..., num_threads: _Optional[int] = ...) -> None: ...
+    ep_rank: int
+    ep_size: int
+    expert_slot_start: int
+    expert_slot_end: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., topology: _Optional[str] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., param_bytes: _Optional[int] = ..., device: _Optional[str] = ..., candidate_topologies: _Optional[_Iterable[str]] = ..., rss_bytes: _Optional[int] = ..., state: _Optional[str] = ..., generation: _Optional[int] = ..., num_threads: _Optional[int] = ..., ep_rank: _Optional[int] = ..., ep_size: _Optional[int] = ..., expert_slot_start: _Optional[int] = ..., expert_slot_end: _Optional[int] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ()

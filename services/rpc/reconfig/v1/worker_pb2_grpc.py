@@ -66,6 +66,21 @@ class WorkerStub:
                 request_serializer=reconfig_dot_v1_dot_worker__pb2.RegroupRequest.SerializeToString,
                 response_deserializer=reconfig_dot_v1_dot_worker__pb2.RegroupResponse.FromString,
                 _registered_method=True)
+        self.GetExpertLoad = channel.unary_unary(
+                '/reconfig.v1.Worker/GetExpertLoad',
+                request_serializer=reconfig_dot_v1_dot_worker__pb2.GetExpertLoadRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_worker__pb2.ExpertLoad.FromString,
+                _registered_method=True)
+        self.PrepareExpertMap = channel.unary_unary(
+                '/reconfig.v1.Worker/PrepareExpertMap',
+                request_serializer=reconfig_dot_v1_dot_worker__pb2.PrepareExpertMapRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_worker__pb2.PrepareExpertMapResponse.FromString,
+                _registered_method=True)
+        self.AbortExpertMap = channel.unary_unary(
+                '/reconfig.v1.Worker/AbortExpertMap',
+                request_serializer=reconfig_dot_v1_dot_worker__pb2.AbortExpertMapRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_worker__pb2.AbortExpertMapResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -123,6 +138,32 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetExpertLoad(self, request, context):
+        """MoE: the expert load this worker observed in its window (its own tokens) and the physical ->
+        logical expert map of each sparse layer it holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrepareExpertMap(self, request, context):
+        """EPLB, while serving continues: the ranks of each stage agree on the stage's load, compute the
+        new expert map (replication, balanced packing, slot preservation) and copy the moved experts'
+        weights into staging buffers over the stage's CPU group. Every active worker must receive it.
+        The map is committed by the step that carries commit_expert_map = epoch. FAILED_PRECONDITION:
+        not an expert-parallel layout.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortExpertMap(self, request, context):
+        """Drops a staged map (another rank failed to prepare): the live map stays.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +196,21 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Regroup,
                     request_deserializer=reconfig_dot_v1_dot_worker__pb2.RegroupRequest.FromString,
                     response_serializer=reconfig_dot_v1_dot_worker__pb2.RegroupResponse.SerializeToString,
+            ),
+            'GetExpertLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetExpertLoad,
+                    request_deserializer=reconfig_dot_v1_dot_worker__pb2.GetExpertLoadRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_worker__pb2.ExpertLoad.SerializeToString,
+            ),
+            'PrepareExpertMap': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareExpertMap,
+                    request_deserializer=reconfig_dot_v1_dot_worker__pb2.PrepareExpertMapRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_worker__pb2.PrepareExpertMapResponse.SerializeToString,
+            ),
+            'AbortExpertMap': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortExpertMap,
+                    request_deserializer=reconfig_dot_v1_dot_worker__pb2.AbortExpertMapRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_worker__pb2.AbortExpertMapResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -321,6 +377,87 @@ class Worker:
             '/reconfig.v1.Worker/Regroup',
             reconfig_dot_v1_dot_worker__pb2.RegroupRequest.SerializeToString,
             reconfig_dot_v1_dot_worker__pb2.RegroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetExpertLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Worker/GetExpertLoad',
+            reconfig_dot_v1_dot_worker__pb2.GetExpertLoadRequest.SerializeToString,
+            reconfig_dot_v1_dot_worker__pb2.ExpertLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareExpertMap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Worker/PrepareExpertMap',
+            reconfig_dot_v1_dot_worker__pb2.PrepareExpertMapRequest.SerializeToString,
+            reconfig_dot_v1_dot_worker__pb2.PrepareExpertMapResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortExpertMap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Worker/AbortExpertMap',
+            reconfig_dot_v1_dot_worker__pb2.AbortExpertMapRequest.SerializeToString,
+            reconfig_dot_v1_dot_worker__pb2.AbortExpertMapResponse.FromString,
             options,
             channel_credentials,
             insecure,
