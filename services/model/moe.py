@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from services.model.layers import ShardLoader, TPGroup
 from services.model.spec import ModelSpec
 from services.topology import WorkerPlacement
-from services.topology.experts import expert_tensor_names, router_tensor_name
+from services.topology.experts import expert_copies, expert_tensor_names, router_tensor_name
 
 ExpertWeights = tuple[torch.Tensor, ...]  # (gate_up [2 * I_local, hidden], down [hidden, I_local]) of one slot
 
@@ -44,9 +44,7 @@ def load_expert(loader: ShardLoader, style: str, layer: int, expert: int, interm
 
 def copy_tables(phy2log: Sequence[int], num_experts: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per logical expert: its number of copies [E], and its slots in ascending order [E, max copies] (padded)."""
-    slots: list[list[int]] = [[] for _ in range(num_experts)]
-    for slot, logical in enumerate(phy2log):
-        slots[logical].append(slot)
+    slots = [list(held) for held in expert_copies(phy2log, num_experts)]
     width = max(len(s) for s in slots)
     table = torch.tensor([s + [s[0]] * (width - len(s)) for s in slots], dtype=torch.int64, device=device)
     counts = torch.tensor([len(s) for s in slots], dtype=torch.int64, device=device)

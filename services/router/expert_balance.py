@@ -15,11 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import structlog
 
 from services.rpc.errors import describe_error
 from services.rpc.reconfig.v1 import router_pb2, worker_pb2, worker_pb2_grpc
-from services.topology.eplb import balancedness, rank_loads
+from services.topology.eplb import layer_balancedness, logical_loads, physical_loads, rank_loads
 
 log = structlog.get_logger(__name__)
 
@@ -48,9 +49,9 @@ class EplbSettings:
             raise ValueError(f"eplb timeout_s must be > 0, got {self.timeout_s}")
 
 
-def layer_balance(replies: Sequence[worker_pb2.ExpertLoad]) -> list[router_pb2.LayerBalance]:
+def layer_balance(replies: Sequence[worker_pb2.ExpertLoad]) -> tuple[list[router_pb2.LayerBalance], float]:
     """Per sparse layer: the map, the load per physical slot summed over the EP ranks that hold the layer, the
-    load per rank and its balancedness (mean / max rank load)."""
+    load per rank and its balancedness; and the overall balancedness (eplb.layer_balancedness)."""
     by_layer: dict[int, tuple[list[int], list[int], int]] = {}
     for reply in replies:
         for layer in reply.layers:
@@ -58,20 +59,15 @@ def layer_balance(replies: Sequence[worker_pb2.ExpertLoad]) -> list[router_pb2.L
                                                                   reply.ep_size))
             for slot, count in enumerate(layer.load):
                 load[slot] += count
-    out = []
-    for layer, (phy2log, load, ep) in sorted(by_layer.items()):
-        per_rank = rank_loads(load, ep)
-        out.append(router_pb2.LayerBalance(layer=layer, phy2log=phy2log, load=load,
-                                           rank_load=[int(x) for x in per_rank],
-                                           balancedness=balancedness(per_rank)))
-    return out
-
-
-def overall_balancedness(layers: Sequence[router_pb2.LayerBalance]) -> float:
-    """Over every sparse layer: the sum of mean rank loads / the sum of max rank loads (1.0 with no load)."""
-    mean = sum(sum(x.rank_load) / len(x.rank_load) for x in layers if x.rank_load)
-    peak = sum(max(x.rank_load) for x in layers if x.rank_load)
-    return mean / peak if peak > 0 else 1.0
+    if not by_layer:
+        return [], 1.0
+    ordered = sorted(by_layer.items())
+    ep = ordered[0][1][2]
+    per_layer, overall = layer_balancedness(np.array([load for _, (_, load, _) in ordered]), ep)
+    layers = [router_pb2.LayerBalance(layer=layer, phy2log=phy2log, load=load,
+                                      rank_load=[int(x) for x in rank_loads(load, ep)], balancedness=value)
+              for (layer, (phy2log, load, _)), value in zip(ordered, per_layer)]
+    return layers, overall
 
 
 class ExpertBalancer:
@@ -118,12 +114,12 @@ class ExpertBalancer:
         failed = [r for r in replies if isinstance(r, BaseException)]
         if failed:
             raise ExpertBalanceAborted(f"a worker did not report its expert load: {_describe(failed[0])}")
-        layers = layer_balance(replies)
+        layers, overall = layer_balance(replies)
         response.expert_parallel = True
         response.ep_size = max(r.ep_size for r in replies)
         response.num_physical_experts = len(layers[0].phy2log) if layers else 0
         response.layers.extend(layers)
-        response.balancedness = overall_balancedness(layers)
+        response.balancedness = overall
         response.window_steps = min(r.num_steps for r in replies)
         self.last_balancedness = response.balancedness
         return response
@@ -157,10 +153,11 @@ class ExpertBalancer:
                                        f"{_describe(failed[0])}")
         prepared = time.perf_counter()
         new_maps = {layer.layer: list(layer.phy2log) for reply in replies for layer in reply.layers}
-        after = overall_balancedness([
-            router_pb2.LayerBalance(rank_load=[int(x) for x in rank_loads(
-                _spread(layer.phy2log, layer.load, new_maps[layer.layer]), old.ep_size)])
-            for layer in old.layers])
+        # Predicted: the window's logical load spread evenly over each expert's copies in the new map.
+        # (every logical expert holds a slot, so the map's distinct ids are all of them)
+        spread = [physical_loads(logical_loads(layer.load, layer.phy2log, len(set(layer.phy2log))),
+                                 new_maps[layer.layer]) for layer in old.layers]
+        after = layer_balancedness(np.array(spread), old.ep_size)[1] if spread else 1.0
         try:
             await asyncio.wait_for(self.engine.commit_expert_map(epoch), self.settings.timeout_s)
         except BaseException as exc:  # a failed step, a freeze, a timeout, or the caller went away
@@ -207,17 +204,6 @@ class ExpertBalancer:
                 await self.rebalance()
             except (ExpertBalanceError, ExpertBalanceAborted) as exc:
                 log.warning("router.eplb_rebalance_failed", error=str(exc))
-
-
-def _spread(old_phy2log: Sequence[int], old_load: Sequence[int], new_phy2log: Sequence[int]) -> list[float]:
-    """Physical-slot load under new_phy2log of the logical load measured under old_phy2log (even split per copy)."""
-    logical: dict[int, float] = {}
-    for slot, count in enumerate(old_load):
-        logical[old_phy2log[slot]] = logical.get(old_phy2log[slot], 0.0) + count
-    copies: dict[int, int] = {}
-    for expert in new_phy2log:
-        copies[expert] = copies.get(expert, 0) + 1
-    return [logical.get(expert, 0.0) / copies[expert] for expert in new_phy2log]
 
 
 def _describe(exc: BaseException) -> str:

@@ -77,7 +77,7 @@ class ExpertBalancer:
         """After a step (model thread): move the step's routed-token counts into the window."""
         if self._window is None:
             return
-        counts = torch.stack([block.take_load() for block in self._blocks.values()]).numpy()
+        counts = torch.stack([block.take_load() for block in self._blocks.values()]).cpu().numpy()  # GPU: to host
         with self._lock:
             self._window.record(counts)
 
