@@ -35,6 +35,7 @@ class ClusterConfig:
     device: str = "cpu"
     gpus: int | tuple[int, ...] | None = None  # --device cuda: a count or CUDA ordinals (None: every visible GPU)
     gpu_sharing: bool = False            # several workers per GPU (gloo collectives; development and tests)
+    enforce_eager: bool = False          # --device cuda: no CUDA graphs for decode steps
     kv_cache_bytes: int = 64 << 20       # per worker
     block_size: int = 16
     host: str = "127.0.0.1"
@@ -163,7 +164,7 @@ class LocalCluster:
             weightstore_address=self.weightstore_address, topology=cfg.topology,
             layer_partition=cfg.layer_partition, device=cfg.device, kv_cache_bytes=cfg.kv_cache_bytes,
             gpu=self.gpus[rank] if self.gpus else None, gpu_sharing=cfg.gpu_sharing,
-            block_size=cfg.block_size, host=cfg.host, collective_timeout_s=cfg.collective_timeout_s,
+            enforce_eager=cfg.enforce_eager, block_size=cfg.block_size, host=cfg.host, collective_timeout_s=cfg.collective_timeout_s,
             parent_pid=os.getpid(), num_threads=cfg.num_threads, candidate_topologies=cfg.candidate_topologies,
             token=cfg.token, faults=cfg.faults, num_redundant_experts=cfg.num_redundant_experts,
             eplb_window=cfg.eplb_window,

@@ -30,6 +30,7 @@ class UpConfig:
     device: str = "cpu"
     gpus: str | int | list[int] | None = None  # --device cuda: a count or CUDA ordinals (None: every visible GPU)
     gpu_sharing: bool = False           # several workers per GPU: gloo collectives (development, one-GPU machines)
+    enforce_eager: bool = False         # --device cuda: run decode steps eagerly, no CUDA graphs (debugging)
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 50052
@@ -119,6 +120,8 @@ def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
                                        "on the i-th of them [every visible GPU, one worker each]")
     parser.add_argument("--gpu-sharing", action="store_true", default=None,
                         help="let several workers share a GPU (gloo instead of NCCL; development) [off]")
+    parser.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="--device cuda: run every step eagerly, no CUDA graphs for decode steps [off]")
 
 
 class _Stop(Exception):
@@ -144,7 +147,7 @@ def up(config: UpConfig) -> int:
     token = generate_token()
     cluster = LocalCluster(ClusterConfig(  # checks the layout and the GPU placement before anything is written
         model=config.model, num_workers=config.workers, topology=config.topology, device=config.device,
-        gpus=parse_gpus(config.gpus), gpu_sharing=config.gpu_sharing,
+        gpus=parse_gpus(config.gpus), gpu_sharing=config.gpu_sharing, enforce_eager=config.enforce_eager,
         kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size, host=config.host, token=token,
         num_redundant_experts=config.num_redundant_experts, eplb_window=config.eplb_window,
     ))

@@ -37,6 +37,9 @@ class AttentionMetadata:
     block_size: int
     prefills: tuple[SequenceSlice, ...] = ()  # multi-token sequences, attended one by one
     decodes: DecodeBatch | None = None        # single-token sequences, attended in one call
+    # [T] the row of this step's keys/values each slot of slot_mapping receives; None: row i. A padded decode step
+    # (CUDA graphs) repeats a real row in its padding rows, slot included: the duplicate writes carry equal bytes.
+    write_rows: torch.Tensor | None = None
 
     @classmethod
     def build(cls, starts: list[int], lengths: list[int], block_tables: list[list[int]], block_size: int,
@@ -62,9 +65,28 @@ class AttentionMetadata:
                                      token_start, device) if decodes else None
         return cls(tuple(sequences), slot_mapping, block_size, prefills, decode_batch)
 
+    @classmethod
+    def padded_decode(cls, positions: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                      write_rows: torch.Tensor, block_size: int) -> AttentionMetadata:
+        """A decode step built on the device from device tensors alone, with shapes fixed by block_tables' (what a
+        CUDA graph captures and replays): positions [B] (each row's new token), block_tables [B, N] (padded with
+        any block id), context_lens [B], write_rows [B] (padding rows name the real row they repeat). Every row
+        attends to N * block_size keys, masked past its context."""
+        batch, num_blocks = block_tables.shape
+        offsets = torch.arange(block_size, device=block_tables.device)
+        slots = (block_tables[:, :, None] * block_size + offsets).view(batch, num_blocks * block_size)
+        slot_mapping = slots.gather(1, positions[:, None]).squeeze(1)
+        key_mask = _decode_keys_mask(context_lens, num_blocks * block_size, None)
+        return cls((), slot_mapping, block_size, (), DecodeBatch(None, slots.reshape(-1), context_lens, key_mask),
+                   write_rows)
 
-def write_kv(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store new keys/values. cache [2, num_blocks, block_size, kv_heads, D]; key/value [T, kv_heads, D]."""
+
+def write_kv(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+             rows: torch.Tensor | None = None) -> None:
+    """Store new keys/values. cache [2, num_blocks, block_size, kv_heads, D]; key/value [T, kv_heads, D]; rows
+    (AttentionMetadata.write_rows): slot i receives row rows[i]."""
+    if rows is not None:
+        key, value = key.index_select(0, rows), value.index_select(0, rows)
     num_blocks, block_size = cache.shape[1], cache.shape[2]
     flat = cache.view(2, num_blocks * block_size, cache.shape[3], cache.shape[4])
     flat[0].index_copy_(0, slot_mapping, key.to(cache.dtype))

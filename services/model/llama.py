@@ -120,7 +120,7 @@ class DecoderLayer:
                             rms_norm(qk[:, num_q:], self.k_norm, spec.rms_norm_eps)), dim=1)
         qk = apply_rotary(qk, cos, sin)
         q, k = qk[:, :num_q], qk[:, num_q:]
-        write_kv(cache, k, v, meta.slot_mapping)
+        write_kv(cache, k, v, meta.slot_mapping, meta.write_rows)
         attn = paged_attention(q, cache, meta, d**-0.5, spec.sliding_window)  # [T, Hq_local, D]
         return self.o_proj(attn.reshape(t, num_q * d))
 

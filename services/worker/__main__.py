@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="CUDA ordinal among the visible GPUs for --device cuda (default: rank %% GPU count)")
     parser.add_argument("--gpu-sharing", action="store_true",
                         help="this rank shares its GPU with others (development): gloo instead of NCCL")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="--device cuda: run every step eagerly (no CUDA graphs for decode steps)")
     parser.add_argument("--kv-cache-mb", type=int, default=64, help="KV cache budget (MiB)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default: loopback)")
@@ -67,7 +69,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(
         rank=args.rank, world_size=args.world_size, store_host=args.store_host, store_port=args.store_port,
         weightstore_address=args.weightstore, topology=args.topology, layer_partition=args.layer_partition,
-        device=args.device, gpu=args.gpu, gpu_sharing=args.gpu_sharing, kv_cache_bytes=args.kv_cache_mb << 20,
+        device=args.device, gpu=args.gpu, gpu_sharing=args.gpu_sharing,
+        enforce_eager=args.enforce_eager, kv_cache_bytes=args.kv_cache_mb << 20,
         block_size=args.block_size,
         host=args.host, port=args.port, collective_timeout_s=args.collective_timeout,
         parent_pid=args.parent_pid, num_threads=args.num_threads,

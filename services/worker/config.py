@@ -21,6 +21,7 @@ class WorkerConfig:
     # Several ranks on one GPU (development, tests): tensor collectives over gloo (NCCL refuses two ranks on a
     # device), point-to-point staged through host memory. Production keeps one rank per GPU and NCCL.
     gpu_sharing: bool = False
+    enforce_eager: bool = False        # --device cuda: never replay decode steps as CUDA graphs (debugging)
     kv_cache_bytes: int = 64 << 20     # KV cache budget; the block count follows from it
     block_size: int = 16               # tokens per KV block
     host: str = "127.0.0.1"            # gRPC bind address

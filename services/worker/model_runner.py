@@ -9,7 +9,9 @@ import torch
 from services.model.attention import AttentionMetadata
 from services.model.llama import ShardedCausalLM
 from services.topology import Placement, WorkerPlacement
+from services.worker.decode_graphs import DecodeGraphs
 from services.worker.kv_cache import KVCache
+from services.worker.logits_processor import needs_processing
 from services.worker.parallel import ParallelState
 from services.worker.sampler import sample_outputs
 from services.worker.step import SequenceOutput, StepBatch, StepOutput
@@ -19,7 +21,8 @@ class ModelRunner:
     """Owns the model shard and KV cache of one worker; called from one thread, one step at a time."""
 
     def __init__(self, model: ShardedCausalLM, kv_cache: KVCache, placement: Placement, wp: WorkerPlacement,
-                 parallel: ParallelState | None, device: torch.device) -> None:
+                 parallel: ParallelState | None, device: torch.device, cuda_graphs: bool = False) -> None:
+        """cuda_graphs: replay decode steps as CUDA graphs where the layout allows (graph_support says why not)."""
         self.model = model
         self.kv_cache = kv_cache
         self.placement = placement
@@ -31,6 +34,25 @@ class ModelRunner:
         self.prev_rank = (wp.pp_rank - 1) * size + wp.stage_rank if not wp.is_first_stage else None
         self.next_rank = (wp.pp_rank + 1) * size + wp.stage_rank if not wp.is_last_stage else None
         self.is_data_parallel = wp.ep_size > 1  # EP layout: attention for this rank's own requests only
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and (why_not := self.graph_support()) is None:
+            self.graphs = DecodeGraphs(model, kv_cache, device, capture=True)
+        elif cuda_graphs:
+            self.graphs_refused = why_not
+
+    graphs_refused = ""  # why decode graphs are off in this layout, when asked for
+
+    def graph_support(self) -> str | None:
+        """None when decode steps can be CUDA graphs here, else why not: a graph needs fixed shapes (no MoE
+        routing) and collectives a graph can hold (a single-rank stage, or NCCL: gloo runs on the host)."""
+        if self.device.type != "cuda":
+            return "not on a GPU"
+        if self.model.spec.shape.is_moe:
+            return "MoE layers route tokens with data-dependent shapes"
+        stage_size = self.placement.topology.stage_size
+        if stage_size > 1 and (self.parallel is None or self.parallel.backend != "nccl"):
+            return "the stage's collectives run over gloo (shared GPU)"
+        return None
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch, rank: int) -> StepOutput:
@@ -46,6 +68,8 @@ class ModelRunner:
                 self.model.forward_empty()
                 return StepOutput(batch.step_id, rank, compute_seconds=time.perf_counter() - started)
             batch = StepBatch(batch.step_id, seqs)
+        if self.graphs is not None and self.graphs.accepts(seqs):
+            return self._execute_graph(batch, seqs, rank, started)
         meta = AttentionMetadata.build(
             [s.start_position for s in seqs],
             [len(s.token_ids) for s in seqs],
@@ -73,6 +97,30 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [R, vocab]; a TP collective
             if self.wp.tp_rank == 0:
                 outputs = sample_outputs(list(seqs), wanted, logits.cpu(), len(prompt_rows))
+        return StepOutput(batch.step_id, rank, tuple(outputs), compute_seconds=time.perf_counter() - started)
+
+    def _execute_graph(self, batch: StepBatch, seqs, rank: int, started: float) -> StepOutput:
+        """A decode step through its CUDA graph: one host synchronisation, for the tokens (or the logits when a
+        request needs more than greedy argmax)."""
+        hidden = None
+        if self.prev_rank is not None:
+            hidden = self.parallel.recv((len(seqs), self.model.spec.hidden_size), self.model.dtype, self.device,
+                                        self.prev_rank)
+        result = self.graphs.run(seqs, hidden)
+        if self.next_rank is not None:
+            self.parallel.send(result.hidden, self.next_rank)
+            return StepOutput(batch.step_id, rank, compute_seconds=time.perf_counter() - started)
+        outputs: list[SequenceOutput] = []
+        if self.wp.tp_rank == 0:
+            wanted = [i for i, s in enumerate(seqs) if s.sample or s.return_logits]
+            chosen = [seqs[i] for i in wanted]
+            if all(s.sample and s.sampling.is_greedy and s.sampling.num_logprobs is None and not s.return_logits
+                   and not needs_processing(s) for s in chosen):
+                tokens = result.greedy.tolist()
+                outputs = [SequenceOutput(seqs[i].request_id, tokens[i]) for i in wanted]
+            elif wanted:
+                rows = torch.tensor(wanted, device=self.device)
+                outputs = sample_outputs(list(seqs), wanted, result.logits.index_select(0, rows).cpu(), 0)
         return StepOutput(batch.step_id, rank, tuple(outputs), compute_seconds=time.perf_counter() - started)
 
     @staticmethod

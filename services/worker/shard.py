@@ -29,6 +29,9 @@ from services.worker.threads import set_threads, threads_per_worker, usable_core
 
 log = structlog.get_logger(__name__)
 
+# Decode graphs captured when a layout starts serving (the rest on first use): the batch buckets most steps meet.
+WARM_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
 
 def worker_device(config: WorkerConfig) -> torch.device:
     """This worker's device: its assigned GPU (the launcher's placement), else rank % visible GPUs; CPU runs never
@@ -99,6 +102,14 @@ class WorkerShard:
         self.num_threads = num_threads
         if self.runner is not None:
             self.runner.model.pack_weights()
+            if self.runner.graphs is not None:  # the new layout's decode graphs, before it serves
+                started = time.perf_counter()
+                captured = self.runner.graphs.warm(WARM_BATCHES)
+                log.info("worker.decode_graphs_warm", rank=self.rank, topology=str(self.topology), graphs=captured,
+                         seconds=round(time.perf_counter() - started, 4))
+            elif self.runner.graphs_refused and self.device.type == "cuda":
+                log.info("worker.decode_graphs_off", rank=self.rank, topology=str(self.topology),
+                         reason=self.runner.graphs_refused)
 
     @property
     def rank(self) -> int:
@@ -138,7 +149,8 @@ class WorkerShard:
         if kv_cache is None:
             kv_cache = KVCache(wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size, self.dtype,
                                self.device, self.config.kv_cache_bytes)
-        return ModelRunner(model, kv_cache, placement, wp, self.parallel, self.device)
+        return ModelRunner(model, kv_cache, placement, wp, self.parallel, self.device,
+                           cuda_graphs=self.device.type == "cuda" and not self.config.enforce_eager)
 
     # ---- switching -----------------------------------------------------------------------------------------------
     def prepare_switch(self, request: worker_pb2.PrepareSwitchRequest) -> worker_pb2.PrepareSwitchResponse:

@@ -1,0 +1,105 @@
+"""The fixed-shape decode step that CUDA graphs replay (services/worker/decode_graphs.py), run eagerly on CPU: the
+same tokens, logits and KV bytes as the variable-shape step, with padded batches, key buckets crossed mid-run and
+padding rows that must not touch any slot but their real row's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from services.model.layers import ShardLoader, SingleRankGroup
+from services.model.llama import ShardedCausalLM
+from services.model.spec import ModelSpec
+from services.topology import Topology, place
+from services.worker.decode_graphs import MIN_KEYS, DecodeGraphs, batch_bucket, key_blocks
+from services.worker.kv_cache import KVCache
+from services.worker.model_runner import ModelRunner
+from services.worker.step import SamplingParams, SequenceStep, StepBatch
+from tests.conftest import hf_greedy, make_checkpoint
+
+CPU = torch.device("cpu")
+BLOCK_SIZE = 4
+
+
+def test_buckets():
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 17, 64, 65, 256)] == [1, 2, 4, 8, 24, 64, 96, 256]
+    assert batch_bucket(257) is None
+    assert key_blocks(1, 4) == MIN_KEYS // 4
+    assert key_blocks(MIN_KEYS, 16) == MIN_KEYS // 16
+    assert key_blocks(MIN_KEYS + 1, 16) == 2 * MIN_KEYS // 16
+    assert key_blocks(1000, 16) == 1024 // 16
+
+
+def _runner(spec, model_dir, graphs: bool):
+    tensors = load_file(model_dir / "model.safetensors")
+    placement = place(Topology(1, 1), spec.shape)
+    wp = placement.workers[0]
+    loader = ShardLoader(tensors.__getitem__, set(tensors), torch.float32, CPU)
+    cache = KVCache(wp.layers, len(wp.kv_heads), spec.head_dim, BLOCK_SIZE, torch.float32, CPU, num_blocks=96)
+    runner = ModelRunner(ShardedCausalLM(spec, wp, loader, SingleRankGroup()), cache, placement, wp, None, CPU)
+    if graphs:
+        runner.graphs = DecodeGraphs(runner.model, cache, CPU, capture=False)
+    return runner
+
+
+@pytest.mark.parametrize("style", ["llama", "qwen2"])
+def test_fixed_shape_decode_equals_the_variable_shape_step(tmp_path, style):
+    model_dir = make_checkpoint(tmp_path / style, style, seed=3)
+    spec = ModelSpec.from_dir(model_dir)
+    eager, fixed = _runner(spec, model_dir, False), _runner(spec, model_dir, True)
+    # Three requests (a padded batch of 4): one crosses from the 128-key bucket into the 256-key one mid-run.
+    prompts = [list(range(3, 3 + 122)), [7, 8, 9], list(range(40, 60))]
+    num_new = 12
+    tables = [tuple(range(0, 40)), tuple(range(40, 48)), tuple(range(48, 60))]  # blocks 60..95 stay unused
+    expected, _ = hf_greedy(model_dir, prompts, num_new)
+    outputs = {id(eager): [[] for _ in prompts], id(fixed): [[] for _ in prompts]}
+    try:
+        for runner in (eager, fixed):
+            seqs = tuple(SequenceStep(f"r{i}", tuple(p), 0, t) for i, (p, t) in enumerate(zip(prompts, tables)))
+            for i, out in enumerate(runner.execute(StepBatch(0, seqs), 0).outputs):
+                outputs[id(runner)][i].append(out.token_id)
+        for step in range(1, num_new):
+            steps = []
+            for runner in (eager, fixed):
+                tokens = outputs[id(runner)]
+                seqs = tuple(SequenceStep(f"r{i}", (tokens[i][-1],), len(p) + step - 1, t,
+                                          return_logits=step % 3 == 0 and i == 1)  # some steps take the logits path
+                             for i, (p, t) in enumerate(zip(prompts, tables)))
+                result = runner.execute(StepBatch(step, seqs), 0)
+                steps.append(result)
+                for i, out in enumerate(result.outputs):
+                    tokens[i].append(out.token_id)
+            for a, b in zip(*(s.outputs for s in steps), strict=True):
+                assert a.request_id == b.request_id and a.token_id == b.token_id
+                if a.logits:
+                    np.testing.assert_allclose(np.frombuffer(b.logits, np.float32),
+                                               np.frombuffer(a.logits, np.float32), atol=1e-5, rtol=0)
+        assert outputs[id(fixed)] == expected and outputs[id(eager)] == expected
+        assert fixed.graphs.num_graphs == 2  # (4 rows, 128 keys) then (4 rows, 256 keys)
+        for a, b in zip(eager.kv_cache.layers, fixed.kv_cache.layers, strict=True):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=0)  # GEMMs of 3 and 4 rows round apart
+            assert not b[:, 60:].any(), "a padding row wrote outside its real row's slots"
+    finally:
+        eager.kv_cache.close()
+        fixed.kv_cache.close()
+
+
+def test_what_a_graph_refuses(tmp_path):
+    model_dir = make_checkpoint(tmp_path / "llama", "llama", seed=1)
+    spec = ModelSpec.from_dir(model_dir)
+    runner = _runner(spec, model_dir, True)
+    try:
+        graphs = runner.graphs
+        decode = SequenceStep("a", (5,), 3, (0,))
+        assert graphs.accepts([decode])
+        assert not graphs.accepts([])
+        assert not graphs.accepts([SequenceStep("a", (5, 6), 0, (0,))])  # a prefill
+        assert not graphs.accepts([SequenceStep("a", (5,), 3, (0,), prompt_logprob_token_ids=(5,))])
+        assert not graphs.accepts([decode] * 257)
+        assert runner.graph_support() == "not on a GPU"
+        sampled = SequenceStep("a", (5,), 0, (0,), SamplingParams(temperature=0.8, seed=1))
+        assert graphs.accepts([sampled])  # sampling runs on the graph's logits
+    finally:
+        runner.kv_cache.close()
