@@ -181,6 +181,9 @@ def _batched_decode(query: torch.Tensor, cache: torch.Tensor, decodes: DecodeBat
     mask = decodes.key_mask
     if sliding_window is not None:
         mask = _decode_keys_mask(decodes.context_lens, kv.shape[3], sliding_window)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0].to(q.dtype), kv[1].to(q.dtype), attn_mask=mask,
-                                         scale=scale, enable_gqa=True)  # [B, Hq, 1, D]
-    return out.squeeze(2)
+    # The query heads of one KV head become that head's query rows ([B, Hkv, Hq/Hkv, D]): plain attention, no GQA
+    # expansion, which keeps a fused SDPA kernel eligible with a mask (enable_gqa with a mask falls back to math).
+    grouped = q.view(batch, num_kv_heads, q.shape[1] // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, kv[0].to(q.dtype), kv[1].to(q.dtype), attn_mask=mask,
+                                         scale=scale)  # [B, Hkv, Hq/Hkv, D]
+    return out.reshape(batch, q.shape[1], head_dim)

@@ -89,7 +89,7 @@ class DecodeGraphs:
         self.last_stage = model.lm_head is not None
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
-        self._kv_ptrs = self._kv_pointers()
+        self._kv_ptrs: tuple[int, ...] | None = None  # the KV tensors the graphs write (a switch fills them later)
         self.capture_seconds = 0.0
 
     def accepts(self, seqs: tuple[SequenceStep, ...] | list[SequenceStep]) -> bool:
@@ -104,9 +104,7 @@ class DecodeGraphs:
 
     def run(self, seqs: tuple[SequenceStep, ...] | list[SequenceStep], hidden: torch.Tensor | None) -> DecodeResult:
         """One decode step of `seqs` (hidden: the received states [B, hidden] on stages after the first)."""
-        if self._kv_pointers() != self._kv_ptrs:  # a KV layer was replaced: the graphs read freed memory
-            self.clear()
-            self._kv_ptrs = self._kv_pointers()
+        self._check_kv()
         block_size = self.kv_cache.block_size
         rows = len(seqs)
         batch = batch_bucket(rows)
@@ -130,6 +128,7 @@ class DecodeGraphs:
     def warm(self, batches: tuple[int, ...] = BATCH_BUCKETS, context_len: int = MIN_KEYS) -> int:
         """Capture the graphs of these batch buckets at the smallest key bucket ahead of serving; returns how many
         were captured (the ranks of a stage must warm the same list)."""
+        self._check_kv()
         num_blocks = key_blocks(context_len, self.kv_cache.block_size)
         captured = 0
         for batch in batches:
@@ -146,8 +145,13 @@ class DecodeGraphs:
         return len(self._graphs)
 
     # ---- building ------------------------------------------------------------------------------------------------
-    def _kv_pointers(self) -> tuple[int, ...]:
-        return tuple(t.data_ptr() for t in self.kv_cache.layers)
+    def _check_kv(self) -> None:
+        """Drop every graph if a KV layer tensor was replaced since they were captured (they would write freed
+        memory). Checked before each use, not at construction: a switch builds the runner before its KV arrives."""
+        pointers = tuple(t.data_ptr() for t in self.kv_cache.layers)
+        if pointers != self._kv_ptrs:
+            self.clear()
+            self._kv_ptrs = pointers
 
     def _packed(self, seqs, batch: int, num_blocks: int) -> torch.Tensor:
         """The step's inputs, padded to `batch` rows with copies of row 0, as one host int64 tensor."""

@@ -70,7 +70,7 @@ def test_greedy_equals_transformers(checkpoint, num_workers, topology, eager):
 def _second_layer(checkpoint, start: str, target: str) -> int:
     shape = ModelSpec.from_dir(checkpoint).shape
     old, new = place(Topology.parse(start), shape), place(Topology.parse(target), shape)
-    return plan_kv_migration(old, range(4), new, range(4)).layers()[1]
+    return plan_kv_migration(old, range(old.topology.num_workers), new, range(new.topology.num_workers)).layers()[1]
 
 
 CHAIN = ["tp2pp2", "tp4pp1", "tp1pp2", "tp2pp1", "tp1pp1"]

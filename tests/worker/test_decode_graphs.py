@@ -103,3 +103,30 @@ def test_what_a_graph_refuses(tmp_path):
         assert graphs.accepts([sampled])  # sampling runs on the graph's logits
     finally:
         runner.kv_cache.close()
+
+
+def test_graphs_of_a_runner_built_before_its_kv_arrives(tmp_path):
+    """A switch builds the new runner over an empty KV cache that the migration then fills layer by layer; the
+    graphs bind to the KV tensors at first use, and drop themselves when a layer tensor is replaced."""
+    model_dir = make_checkpoint(tmp_path / "llama", "llama", seed=2)
+    spec = ModelSpec.from_dir(model_dir)
+    full = _runner(spec, model_dir, True)
+    wp = full.wp
+    empty = KVCache(wp.layers, len(wp.kv_heads), spec.head_dim, BLOCK_SIZE, torch.float32, CPU, num_blocks=96,
+                    allocate=False)
+    try:
+        graphs = DecodeGraphs(full.model, empty, CPU, capture=False)
+        for layer in wp.layers:
+            empty.set_layer(layer, empty.new_layer())
+        step = [SequenceStep("a", (5,), 0, (0,))]
+        graphs.run(step, None)
+        assert graphs.num_graphs == 1
+        replaced = empty.pop_layer(wp.layers[0])
+        empty.set_layer(wp.layers[0], empty.new_layer())
+        replaced.free()
+        graphs.run(step, None)
+        assert graphs.num_graphs == 1  # dropped, then the one shape met again
+        assert graphs._kv_ptrs == tuple(t.data_ptr() for t in empty.layers)
+    finally:
+        full.kv_cache.close()
+        empty.close()
