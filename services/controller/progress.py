@@ -37,7 +37,8 @@ def _bar(fraction: float) -> str:
 def totals_line(op: OperationStatus) -> str:
     """Downtime and what the operation moved."""
     return (f"downtime {op.downtime_seconds:.3f} s; KV moved {format_bytes(op.kv_bytes_moved)}; "
-            f"weights loaded {format_bytes(op.weight_bytes_loaded)}; "
+            f"weights loaded {format_bytes(op.weight_bytes_loaded)}"
+            + (f", resharded {format_bytes(op.weight_bytes_resharded)}" if op.weight_bytes_resharded else "") + "; "
             f"requests preempted {op.num_requests_preempted}")
 
 

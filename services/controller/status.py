@@ -93,6 +93,7 @@ class OperationStatus:
     built_groups: bool = False         # slow path: the target's process groups were built during the switch
     lost_workers: tuple[str, ...] = ()  # "recover": the workers it found gone and left out of the new world
     kv_dropped: bool = False           # the running requests' KV was dropped (they re-prefill), not migrated
+    weight_bytes_resharded: int = 0    # expert bytes that changed view by all-to-all (TP <-> EP), not loaded
 
     @property
     def downtime_seconds(self) -> float:

@@ -95,11 +95,6 @@ class Reconfigurer:
         """Parse and validate against the model and the worker count (TopologyError says why not)."""
         target = SwitchTarget(Topology.parse(topology), tuple(layer_partition) or None)
         validate(target.topology, self.spec.shape, len(self.workers), target.layer_partition)
-        live = self.state.topology
-        if live != target.topology and (live.is_expert_parallel or target.topology.is_expert_parallel):
-            # The KV of data-parallel attention belongs to requests, not heads: it needs its own move.
-            raise TopologyError(f"{live} -> {target.topology}: a live switch to or from an expert-parallel layout "
-                                "is not supported yet (issue 14)")
         return target
 
     async def reconfigure(self, topology: str, operation_id: str = "", deadline_s: float = 0.0,
@@ -156,26 +151,28 @@ class Reconfigurer:
             progress.rolled_back = True
             await self.resume(progress.report(OperationState.ROLLED_BACK))
             raise
-        old_capacity = frozen.stats.num_kv_blocks_total
+        old_capacity, old_dp = frozen.stats.num_kv_blocks_total, dp_size(self.state.topology)
         try:
             progress.enter("PREPARING_WORKERS")
             prepared, capacity = await prepare_workers(self.workers, target, progress.timeout(self), meta)
             before = frozen.stats.num_preemptions
-            rebound = await self.router.Rebind(router_pb2.RebindRequest(num_kv_blocks=capacity),
-                                               timeout=progress.timeout(self), metadata=meta)
+            # To or from an EP layout the router gives every running request a KV pool of the target (block maps)
+            rebound = await self.router.Rebind(
+                router_pb2.RebindRequest(num_kv_blocks=capacity, dp_size=dp_size(target.topology)),
+                timeout=progress.timeout(self), metadata=meta)
             progress.timeout(self)  # the last chance to give up cleanly
             progress.status = dataclasses.replace(
                 progress.status, num_requests_preempted=rebound.stats.num_preemptions - before)
         except BaseException:
             progress.rolled_back = True  # nothing moved yet: restore the capacity, resume the old layout
-            await self._restore(old_capacity, progress.report(OperationState.ROLLED_BACK))
+            await self._restore(old_capacity, old_dp, progress.report(OperationState.ROLLED_BACK))
             raise
         timeout = self.rpc_timeout_s
         progress.enter("APPLYING_TOPOLOGY")
         # One RPC per worker runs both phases (the groups are selected, then KV moves layer by layer).
         switching = asyncio.ensure_future(apply_workers(self.workers, target, prepared, capacity,
                                                         rebound.used_block_ids, progress.status.operation_id,
-                                                        timeout, metadata=meta))
+                                                        timeout, metadata=meta, block_maps=rebound.block_maps))
         progress.enter("MIGRATING")
         try:
             results = await switching
@@ -183,14 +180,15 @@ class Reconfigurer:
             if exc.code() == grpc.StatusCode.ABORTED:  # every worker moved its KV back: the old layout is whole
                 progress.enter("ROLLING_BACK")
                 progress.rolled_back = True
-                await self._restore(old_capacity, progress.report(OperationState.ROLLED_BACK))
+                await self._restore(old_capacity, old_dp, progress.report(OperationState.ROLLED_BACK))
             else:  # a worker is gone or hung: resume anyway, so that no request waits forever (they fail fast)
-                await self._restore(old_capacity, progress.report(OperationState.FAILED))
+                await self._restore(old_capacity, old_dp, progress.report(OperationState.FAILED))
             raise
         progress.status = dataclasses.replace(
             progress.status,
             kv_bytes_moved=sum(r.kv_bytes_received for r in results),
             weight_bytes_loaded=sum(r.weight_bytes_loaded for r in results),
+            weight_bytes_resharded=sum(r.weight_bytes_resharded for r in results),
             built_groups=any(r.built_groups for r in results),
         )
         self.state.set_topology(target.topology, target.layer_partition)  # the workers hold the new layout now
@@ -213,10 +211,12 @@ class Reconfigurer:
         finally:
             await self.resume(report)
 
-    async def _restore(self, old_capacity: int, report: router_pb2.SwitchReport) -> None:
+    async def _restore(self, old_capacity: int, old_dp: int, report: router_pb2.SwitchReport) -> None:
+        """The old layout serves again: its capacity, and its KV pools with every request's old block ids."""
         with_timeout = dict(timeout=self.rpc_timeout_s, metadata=self.metadata)
         try:
-            await self.router.Rebind(router_pb2.RebindRequest(num_kv_blocks=old_capacity), **with_timeout)
+            await self.router.Rebind(router_pb2.RebindRequest(num_kv_blocks=old_capacity, dp_size=old_dp),
+                                     **with_timeout)
         finally:
             await self.resume(report)
 
@@ -248,6 +248,11 @@ class _Lease:
         self.task.cancel()
 
 
+def dp_size(topology: Topology) -> int:
+    """KV pools of a layout: one per rank of a stage in an expert-parallel layout (data-parallel attention), else 1."""
+    return topology.ep if topology.is_expert_parallel else 1
+
+
 def check_deadline(deadline_s: float) -> None:
     """ValueError unless `deadline_s` is a finite number >= 0 (0: the controller's default)."""
     if not (math.isfinite(deadline_s) and deadline_s >= 0):
@@ -267,7 +272,7 @@ async def prepare_workers(workers: list[worker_pb2_grpc.WorkerStub], target: Swi
 async def apply_workers(workers: list[worker_pb2_grpc.WorkerStub], target: SwitchTarget,
                         prepared: list[worker_pb2.PrepareSwitchResponse], capacity: int, used_block_ids,
                         operation_id: str, timeout: float, kv_channel: str = "",
-                        metadata: tuple = (), old_ranks=(), drop_kv: bool = False,
+                        metadata: tuple = (), old_ranks=(), drop_kv: bool = False, block_maps=(),
                         ) -> list[worker_pb2.ApplySwitchResponse]:
     """APPLYING_TOPOLOGY + MIGRATING on every worker at once (the router must be frozen). After a regroup,
     `old_ranks` says which new rank holds each active index of the old layout (LOST: gone); with `drop_kv` the
@@ -276,7 +281,7 @@ async def apply_workers(workers: list[worker_pb2_grpc.WorkerStub], target: Switc
         operation_id=operation_id, topology=str(target.topology), layer_partition=target.layer_partition or (),
         num_kv_blocks=capacity, used_block_ids=used_block_ids, kv_channel=kv_channel,
         peers={rank: worker_pb2.PeerPool(kv_segments=p.kv_segments) for rank, p in enumerate(prepared)},
-        old_ranks=old_ranks, drop_kv=drop_kv,
+        old_ranks=old_ranks, drop_kv=drop_kv, block_maps=block_maps,
     )
     results = await asyncio.gather(*(w.ApplySwitch(request, timeout=timeout, metadata=metadata) for w in workers),
                                    return_exceptions=True)  # every worker has finished (or rolled back) first

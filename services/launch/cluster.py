@@ -61,6 +61,13 @@ def _run_weightstore(model_dir: str, host: str, ready: Connection) -> None:
     asyncio.run(serve(Path(model_dir), host, 0, on_ready=lambda port: ready.send({"port": port})))
 
 
+def _with_env(env: dict[str, str], target, *args) -> None:
+    """Process target wrapper: the cluster's extra environment first. Children fork from a forkserver started by the
+    first cluster of this process, whose environment later clusters' `env` would otherwise never reach."""
+    os.environ.update(env)
+    target(*args)
+
+
 def _run_worker(config: WorkerConfig, ready: Connection) -> None:
     from services.worker.main import run_worker
 
@@ -172,7 +179,8 @@ class LocalCluster:
 
     def _spawn(self, ctx, name: str, target, *args, tier: int) -> tuple[str, Connection, mp.process.BaseProcess]:
         receiver, sender = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=target, args=(*args, sender), name=f"reconfig-{name}", daemon=False)
+        process = ctx.Process(target=_with_env, args=(dict(self.config.env), target, *args, sender),
+                              name=f"reconfig-{name}", daemon=False)
         process.start()
         sender.close()
         self._processes.append((name, tier, process))

@@ -82,6 +82,16 @@ class BlockManager:
             seq.block_ids.append(block_id)
         return True
 
+    def take(self, request_id: str, num_blocks: int) -> list[int] | None:
+        """`num_blocks` free ids (lowest first) for request_id, or None (nothing taken) when fewer are free: a
+        request moving in from another pool (a switch between data-parallel widths)."""
+        if num_blocks > len(self._free):
+            return None
+        taken = [heapq.heappop(self._free) for _ in range(num_blocks)]
+        for block_id in taken:
+            self._owner[block_id] = request_id
+        return taken
+
     def free(self, seq: Sequence) -> None:
         """Return all of seq's blocks; seq.block_ids becomes empty."""
         self.truncate(seq, 0)

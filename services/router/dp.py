@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Collection, Mapping
+from collections.abc import Sequence as Sequence_
+from dataclasses import dataclass
 
 from services.router.block_manager import BlockManager
 from services.router.sequence import Sequence
+
+BlockMaps = dict[tuple[int, int], tuple[list[int], list[int]]]  # (old pool, new pool) -> (old ids, new ids)
 
 
 class DataParallelBlocks:
@@ -159,20 +163,59 @@ class DataParallelBlocks:
         return self._pools[dp_rank].owner(block_id)
 
     def used_block_ids(self) -> list[int]:
-        """Block ids in use, ascending (what a KV migration must move).
+        """Block ids in use, ascending (what a KV migration between layouts of one pool moves as they are).
 
-        One rank only: a layout switch from a DP layout must move each rank's pool to its new owners, which is not
-        built yet (issue 14), so with several ranks this raises unless no block is in use (a recovery that dropped
-        the KV).
+        One rank only: with several, an id names a block of one rank's pool, and a switch renumbers them
+        (`repartition`'s block maps); this raises then unless no block is in use (a recovery that dropped the KV).
         """
         if self.num_ranks == 1 or self.num_used == 0:
             return self._pools[0].used_block_ids()
         raise RuntimeError(f"{self.num_used} KV blocks are in use over {self.num_ranks} data-parallel ranks: "
-                           "migrating data-parallel KV pools is not supported yet")
+                           "their ids are per rank (a switch moves them with block maps)")
 
     def used_block_ids_per_rank(self) -> tuple[list[int], ...]:
         """Block ids in use, ascending, of each rank's pool."""
         return tuple(pool.used_block_ids() for pool in self._pools)
+
+
+@dataclass(frozen=True, slots=True)
+class Repartition:
+    """Pools of another data-parallel width, and where every request's blocks go (a TP <-> EP switch)."""
+
+    blocks: DataParallelBlocks
+    block_tables: dict[str, list[int]]  # request_id -> its new block ids (in its new pool), token order kept
+    block_maps: BlockMaps               # what the workers copy, pool pair by pool pair
+    unplaced: tuple[str, ...]           # requests no new pool could hold: the caller preempts them
+
+
+def repartition(blocks: DataParallelBlocks, tables: Mapping[str, Sequence_[int]], num_ranks: int,
+                num_blocks: int) -> Repartition:
+    """New pools (num_ranks of num_blocks ids) for the requests holding blocks now (tables: request_id -> block
+    ids, in token order; blocks gives each one's current pool). Requests are assigned longest first onto the least
+    loaded rank (assign_requests: Moebius' TP -> EP rule; to one pool, everyone goes to it), and take the lowest
+    free ids there; a request its rank cannot hold goes to the least used rank that can, else it is unplaced.
+    Pure: `blocks` is not changed."""
+    new = DataParallelBlocks(num_ranks, num_blocks, blocks.block_size)
+    counts = {rid: len(ids) for rid, ids in tables.items() if ids}
+    assignment = assign_requests(counts, num_ranks)
+    block_tables: dict[str, list[int]] = {}
+    maps: BlockMaps = {}
+    unplaced = []
+    for request_id in sorted(counts, key=lambda rid: (-counts[rid], rid)):
+        ranks = [assignment[request_id]] + sorted((r for r in range(num_ranks) if r != assignment[request_id]),
+                                                  key=lambda r: (new._pools[r].num_used, r))
+        rank = next((r for r in ranks if new._pools[r].can_allocate(counts[request_id])), None)
+        old_rank = blocks._rank.get(request_id)
+        if rank is None or old_rank is None:
+            unplaced.append(request_id)
+            continue
+        taken = new._pools[rank].take(request_id, counts[request_id])
+        new._rank[request_id] = rank
+        block_tables[request_id] = taken
+        src, dst = maps.setdefault((old_rank, rank), ([], []))
+        src.extend(tables[request_id])
+        dst.extend(taken)
+    return Repartition(new, block_tables, maps, tuple(unplaced))
 
 
 def assign_requests(block_counts: Mapping[str, int], num_ranks: int) -> dict[str, int]:

@@ -28,7 +28,7 @@ from services.router.contracts import (
     SwitchReport,
     SwitchTotals,
 )
-from services.router.dp import DataParallelBlocks
+from services.router.dp import BlockMaps, DataParallelBlocks
 from services.router.expert_balance import EplbSettings, ExpertBalancer
 from services.router.output import RequestStream
 from services.router.scheduler import ScheduledBatch, Scheduler
@@ -206,18 +206,35 @@ class Engine:
         await asyncio.wait_for(self._idle.wait(), timeout_s)
 
     async def rebind(self, num_kv_blocks: int, worker_addresses: tuple[str, ...] | None = None,
-                     drop_kv: bool = False) -> None:
+                     drop_kv: bool = False, dp_size: int = 0) -> BlockMaps | None:
         """Frozen only. Take a new KV capacity (the newest requests are preempted if live blocks exceed it) and,
         with worker_addresses, re-open the step streams to the active workers of the new layout. drop_kv: the
-        workers lost the KV of the running requests, so every one of them is preempted (re-prefilled later)."""
+        workers lost the KV of the running requests, so every one of them is preempted (re-prefilled later).
+
+        dp_size (0: unchanged) is the target's number of KV pools: when it or the current one is above 1 (an
+        expert-parallel layout), every running request gets a pool of the target and ids there, and the block maps
+        the workers' migration follows are returned. Rebinding back to the old width before any step restores the
+        old pools exactly (a rolled-back switch); re-opening the streams (worker_addresses) commits the new ones."""
         if worker_addresses is not None:
             if self._inflight:
                 raise RuntimeError("rebind with steps in flight: freeze first")
             await self._swap_driver(worker_addresses)
-        self.scheduler.rebind(num_kv_blocks)
+            self.scheduler.commit_partition()
+        maps = None
+        blocks = self.scheduler.block_manager
+        if dp_size and self.scheduler.restore_partition() and dp_size == self.scheduler.block_manager.num_ranks:
+            log.info("engine.pools_restored", num_ranks=dp_size)
+            self.scheduler.rebind(num_kv_blocks)
+        elif dp_size and (dp_size > 1 or blocks.num_ranks > 1):
+            maps, preempted = self.scheduler.repartition(dp_size, num_kv_blocks)
+            log.info("engine.pools_repartitioned", num_ranks=dp_size, num_blocks=num_kv_blocks,
+                     moved=sum(len(src) for src, _ in maps.values()), preempted=len(preempted))
+        else:
+            self.scheduler.rebind(num_kv_blocks)
         if drop_kv:
             preempted = self.scheduler.preempt_all()
             log.info("engine.kv_dropped", num_preempted=len(preempted))
+        return maps
 
     async def _swap_driver(self, worker_addresses: tuple[str, ...]) -> None:
         driver = Driver(list(worker_addresses), self.driver.step_timeout_s, self.driver.token)

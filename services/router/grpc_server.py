@@ -25,7 +25,7 @@ from services.router.contracts import (
 from services.rpc.auth import TokenAuthInterceptor, generate_token, protect_methods
 from services.rpc.errors import ErrorInterceptor, check_address
 from services.router.expert_balance import ExpertBalanceAborted, ExpertBalanceError
-from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc
+from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from services.worker.step import SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -46,9 +46,9 @@ class AdminEngine(EngineProtocol, Protocol):
         ...
 
     def rebind(self, num_kv_blocks: int, worker_addresses: tuple[str, ...] | None = None,
-               drop_kv: bool = False) -> object:
-        """Take a new KV capacity (frozen only), optionally new workers and dropping the KV; may return an
-        awaitable."""
+               drop_kv: bool = False, dp_size: int = 0) -> object:
+        """Take a new KV capacity (frozen only), optionally new workers, dropping the KV, and another number of
+        KV pools (then it returns the block maps); may return an awaitable."""
         ...
 
     def resume(self) -> object:
@@ -125,6 +125,12 @@ def check_rebind(pb: router_pb2.RebindRequest) -> None:
         check_address(address)
 
 
+def block_maps_to_pb(maps) -> list[worker_pb2.BlockMap]:
+    """{(old pool, new pool): (old ids, new ids)} -> BlockMap messages, by pool pair."""
+    return [worker_pb2.BlockMap(src_pool=src, dst_pool=dst, src_block_ids=old, dst_block_ids=new)
+            for (src, dst), (old, new) in sorted(maps.items())]
+
+
 def delta_to_pb(request_id: str, delta: GenerationDelta) -> router_pb2.GenerateResponse:
     """One streamed response."""
     return router_pb2.GenerateResponse(
@@ -168,9 +174,9 @@ def switch_report_from_pb(pb: router_pb2.SwitchReport) -> SwitchReport:
     )
 
 
-async def _maybe_await(value: object) -> None:
-    if inspect.isawaitable(value):
-        await value
+async def _maybe_await(value: object) -> object:
+    """The value, awaited first when it is awaitable (the engine's methods may be either)."""
+    return (await value) if inspect.isawaitable(value) else value
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -203,12 +209,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if not self.engine.stats().is_frozen:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Rebind needs a frozen router: call Freeze first")
         try:
-            await _maybe_await(self.engine.rebind(request.num_kv_blocks, tuple(request.worker_addresses) or None,
-                                                  request.drop_kv))
+            maps = await _maybe_await(self.engine.rebind(request.num_kv_blocks, tuple(request.worker_addresses) or None,
+                                                         request.drop_kv, request.dp_size))
         except WorkerUnreachable as exc:  # the old streams stay in place
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        return router_pb2.RebindResponse(stats=stats_to_pb(self.engine.stats()),
-                                         used_block_ids=self.engine.used_block_ids())
+        stats = self.engine.stats()
+        if maps is not None:  # pools renumbered: the maps say which blocks move where
+            return router_pb2.RebindResponse(stats=stats_to_pb(stats), block_maps=block_maps_to_pb(maps))
+        # With several pools an id names a block of one pool: only block maps can say what moves.
+        several_pools = len(stats.num_kv_blocks_used_per_dp_rank) > 1
+        return router_pb2.RebindResponse(stats=stats_to_pb(stats),
+                                         used_block_ids=[] if several_pools else self.engine.used_block_ids())
 
     async def Resume(self, request, context):  # noqa: N802
         """Schedule again; a switch report that comes with it is counted first (it shows on the next scrape)."""

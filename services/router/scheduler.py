@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from services.router.block_manager import BlockManager, num_blocks_for
 from services.router.config import SchedulerConfig
 from services.router.contracts import QueueFullError, RequestError
-from services.router.dp import DataParallelBlocks
+from services.router.dp import BlockMaps, DataParallelBlocks, repartition
 from services.router.sequence import Sequence, SequenceStatus
 from services.worker.step import SequenceOutput, SequenceStep, TokenLogprob
 
@@ -93,6 +93,8 @@ class Scheduler:
         self._inflight: dict[int, ScheduledBatch] = {}
         self._inflight_ids: set[str] = set()
         self._is_frozen = False
+        # Set between repartition() and its commit or restore: the old pools and the moved requests' old ids.
+        self._old_partition: tuple[DataParallelBlocks, dict[str, list[int]]] | None = None
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; RequestError if it can never run, QueueFullError past max_waiting."""
@@ -317,6 +319,57 @@ class Scheduler:
             self.num_switch_preemptions += 1
             preempted.append(victim)
         return preempted
+
+    def repartition(self, num_ranks: int, num_blocks: int) -> tuple[BlockMaps, list[Sequence]]:
+        """Frozen only: move to `num_ranks` KV pools of `num_blocks` ids (a switch to or from an expert-parallel
+        layout; dp.repartition says who goes where). Returns the block maps the workers' KV migration follows
+        (identity per pool when the width stays), and the requests preempted because no new pool could hold them.
+        The old pools are kept until commit_partition() (the switch succeeded) or restore_partition() (it rolled
+        back: every request gets its old pool and ids again)."""
+        if not self._is_frozen or self._inflight:
+            raise RuntimeError("repartition needs a frozen scheduler with nothing in flight")
+        if num_blocks < 1 or num_ranks < 1:
+            raise ValueError(f"need num_ranks >= 1 and num_blocks >= 1, got {num_ranks} and {num_blocks}")
+        too_large = [s.request_id for s in self._sequences.values() if self._max_blocks(s) > num_blocks]
+        if too_large:
+            raise ValueError(f"{len(too_large)} requests (e.g. {too_large[0]!r}) need more than {num_blocks} blocks")
+        old = self.block_manager
+        if num_ranks == old.num_ranks:
+            preempted = self.rebind(num_blocks)
+            maps = {(rank, rank): (list(ids), list(ids))
+                    for rank, ids in enumerate(self.block_manager.used_block_ids_per_rank()) if ids}
+            return maps, preempted
+        tables = {s.request_id: list(s.block_ids) for s in self.running if s.block_ids}
+        plan = repartition(old, tables, num_ranks, num_blocks)
+        preempted = []
+        for request_id in plan.unplaced:  # free in the old pools, as a preemption does
+            seq = self._sequences[request_id]
+            self._preempt(seq)
+            self.num_switch_preemptions += 1
+            preempted.append(seq)
+        self._old_partition = (old, {rid: ids for rid, ids in tables.items() if rid in plan.block_tables})
+        self.block_manager = plan.blocks
+        for request_id, ids in plan.block_tables.items():
+            self._sequences[request_id].block_ids[:] = ids
+        return plan.block_maps, preempted
+
+    def restore_partition(self) -> bool:
+        """Undo repartition() (frozen, before any step): the old pools and every moved request's old block ids.
+        False when there is nothing to undo."""
+        if self._old_partition is None:
+            return False
+        old, tables = self._old_partition
+        self._old_partition = None
+        self.block_manager = old
+        for request_id, ids in tables.items():
+            seq = self._sequences.get(request_id)
+            if seq is not None and seq.block_ids:
+                seq.block_ids[:] = ids
+        return True
+
+    def commit_partition(self) -> None:
+        """The switch that repartitioned succeeded: forget the old pools."""
+        self._old_partition = None
 
     def preempt_all(self) -> list[Sequence]:
         """Preempt every running sequence by recompute (the workers lost their KV); returns them, oldest first.

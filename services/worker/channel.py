@@ -2,13 +2,15 @@
 
 Every rank calls `exchange` once per layer with what it sends and what it receives (a collective step):
 - `ShmChannel` (CPU, one host): KV pools live in shared memory; a receiver maps the sender's pool and reads the
-  blocks straight out of it (one copy, no staging, no RPC). Sends are no-ops.
+  blocks straight out of it by block id (one copy, no staging, no RPC). Sends are no-ops.
 - `DistChannel` (torch.distributed): point-to-point send/recv of the sliced blocks over the world's device group —
-  gloo between CPU hosts, NCCL between GPUs on one node or many (the multi-node path).
+  gloo between CPU hosts, NCCL between GPUs on one node or many (the multi-node path). A transfer carries the
+  blocks of its (src_pool, dst_pool) block map, packed in the map's order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,7 +39,8 @@ class KVChannel(Protocol):
 @dataclass(frozen=True, slots=True)
 class Source:
     """Where a received slice can be read: `tensor[:, index, :, head_offset:head_offset + heads]`, where index is
-    the block id itself (`by_block_id`, a peer's whole pool) or the block's position among the used blocks."""
+    the block id itself (`by_block_id`, a peer's whole pool) or the block's position among the blocks its pool
+    pair moves (a packed buffer, sorted by source id)."""
 
     tensor: torch.Tensor
     head_offset: int
@@ -93,17 +96,18 @@ class DistChannel:
 
     needs_outgoing = True
 
-    def __init__(self, parallel: ParallelState, num_used_blocks: int, block_size: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, parallel: ParallelState, block_counts: Mapping[tuple[int, int], int], block_size: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.parallel = parallel
-        self.shape = (2, num_used_blocks, block_size)
-        self.head_dim, self.dtype, self.device = head_dim, dtype, device
+        self.block_counts = dict(block_counts)  # (src_pool, dst_pool) -> blocks its map moves (see block_counts)
+        self.block_size, self.head_dim, self.dtype, self.device = block_size, head_dim, dtype, device
 
     def exchange(self, layer, outgoing, incoming):
         received = {}
         for transfer in incoming:
-            buffer = torch.empty((*self.shape, transfer.num_kv_heads, self.head_dim), dtype=self.dtype,
-                                 device=self.device)
+            blocks = self.block_counts.get(transfer.pools, 0)
+            buffer = torch.empty((2, blocks, self.block_size, transfer.num_kv_heads, self.head_dim),
+                                 dtype=self.dtype, device=self.device)
             received[transfer] = Source(buffer, 0, by_block_id=False)
         self.parallel.exchange([(data, transfer.dst_rank) for transfer, data in outgoing],
                                [(received[transfer].tensor, transfer.src_rank) for transfer in incoming], tag=layer)

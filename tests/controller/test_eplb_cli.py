@@ -342,8 +342,7 @@ async def test_reconfigure_is_refused_while_a_rebalance_runs(controller):
         await asyncio.wait_for(controller.router.received.wait(), 30)
         running = controller.reconfigurer.running
         assert running.startswith(REBALANCE_OPERATION_PREFIX)
-        # A TP layout of the same model, so that tp2pp1 -> tp1pp2 passes validation (a switch out of an EP
-        # layout is refused by itself, issue 14) and only the running rebalance refuses it.
+        # A TP layout of the same model: tp2pp1 -> tp1pp2 passes validation, only the running rebalance refuses it.
         controller.reconfigurer.state.topology = Topology.parse("tp2pp1")
         for call in (stub.Reconfigure(controller_pb2.ReconfigureRequest(topology="tp1pp2"), metadata=metadata),
                      stub.RebalanceExperts(router_pb2.RebalanceExpertsRequest(), metadata=metadata)):
@@ -443,14 +442,3 @@ async def test_status_of_an_ep_layout_shows_the_balance(controller, capsys):
     assert await _reconfigctl(controller, "status") == 0  # the rest of the status is still worth showing
     assert (f"experts: unknown (UNAVAILABLE from the router at {controller.router_address}: a worker did not report "
             "its expert load)") in capsys.readouterr().out.splitlines()
-
-
-async def test_a_switch_out_of_an_ep_layout_is_refused_until_issue_14(controller):
-    """Data-parallel KV moves per request, not per head: the controller refuses the switch before touching anything."""
-    async with grpc.aio.insecure_channel(controller.address) as channel:
-        with pytest.raises(grpc.aio.AioRpcError) as error:
-            await controller.stub(channel).Reconfigure(controller_pb2.ReconfigureRequest(topology="tp2pp1"),
-                                                       metadata=auth_metadata(controller.token))
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "ep2pp1 -> tp2pp1: a live switch to or from an expert-parallel layout is not supported yet (issue 14)" \
-        in error.value.details()

@@ -156,11 +156,11 @@ async def test_reconfigctl_refusals_busy_and_idempotent_retry(live_stack, contro
     engine, gate = live_stack.engine, asyncio.Event()
     rebind, failed = engine.rebind, []
 
-    async def failing_rebind(num_kv_blocks, worker_addresses=None, drop_kv=False):  # the capacity rebind fails once
+    async def failing_rebind(num_kv_blocks, worker_addresses=None, drop_kv=False, dp_size=0):  # fails once
         if not failed:
             failed.append(num_kv_blocks)
             raise RuntimeError("rebind refused by the test")
-        return await rebind(num_kv_blocks, worker_addresses, drop_kv)
+        return await rebind(num_kv_blocks, worker_addresses, drop_kv, dp_size)
 
     monkeypatch.setattr(engine, "rebind", failing_rebind)
     assert await _reconfigctl("reconfigure", "tp4pp1", "--operation-id", "rb-1", *controller.flags()) == 1
@@ -300,11 +300,11 @@ async def test_metrics_after_switches_with_preemption_and_rollback(live_stack, m
         # A switch that fails before the workers move: rolled back, counted as such, the old layout serves on.
         rebind, failed = engine.rebind, []
 
-        async def failing_rebind(num_kv_blocks, worker_addresses=None, drop_kv=False):
+        async def failing_rebind(num_kv_blocks, worker_addresses=None, drop_kv=False, dp_size=0):
             if not failed:
                 failed.append(num_kv_blocks)
                 raise RuntimeError("rebind refused by the test")
-            return await rebind(num_kv_blocks, worker_addresses, drop_kv)
+            return await rebind(num_kv_blocks, worker_addresses, drop_kv, dp_size)
 
         monkeypatch.setattr(engine, "rebind", failing_rebind)
         rolled = await reconfigurer.reconfigure("tp4pp1", operation_id="metrics-2")

@@ -401,3 +401,90 @@ def test_assign_requests_is_within_four_thirds_of_the_optimum(counts, num_ranks)
     optimum = min((max(sum(c for c, r in zip(counts, ranks) if r == rank) for rank in range(num_ranks))
                    for ranks in itertools.product(range(num_ranks), repeat=len(counts))), default=0)
     assert 3 * max(loads) <= 4 * optimum  # Graham's LPT bound
+
+
+# ---- switching the number of pools (TP <-> EP) -------------------------------------------------------------
+
+def _move_cache(workers: DataParallelWorkers, maps) -> None:
+    """What the workers' KV migration does with the block maps: (old pool, old id) -> (new pool, new id)."""
+    old = workers.cache
+    workers.cache = {}
+    for (src_pool, dst_pool), (src_ids, dst_ids) in maps.items():
+        for src, dst in zip(src_ids, dst_ids, strict=True):
+            if (src_pool, src) in old:
+                workers.cache[dst_pool, dst] = list(old[src_pool, src])
+
+
+@settings(max_examples=80, deadline=None)
+@given(old_ranks=st.integers(1, 3), new_ranks=st.integers(1, 4), block_size=st.integers(1, 4),
+       num_blocks=st.integers(8, 14), new_blocks=st.integers(4, 30), requests=workloads,
+       switch_at=st.integers(1, 12), roll_back=st.booleans())
+def test_a_switch_between_pool_counts_keeps_every_request_exact(old_ranks, new_ranks, block_size, num_blocks,
+                                                                 new_blocks, requests, switch_at, roll_back):
+    """Mid-workload the router moves to another number of KV pools (a TP <-> EP switch): every running request
+    that fits gets a pool and ids there, the fake workers move their cache by the block maps, and every request
+    still ends with the expected tokens; a rolled-back switch gives every request its old pool and ids back."""
+    scheduler = make_scheduler(old_ranks, num_blocks, block_size, max_model_len=num_blocks * block_size)
+    workers = DataParallelWorkers(scheduler.block_manager)
+    seqs = []
+    for index, (_, length, max_tokens) in enumerate(requests):
+        seq = seq_of(f"r{index}", prompt_of(index, length), max_tokens)
+        try:
+            scheduler.add(seq)
+        except RequestError:
+            continue
+        seqs.append(seq)
+    for _ in range(switch_at):
+        if (batch := scheduler.schedule()) is not None:
+            done(scheduler, workers, batch)
+    scheduler.freeze()
+    before = {s.request_id: (scheduler.block_manager.rank_of(s), list(s.block_ids)) for s in scheduler.running}
+    capacity = max(new_blocks, max((scheduler._max_blocks(s) for s in seqs), default=1))
+    maps, preempted = scheduler.repartition(new_ranks, capacity)
+    blocks = scheduler.block_manager
+    if roll_back:
+        assert scheduler.restore_partition() == (old_ranks != new_ranks)  # the same width: ids were kept anyway
+        after = {s.request_id: (scheduler.block_manager.rank_of(s), list(s.block_ids)) for s in scheduler.running}
+        assert after == {rid: value for rid, value in before.items() if rid not in {s.request_id for s in preempted}}
+    else:
+        scheduler.commit_partition()
+        assert blocks.num_ranks == new_ranks and blocks.num_blocks_per_rank == capacity
+        moved = sum(len(src) for src, _ in maps.values())
+        assert moved == sum(len(s.block_ids) for s in scheduler.running)
+        for (src_pool, dst_pool), (src_ids, dst_ids) in maps.items():
+            assert len(src_ids) == len(dst_ids) and len(set(dst_ids)) == len(dst_ids)
+            assert all(0 <= b < capacity for b in dst_ids)
+        _move_cache(workers, maps)
+        workers.blocks = blocks
+    assert not scheduler.restore_partition()  # committed or restored: nothing left to undo
+    scheduler.unfreeze()
+    for _ in range(5000):
+        if not scheduler.has_unfinished:
+            break
+        if (batch := scheduler.schedule()) is not None:
+            done(scheduler, workers, batch)
+    for seq in seqs:
+        assert seq.is_finished and seq.output_token_ids == expected_output(seq.prompt_token_ids, seq.max_tokens)
+        assert seq.num_prefills == seq.num_preemptions + 1
+    assert scheduler.block_manager.num_used == 0
+
+
+def test_repartition_to_fewer_pools_preempts_the_requests_that_do_not_fit():
+    scheduler = make_scheduler(num_ranks=2, num_blocks=4, block_size=1)
+    workers = DataParallelWorkers(scheduler.block_manager)
+    for name in "ab":
+        scheduler.add(seq_of(name, prompt_of(ord(name), 3), 2))
+    done(scheduler, workers, scheduler.schedule())  # a on rank 0, b on rank 1: 3 blocks each
+    scheduler.freeze()
+    maps, preempted = scheduler.repartition(1, 5)  # one pool of 5 ids: a (first of equals) fits, b no more
+    a, b = scheduler.get("a"), scheduler.get("b")
+    assert preempted == [b] and b.block_ids == [] and scheduler.num_switch_preemptions == 1
+    assert maps == {(0, 0): ([0, 1, 2], [0, 1, 2])} and a.block_ids == [0, 1, 2]
+    scheduler.commit_partition()
+    _move_cache(workers, maps)
+    workers.blocks = scheduler.block_manager
+    scheduler.unfreeze()
+    while scheduler.has_unfinished:
+        done(scheduler, workers, scheduler.schedule())
+    for seq in (a, b):
+        assert seq.output_token_ids == expected_output(seq.prompt_token_ids, 2)

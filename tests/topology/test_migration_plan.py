@@ -17,12 +17,12 @@ from services.topology import (
     ModelShape,
     Placement,
     Topology,
-    TopologyError,
     candidate_topologies,
     lost_kv,
     place,
     plan_kv_migration,
 )
+from services.topology.migration_plan import kv_pool, num_kv_pools
 
 NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM = 3, 2, 2
 USED_BLOCKS = [0, 2]  # block 1 is free: the executor moves only blocks in use
@@ -348,27 +348,179 @@ def make_moe_shape(num_layers: int = 4) -> ModelShape:
                       moe_intermediate_size=32, moe_layers=tuple(range(num_layers)))
 
 
-@pytest.mark.parametrize(("old", "new"), [("ep2pp1", "tp2pp1"), ("tp2pp1", "ep2pp1"), ("ep2pp1", "ep4pp1"),
-                                          ("ep2pp2", "ep2pp1"), ("ep2pp1", "tp1pp1")])
-def test_switching_from_or_to_expert_parallel_is_refused(old: str, new: str) -> None:
+def test_expert_parallel_to_tensor_parallel_takes_every_pool() -> None:
+    """ep2: each rank holds all heads of its own requests (pool = its dp_rank); tp2 splits the heads of one pool."""
     shape = make_moe_shape()
-    old_layout, new_layout = layout(old, shape), layout(new, shape)
-    with pytest.raises(TopologyError) as raised:
-        plan_kv_migration(old_layout, list(range(old_layout.topology.num_workers)), new_layout,
-                          list(range(new_layout.topology.num_workers)))
-    assert str(raised.value) == (f"{old} -> {new}: live switch between expert-parallel layouts is not supported "
-                                 "yet (issue 14)")
+    plan = plan_kv_migration(layout("ep2pp1", shape), [0, 1], layout("tp2pp1", shape), [0, 1])
+    assert [(t.layer, (t.kv_heads.start, t.kv_heads.stop), t.src_rank, t.dst_rank, t.src_head_offset,
+             t.dst_head_offset, t.src_pool, t.dst_pool) for t in plan.for_layer(0)] == [
+        (0, (0, 2), 0, 0, 0, 0, 0, 0), (0, (0, 2), 1, 0, 0, 0, 1, 0),
+        (0, (2, 4), 0, 1, 2, 0, 0, 0), (0, (2, 4), 1, 1, 2, 0, 1, 0)]
+    assert plan.renumbers_blocks and not any(plan.is_identity_for(rank, layer) for rank in (0, 1) for layer in range(4))
+    assert [plan.old_pool(rank) for rank in (0, 1)] == [0, 1] and [plan.new_pool(rank) for rank in (0, 1)] == [0, 0]
+    # back: each ep rank takes every head of pool 0 into its own pool, from the two tp ranks' halves
+    back = plan_kv_migration(layout("tp2pp1", shape), [0, 1], layout("ep2pp1", shape), [0, 1])
+    assert [(t.src_rank, t.dst_rank, t.src_pool, t.dst_pool, t.kv_heads) for t in back.for_layer(0)] == [
+        (0, 0, 0, 0, range(0, 2)), (1, 0, 0, 0, range(2, 4)), (0, 1, 0, 1, range(0, 2)), (1, 1, 0, 1, range(2, 4))]
 
 
-def test_expert_parallel_kv_moves_per_request_not_per_head() -> None:
-    """The same EP layout on other ranks would need each request's KV moved to its new rank: refused too."""
+def test_bytes_moved_counts_each_pool_pairs_blocks() -> None:
+    shape = make_moe_shape()
+    plan = plan_kv_migration(layout("ep2pp1", shape), [0, 1], layout("tp2pp1", shape), [0, 1])
+    # per layer: rank 1 sends pool 1's heads 0-1 to rank 0, rank 0 sends pool 0's heads 2-3 to rank 1
+    moved = plan.bytes_moved(0, 1, 1, 1, blocks_per_pools={(0, 0): 3, (1, 0): 5})
+    assert moved == {(1, 0): 4 * 2 * 2 * 5, (0, 1): 4 * 2 * 2 * 3}
+    assert plan.bytes_moved(0, 1, 1, 1, blocks_per_pools={}) == {(1, 0): 0, (0, 1): 0}
+
+
+def test_the_same_expert_parallel_layout_on_other_ranks_renumbers() -> None:
+    """Rank 1 now runs dp rank 0's requests: every pool moves, and no layer is kept as is."""
     ep2 = layout("ep2pp1", make_moe_shape())
-    with pytest.raises(TopologyError, match="issue 14"):
-        plan_kv_migration(ep2, [0, 1], ep2, [1, 0])
-    with pytest.raises(TopologyError, match="issue 14"):
-        plan_kv_migration(ep2, [0, 1], place(Topology(ep=2), make_moe_shape(), num_redundant_experts=2), [0, 1])
+    swapped = plan_kv_migration(ep2, [0, 1], ep2, [1, 0])
+    assert swapped.renumbers_blocks and not any(swapped.is_identity_for(r, layer) for r in (0, 1) for layer in range(4))
+    assert {(t.src_rank, t.dst_rank, t.src_pool, t.dst_pool) for t in swapped.for_layer(0)} == {
+        (0, 1, 0, 0), (1, 1, 1, 0), (0, 0, 0, 1), (1, 0, 1, 1)}
+    redundant = plan_kv_migration(ep2, [0, 1], place(Topology(ep=2), make_moe_shape(), num_redundant_experts=2),
+                                  [0, 1])
+    assert redundant.renumbers_blocks
     same = plan_kv_migration(ep2, [0, 1], ep2, [0, 1])  # nothing changes: every layer stays in place
-    assert all(t.is_local and same.is_identity_for(t.dst_rank, t.layer) for t in same.transfers)
+    assert not same.renumbers_blocks
+    assert all(same.is_identity_for(rank, layer) for rank in (0, 1) for layer in range(4))
+
+
+# --- random migrations to, from and between expert-parallel layouts ---------------------------------------------
+
+@st.composite
+def moe_migrations(draw: st.DrawFn) -> tuple[Placement, list[int], Placement, list[int]]:
+    """Random MoE shape, TP/EP × PP layouts (at least one EP most of the time), partitions and rank assignments."""
+    num_kv_heads = draw(st.sampled_from([1, 2, 4]))
+    num_layers = draw(st.integers(1, 12))
+    shape = ModelShape(num_layers=num_layers, num_heads=num_kv_heads * draw(st.sampled_from([1, 2])),
+                       num_kv_heads=num_kv_heads, head_dim=HEAD_DIM, hidden_size=64, intermediate_size=840,
+                       vocab_size=100, num_experts=draw(st.sampled_from([4, 8])), num_experts_per_tok=2,
+                       moe_intermediate_size=32, moe_layers=tuple(range(num_layers)))
+    redundant = draw(st.sampled_from([0, 4]))
+    world = draw(st.integers(2, 8))
+    candidates = candidate_topologies(shape, world, redundant)
+    ep = [t for t in candidates if t.is_expert_parallel]
+    old_topology = draw(st.sampled_from(ep if ep and draw(st.booleans()) else candidates))
+    new_topology = draw(st.sampled_from(ep if ep and not old_topology.is_expert_parallel else candidates))
+    old = place(old_topology, shape, draw(partitions(old_topology, num_layers)), redundant)
+    new = place(new_topology, shape, draw(partitions(new_topology, num_layers)), redundant)
+    order = draw(st.permutations(range(world)))
+    old_ranks = list(order[: old_topology.num_workers])
+    new_ranks = list(draw(st.permutations(range(world)))[: new_topology.num_workers])
+    return old, old_ranks, new, new_ranks
+
+
+def holders(placement: Placement, ranks: list[int]) -> set[tuple[int, int, int, int]]:
+    """(layer, KV head, pool, rank) of every slice a layout holds."""
+    return {(layer, head, kv_pool(placement, worker), rank) for rank, worker in zip(ranks, placement.workers)
+            if rank != LOST for layer in worker.layers for head in worker.kv_heads}
+
+
+@given(moe_migrations())
+@settings(max_examples=200, deadline=None)
+def test_every_pool_of_every_slice_reaches_each_new_holder_once(migration) -> None:
+    old, old_ranks, new, new_ranks = migration
+    plan = plan_kv_migration(old, old_ranks, new, new_ranks)
+    old_held, new_held = holders(old, old_ranks), holders(new, new_ranks)
+    covered: Counter[tuple[int, int, int, int]] = Counter()  # (layer, head, old pool, dst)
+    for t in plan.transfers:
+        src_heads, dst_heads = plan.old_local_kv_heads(t.src_rank), plan.new_local_kv_heads(t.dst_rank)
+        for i, head in enumerate(t.kv_heads):
+            assert (t.layer, head, t.src_pool, t.src_rank) in old_held, "the source holds it in that pool"
+            assert (t.layer, head, t.dst_pool, t.dst_rank) in new_held, "the destination holds it in its pool"
+            assert src_heads[t.src_head_offset + i] == head == dst_heads[t.dst_head_offset + i]
+            covered[t.layer, head, t.src_pool, t.dst_rank] += 1
+    pools = range(old.topology.ep if old.topology.is_expert_parallel else 1)
+    expected = {(layer, head, pool, dst) for layer, head, _, dst in new_held for pool in pools}
+    assert set(covered) == expected and set(covered.values()) == {1}
+    assert plan.old_pool(old_ranks[-1]) == (old.workers[-1].dp_rank if old.topology.is_expert_parallel else 0)
+    assert plan.new_pool(new_ranks[-1]) == (new.workers[-1].dp_rank if new.topology.is_expert_parallel else 0)
+    renumbered = old != new or tuple(old_ranks) != tuple(new_ranks)
+    if old.topology.is_expert_parallel or new.topology.is_expert_parallel:
+        assert plan.renumbers_blocks == renumbered
+        assert not renumbered or not any(plan.is_identity_for(rank, layer) for rank in plan.ranks()
+                                         for layer in range(old.shape.num_layers))
+    for rank in plan.ranks():  # every layer reallocated, one at a time: still within one layer tensor
+        assert plan.peak_extra_bytes(rank, NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM, 1) <= max(
+            one_layer(plan, rank), one_layer(plan, rank, new_layout=False))
+
+
+def pool_labels(layer: int, heads: range, pool: int, num_blocks: int) -> np.ndarray:
+    """A layer tensor of one pool whose every element names its origin (the pool included)."""
+    kv, block, slot, head, dim = np.meshgrid(np.arange(2), np.arange(num_blocks), np.arange(BLOCK_SIZE),
+                                             np.array(list(heads), dtype=np.int64), np.arange(HEAD_DIM), indexing="ij")
+    return (((((pool * 2 + kv) * 100 + layer) * 100 + head) * num_blocks + block) * BLOCK_SIZE + slot) * HEAD_DIM + dim
+
+
+@st.composite
+def block_maps(draw: st.DrawFn, old_pools: int, new_pools: int, num_blocks: int
+               ) -> dict[tuple[int, int], tuple[list[int], list[int]]]:
+    """Random used blocks in each old pool, each moved to a random new pool at a random free id."""
+    free = {pool: list(draw(st.permutations(range(num_blocks)))) for pool in range(new_pools)}
+    maps: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+    for src_pool in range(old_pools):
+        for block in draw(st.lists(st.integers(0, num_blocks - 1), unique=True, max_size=num_blocks)):
+            dst_pool = draw(st.integers(0, new_pools - 1))
+            if free[dst_pool]:
+                src, dst = maps.setdefault((src_pool, dst_pool), ([], []))
+                src.append(block)
+                dst.append(free[dst_pool].pop())
+    return maps
+
+
+def execute_with_maps(plan: KVMigrationPlan, caches: dict[int, dict[int, np.ndarray]], maps, num_blocks: int
+                      ) -> dict[int, dict[int, np.ndarray]]:
+    """Run every transfer with its pool pair's blocks into fresh (-1 filled) new tensors."""
+    new = {rank: {layer: np.full_like(pool_labels(layer, plan.new_local_kv_heads(rank), 0, num_blocks), -1)
+                  for layer in plan.new_local_layers(rank)} for rank in plan.new_ranks}
+    for t in plan.transfers:
+        src_ids, dst_ids = maps.get((t.src_pool, t.dst_pool), ([], []))
+        src_slots = slice(t.src_head_offset, t.src_head_offset + t.num_kv_heads)
+        dst_slots = slice(t.dst_head_offset, t.dst_head_offset + t.num_kv_heads)
+        new[t.dst_rank][t.layer][:, dst_ids, :, dst_slots] = caches[t.src_rank][t.layer][:, src_ids, :, src_slots]
+    return new
+
+
+@given(moe_migrations(), st.data())
+@settings(max_examples=120, deadline=None)
+def test_block_maps_land_every_block_and_reversed_maps_restore_it(migration, data) -> None:
+    old, old_ranks, new, new_ranks = migration
+    num_blocks = 6
+    there, back = plan_kv_migration(old, old_ranks, new, new_ranks), plan_kv_migration(new, new_ranks, old, old_ranks)
+    maps = data.draw(block_maps(num_kv_pools(old), num_kv_pools(new), num_blocks))
+    start = {rank: {layer: pool_labels(layer, there.old_local_kv_heads(rank), there.old_pool(rank), num_blocks)
+                    for layer in there.old_local_layers(rank)} for rank in old_ranks}
+    middle = execute_with_maps(there, start, maps, num_blocks)
+    for rank in new_ranks:
+        for layer, tensor in middle[rank].items():
+            written = np.zeros(num_blocks, dtype=bool)
+            for (src_pool, dst_pool), (src_ids, dst_ids) in maps.items():
+                if dst_pool == there.new_pool(rank):
+                    want = pool_labels(layer, there.new_local_kv_heads(rank), src_pool, num_blocks)
+                    np.testing.assert_array_equal(tensor[:, dst_ids], want[:, src_ids])
+                    written[dst_ids] = True
+            assert (tensor[:, ~written] == -1).all(), "only mapped blocks are written"
+    reverse = {(dst_pool, src_pool): (dst_ids, src_ids) for (src_pool, dst_pool), (src_ids, dst_ids) in maps.items()}
+    end = execute_with_maps(back, middle, reverse, num_blocks)
+    for rank in old_ranks:
+        for layer in start[rank]:
+            used = sorted(block for (src_pool, _), (src_ids, _) in maps.items() if src_pool == back.new_pool(rank)
+                          for block in src_ids)
+            np.testing.assert_array_equal(end[rank][layer][:, used], start[rank][layer][:, used])
+
+
+@given(moe_migrations(), st.dictionaries(st.tuples(st.integers(0, 3), st.integers(0, 3)), st.integers(0, 9)))
+@settings(max_examples=60, deadline=None)
+def test_bytes_moved_per_pool_pair(migration, blocks_per_pools) -> None:
+    plan = plan_kv_migration(*migration)
+    expected: Counter[tuple[int, int]] = Counter()
+    for t in plan.transfers:
+        if not t.is_local:
+            expected[t.src_rank, t.dst_rank] += t.num_kv_heads * blocks_per_pools.get(t.pools, 0) * 16 * HEAD_DIM * 2
+    assert plan.bytes_moved(99, 16, HEAD_DIM, 1, blocks_per_pools=blocks_per_pools) == dict(expected)
 
 
 def test_moe_tensor_parallel_switches_are_planned_as_dense_ones() -> None:

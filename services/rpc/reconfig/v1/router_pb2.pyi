@@ -130,22 +130,26 @@ class FreezeResponse(_message.Message):
     def __init__(self, stats: _Optional[_Union[RouterStats, _Mapping]] = ...) -> None: ...
 
 class RebindRequest(_message.Message):
-    __slots__ = ("num_kv_blocks", "worker_addresses", "drop_kv")
+    __slots__ = ("num_kv_blocks", "worker_addresses", "drop_kv", "dp_size")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     DROP_KV_FIELD_NUMBER: _ClassVar[int]
+    DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     worker_addresses: _containers.RepeatedScalarFieldContainer[str]
     drop_kv: bool
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., worker_addresses: _Optional[_Iterable[str]] = ..., drop_kv: _Optional[bool] = ...) -> None: ...
+    dp_size: int
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., worker_addresses: _Optional[_Iterable[str]] = ..., drop_kv: _Optional[bool] = ..., dp_size: _Optional[int] = ...) -> None: ...
 
 class RebindResponse(_message.Message):
-    __slots__ = ("stats", "used_block_ids")
+    __slots__ = ("stats", "used_block_ids", "block_maps")
     STATS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_MAPS_FIELD_NUMBER: _ClassVar[int]
     stats: RouterStats
     used_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, stats: _Optional[_Union[RouterStats, _Mapping]] = ..., used_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    block_maps: _containers.RepeatedCompositeFieldContainer[_worker_pb2.BlockMap]
+    def __init__(self, stats: _Optional[_Union[RouterStats, _Mapping]] = ..., used_block_ids: _Optional[_Iterable[int]] = ..., block_maps: _Optional[_Iterable[_Union[_worker_pb2.BlockMap, _Mapping]]] = ...) -> None: ...
 
 class SwitchReport(_message.Message):
     __slots__ = ("operation_id", "from_topology", "to_topology", "phase_seconds", "kv_bytes_moved", "weight_bytes_loaded", "num_requests_preempted", "state")

@@ -137,7 +137,7 @@ class PeerPool(_message.Message):
     def __init__(self, kv_segments: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class ApplySwitchRequest(_message.Message):
-    __slots__ = ("operation_id", "topology", "layer_partition", "num_kv_blocks", "used_block_ids", "peers", "kv_channel", "old_ranks", "drop_kv")
+    __slots__ = ("operation_id", "topology", "layer_partition", "num_kv_blocks", "used_block_ids", "peers", "kv_channel", "old_ranks", "drop_kv", "block_maps")
     class PeersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class ApplySwitchRequest(_message.Message):
     KV_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     OLD_RANKS_FIELD_NUMBER: _ClassVar[int]
     DROP_KV_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_MAPS_FIELD_NUMBER: _ClassVar[int]
     operation_id: str
     topology: str
     layer_partition: _containers.RepeatedScalarFieldContainer[int]
@@ -163,10 +164,23 @@ class ApplySwitchRequest(_message.Message):
     kv_channel: str
     old_ranks: _containers.RepeatedScalarFieldContainer[int]
     drop_kv: bool
-    def __init__(self, operation_id: _Optional[str] = ..., topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., used_block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[_Mapping[int, PeerPool]] = ..., kv_channel: _Optional[str] = ..., old_ranks: _Optional[_Iterable[int]] = ..., drop_kv: _Optional[bool] = ...) -> None: ...
+    block_maps: _containers.RepeatedCompositeFieldContainer[BlockMap]
+    def __init__(self, operation_id: _Optional[str] = ..., topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., used_block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[_Mapping[int, PeerPool]] = ..., kv_channel: _Optional[str] = ..., old_ranks: _Optional[_Iterable[int]] = ..., drop_kv: _Optional[bool] = ..., block_maps: _Optional[_Iterable[_Union[BlockMap, _Mapping]]] = ...) -> None: ...
+
+class BlockMap(_message.Message):
+    __slots__ = ("src_pool", "dst_pool", "src_block_ids", "dst_block_ids")
+    SRC_POOL_FIELD_NUMBER: _ClassVar[int]
+    DST_POOL_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    src_pool: int
+    dst_pool: int
+    src_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, src_pool: _Optional[int] = ..., dst_pool: _Optional[int] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ApplySwitchResponse(_message.Message):
-    __slots__ = ("kv_bytes_received", "kv_bytes_local", "weight_bytes_loaded", "weight_bytes_reused", "migrate_seconds", "reload_seconds", "peak_extra_bytes", "built_groups", "info", "apply_seconds")
+    __slots__ = ("kv_bytes_received", "kv_bytes_local", "weight_bytes_loaded", "weight_bytes_reused", "migrate_seconds", "reload_seconds", "peak_extra_bytes", "built_groups", "info", "apply_seconds", "weight_bytes_resharded")
     KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_LOCAL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +191,7 @@ class ApplySwitchResponse(_message.Message):
     BUILT_GROUPS_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_RESHARDED_FIELD_NUMBER: _ClassVar[int]
     kv_bytes_received: int
     kv_bytes_local: int
     weight_bytes_loaded: int
@@ -187,7 +202,8 @@ class ApplySwitchResponse(_message.Message):
     built_groups: bool
     info: WorkerInfo
     apply_seconds: float
-    def __init__(self, kv_bytes_received: _Optional[int] = ..., kv_bytes_local: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., weight_bytes_reused: _Optional[int] = ..., migrate_seconds: _Optional[float] = ..., reload_seconds: _Optional[float] = ..., peak_extra_bytes: _Optional[int] = ..., built_groups: _Optional[bool] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., apply_seconds: _Optional[float] = ...) -> None: ...
+    weight_bytes_resharded: int
+    def __init__(self, kv_bytes_received: _Optional[int] = ..., kv_bytes_local: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., weight_bytes_reused: _Optional[int] = ..., migrate_seconds: _Optional[float] = ..., reload_seconds: _Optional[float] = ..., peak_extra_bytes: _Optional[int] = ..., built_groups: _Optional[bool] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., apply_seconds: _Optional[float] = ..., weight_bytes_resharded: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "num_logprobs")
