@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from services.model.expert_reshard import can_reshard, expert_bytes, reshard_experts, reshard_wanted
 from services.model.layers import ShardLoader, TPGroup
 from services.model.spec import ModelSpec
 from services.topology import WorkerPlacement
@@ -85,7 +86,11 @@ class SparseMoeBlock:
         """group: the TP group (TP form) or the stage's EP group (EP form). phy2log: the logical expert of every
         physical slot (None: the identity; the TP form accepts only the identity). previous: this layer's block
         before a reconfiguration: the router and the experts it holds with the same intermediate slice are shared,
-        not loaded again (an EP -> TP switch at full width reloads only the experts this rank lacked)."""
+        not loaded again (an EP -> TP switch at full width reloads only the experts this rank lacked); when it is in
+        the other form over the same stage (tp{P} <-> ep{P}, see `can_reshard`), the experts come from it by one
+        all-to-all over `group` instead (every rank of the stage builds this layer at the same time).
+        resharded_bytes / loaded_bytes: this rank's expert bytes that came by that all-to-all / from `loader`."""
+        self.placement = wp
         self.layer_id = layer_id
         self.num_experts = spec.num_experts
         self.top_k = spec.num_experts_per_tok
@@ -104,13 +109,21 @@ class SparseMoeBlock:
         if not self.is_expert_parallel and self.phy2log != tuple(range(spec.num_experts)):
             raise ValueError(f"layer {layer_id}: a TP layout holds every expert once; its map must be the identity")
         held: dict[int, ExpertWeights] = {}  # by logical expert
+        self.resharded_bytes = self.loaded_bytes = 0
         if previous is not None:
             self.router = previous.router  # [E, hidden]
             if previous.intermediate == self.intermediate:
                 held = {previous.phy2log[s]: w for s, w in zip(previous.slots, previous.experts, strict=True)}
         else:
             self.router = loader.full(router_tensor_name(spec.moe_style, layer_id))  # [E, hidden]
-        self.experts = self._load_experts(loader, spec.moe_style, held)  # by local slot
+        if (previous is not None and previous.is_expert_parallel != self.is_expert_parallel
+                and can_reshard(previous, wp) and reshard_wanted(group)):
+            self.experts = reshard_experts(previous, wp, self.phy2log, group)  # by local slot
+            self.resharded_bytes = expert_bytes(self.experts)
+        else:
+            kept = {id(t) for weights in held.values() for t in weights}
+            self.experts = self._load_experts(loader, spec.moe_style, held)  # by local slot
+            self.loaded_bytes = expert_bytes([w for w in self.experts if id(w[0]) not in kept])
         device = self.router.device
         self.num_copies, self.copy_slots = copy_tables(self.phy2log, self.num_experts, device)
         self.load = torch.zeros(num_physical, dtype=torch.int64, device=device)  # (token, k) assignments per slot

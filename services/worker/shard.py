@@ -22,7 +22,16 @@ from services.worker.kv_cache import KVCache, num_blocks_for_budget
 from services.worker.channel import DistChannel, KVChannel, ShmChannel
 from services.worker.faults import FAULTS
 from services.worker.expert_balance import ExpertBalancer
-from services.worker.kv_migration import MigrationAborted, MigrationStats, migrate_kv
+from services.worker.kv_migration import (
+    BlockMaps,
+    MigrationAborted,
+    MigrationStats,
+    block_counts,
+    block_maps_from_proto,
+    identity_block_maps,
+    migrate_kv,
+    reverse_block_maps,
+)
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel import ParallelState
 from services.worker.threads import set_threads, threads_per_worker, usable_cores
@@ -228,7 +237,7 @@ class WorkerShard:
         built_groups = target not in self.parallel.candidates
         if built_groups:
             self.parallel.build_groups([target])  # slow path: every rank builds the same groups, in order
-        error, plan, new_cache, channel = "", None, None, None
+        error, plan, new_cache, channel, block_maps = "", None, None, None, None
         old_ranks = list(request.old_ranks) or active_ranks(self.topology)  # renumbered by a regroup, LOST gaps
         try:
             FAULTS.check("apply", rank=rank)
@@ -236,6 +245,9 @@ class WorkerShard:
             new_placement = self._placement(target, partition)
             if not request.drop_kv:
                 plan = plan_kv_migration(old_placement, old_ranks, new_placement, active_ranks(target))
+                block_maps = block_maps_from_proto(request.block_maps)  # None: blocks keep their ids
+                if plan.renumbers_blocks and block_maps is None and request.used_block_ids:
+                    raise ValueError(f"{self.topology} -> {target} renumbers KV blocks: it needs block maps")
             elif old is not None:
                 old.kv_cache.close()  # the router dropped every request's KV: free it before allocating anew
             if rank < target.num_workers:
@@ -243,7 +255,7 @@ class WorkerShard:
                 new_cache = self._new_cache = KVCache(
                     wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size, self.dtype,
                     self.device, num_blocks=request.num_kv_blocks, allocate=bool(request.drop_kv))
-            channel = self._channel(request, plan) if plan is not None else None
+            channel = self._channel(request, plan, block_maps) if plan is not None else None
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         if not self.agree(not error):  # nothing has changed anywhere yet
@@ -259,7 +271,7 @@ class WorkerShard:
             try:
                 stats = MigrationStats() if plan is None else migrate_kv(
                     plan, rank, old.kv_cache if old else None, new_cache, used, channel, self.agree,
-                    fault=lambda layer: FAULTS.check("migrate", rank=rank, layer=layer))
+                    fault=lambda layer: FAULTS.check("migrate", rank=rank, layer=layer), block_maps=block_maps)
             except MigrationAborted as aborted:
                 _result_or_none(reload)
                 self._rollback(plan, aborted.done_layers, old, new_cache, request)
@@ -274,26 +286,30 @@ class WorkerShard:
         kept = set(runner.model.parameter_tensors()) & set(old.model.parameter_tensors()) if runner and old else set()
         new_tensors = runner.model.parameter_tensors() if runner else {}
         reused = sum(t.numel() * t.element_size() for i, t in new_tensors.items() if i in kept)
-        loaded = sum(t.numel() * t.element_size() for t in new_tensors.values()) - reused
+        # Expert tensors that came from the stage's peers by all-to-all (TP <-> EP) were not read from the store.
+        resharded = sum(block.resharded_bytes for block in runner.model.moe_blocks().values()) if runner else 0
+        loaded = sum(t.numel() * t.element_size() for t in new_tensors.values()) - reused - resharded
         self.runner, self.topology, self.layer_partition = runner, target, partition
         self.kv_intact = True
         self._bind_balancer()
         self.prepare_steps()
         log.info("worker.switched", operation_id=request.operation_id, topology=str(target),
                  kv_received=stats.bytes_received, kv_local=stats.bytes_local, weights_loaded=loaded,
-                 weights_reused=reused, migrate_s=round(stats.seconds, 4), reload_s=round(reload_seconds, 4))
+                 weights_reused=reused, weights_resharded=resharded, migrate_s=round(stats.seconds, 4),
+                 reload_s=round(reload_seconds, 4))
         return worker_pb2.ApplySwitchResponse(
             kv_bytes_received=stats.bytes_received, kv_bytes_local=stats.bytes_local, weight_bytes_loaded=loaded,
             weight_bytes_reused=reused, migrate_seconds=stats.seconds, reload_seconds=reload_seconds,
             peak_extra_bytes=stats.peak_extra_bytes, built_groups=built_groups, info=self.info(),
-            apply_seconds=apply_seconds,
+            apply_seconds=apply_seconds, weight_bytes_resharded=resharded,
         )
 
     def _rollback(self, plan, layers: list[int], old: ModelRunner | None, new_cache: KVCache | None,
                   request: worker_pb2.ApplySwitchRequest) -> None:
-        """Replay the journal backwards: move `layers` from the new layout back to the old one (collective).
-        Without a plan (the KV was dropped) or with lost sources (nowhere to move back to) there is nothing to
-        replay: the old cache was never touched, or the controller drops the KV anyway."""
+        """Replay the journal backwards: move `layers` from the new layout back to the old one (collective), with
+        the request's block maps reversed. Without a plan (the KV was dropped) or with lost sources (nowhere to
+        move back to) there is nothing to replay: the old cache was never touched, or the controller drops the KV
+        anyway."""
         if plan is None or plan.has_lost_sources:
             if new_cache is not None:
                 new_cache.close()
@@ -301,14 +317,15 @@ class WorkerShard:
                 self.kv_intact = True
             return
         reverse = plan_kv_migration(plan.new, plan.new_ranks, plan.old, plan.old_ranks)
+        back_maps = reverse_block_maps(block_maps_from_proto(request.block_maps))
         pools = self.parallel.all_gather_object(new_cache.segment_names() if new_cache else {})  # CPU group
         back = worker_pb2.ApplySwitchRequest()
         back.CopyFrom(request)
         back.ClearField("peers")
         for peer, segments in enumerate(pools):
             back.peers[peer].kv_segments.update(segments)
-        migrate_kv(reverse, self.rank, new_cache, old.kv_cache if old else None,
-                   list(request.used_block_ids), self._channel(back, reverse), self.agree, layers=list(layers))
+        migrate_kv(reverse, self.rank, new_cache, old.kv_cache if old else None, list(request.used_block_ids),
+                   self._channel(back, reverse, back_maps), self.agree, layers=list(layers), block_maps=back_maps)
         if new_cache is not None:
             new_cache.close()
         self.kv_intact = True
@@ -318,16 +335,19 @@ class WorkerShard:
         """True when every rank of the world says ok (on the world's CPU group; also the per-layer barrier)."""
         return self.parallel.agree(ok)
 
-    def _channel(self, request: worker_pb2.ApplySwitchRequest, plan) -> KVChannel:
-        """shm between CPU workers of one host (the default on CPU), torch.distributed otherwise."""
+    def _channel(self, request: worker_pb2.ApplySwitchRequest, plan, block_maps: BlockMaps | None = None
+                 ) -> KVChannel:
+        """shm between CPU workers of one host (the default on CPU), torch.distributed otherwise (its receive
+        buffers hold each pool pair's blocks: `block_maps`, or every used block when ids are kept)."""
         kind = request.kv_channel or ("shm" if self.device.type == "cpu" else "dist")
         if kind == "shm":
             pools = {r: dict(pool.kv_segments) for r, pool in request.peers.items()}
             return ShmChannel(pools, plan, torch.tensor(sorted(request.used_block_ids), dtype=torch.int64),
                               self.config.block_size, self.spec.head_dim, self.dtype)
         if kind == "dist":
-            return DistChannel(self.parallel, len(request.used_block_ids), self.config.block_size,
-                               self.spec.head_dim, self.dtype, self.device)
+            counts = block_counts(identity_block_maps(request.used_block_ids) if block_maps is None else block_maps)
+            return DistChannel(self.parallel, counts, self.config.block_size, self.spec.head_dim, self.dtype,
+                               self.device)
         raise ValueError(f"kv_channel {kind!r} is not one of: shm, dist")
 
     def _timed_build(self, *args) -> tuple[ModelRunner | None, float]:
