@@ -55,18 +55,28 @@ async def test_streams_survive_a_rollback_and_tp_ep_switches(moe_checkpoint):
             tasks = [asyncio.ensure_future(generated_tokens(engine, GenerationRequest(f"m{i}", tuple(p), n)))
                      for i, (p, n) in enumerate(zip(prompts, lengths))]
             await until(lambda: engine.stats().num_running == len(prompts), what="every request running")
-            outputs, stats = await _chain(stack, tasks)
+            outputs, stats = await _chain(stack, tasks, ModelSpec.from_dir(moe_checkpoint).head_dim)
     for i, tokens in enumerate(outputs):
         assert tokens == expected[i][: lengths[i]], f"request {i}"
     assert stats.num_preemptions == 0
     assert stats.extra["num_full_prefills"] == len(prompts)
 
 
-async def _chain(stack, tasks):
-    engine = stack.engine
+async def _chain(stack, tasks, head_dim: int):
+    engine, stubs = stack.engine, stack.state.worker_stubs
+    await engine.freeze()  # hold the requests still to read their KV before the failed switch
+    tables, filled = _tables(engine), _filled(engine)
+    before = _positions(await _snapshot(stubs, tables, head_dim), filled)
+    engine.resume()
     operation = await stack.reconfigurer.reconfigure("ep4pp1")
     assert operation.state is OperationState.ROLLED_BACK, operation
     assert "rolled back (layers [" in operation.error and str(engine.topology) == "tp4pp1"
+    await engine.freeze()  # steps ran since: requests only appended to their tables
+    for request_id, (pool, ids) in _tables(engine).items():
+        assert pool == tables[request_id][0] and ids[: len(tables[request_id][1])] == tables[request_id][1]
+    after = _positions(await _snapshot(stubs, tables, head_dim), filled)
+    assert _equal(after, before)  # every position cached before the switch: the same bytes in the old layout
+    engine.resume()
     for target in CHAIN:
         operation = await stack.reconfigurer.reconfigure(target)
         assert operation.state is OperationState.SUCCEEDED, operation.error
@@ -81,6 +91,20 @@ def _tables(engine) -> dict[str, tuple[int, list[int]]]:
     """request_id -> (its KV pool, its block ids) in the router now."""
     blocks = engine.scheduler.block_manager
     return {s.request_id: (blocks.rank_of(s), list(s.block_ids)) for s in engine.scheduler.running if s.block_ids}
+
+
+def _filled(engine) -> dict[str, int]:
+    """request_id -> positions cached now (their KV never changes afterwards: decode appends)."""
+    return {s.request_id: s.num_computed_tokens for s in engine.scheduler.running if s.block_ids}
+
+
+def _positions(snapshot, filled: dict[str, int]) -> dict:
+    """Each (request, layer, head) entry cut to the request's cached positions: [2, positions, D]."""
+    cut = {}
+    for (request_id, layer, head), data in snapshot.items():
+        flat = data.reshape(2, -1, data.shape[-1])
+        cut[request_id, layer, head] = flat[:, : filled[request_id]]
+    return cut
 
 
 async def _snapshot(stubs, tables, head_dim: int) -> dict[tuple[str, int, int], torch.Tensor]:
