@@ -4,8 +4,36 @@ from __future__ import annotations
 
 
 from services.controller.transaction import Reconfigurer, prepare_workers
+from services.model.expert_reshard import can_reshard
+from services.model.spec import ModelSpec
 from services.rpc.reconfig.v1 import controller_pb2, router_pb2
-from services.topology import WeightFlags, place, plan_kv_migration, plan_weight_reload
+from services.topology import Placement, WeightFlags, place, plan_kv_migration, plan_weight_reload
+from services.topology.migration_plan import num_kv_pools
+
+
+def pool_pair_blocks(used_per_pool: list[int], num_new_pools: int) -> dict[tuple[int, int], int]:
+    """(old pool, new pool) -> blocks a switch to or from an EP layout would move, before the router has assigned
+    the requests: a pool goes whole to the one pool of a TP layout, or to the same pool at the same width;
+    otherwise each old pool is taken as spread evenly over the new ones (the router balances them)."""
+    if num_new_pools == 1 or num_new_pools == len(used_per_pool):
+        return {(p, 0 if num_new_pools == 1 else p): used for p, used in enumerate(used_per_pool)}
+    return {(p, q): -(-used // num_new_pools) for p, used in enumerate(used_per_pool) for q in range(num_new_pools)}
+
+
+def reshardable_expert_bytes(old: Placement, new: Placement, rank: int, spec: ModelSpec, dtype_bytes: int) -> int:
+    """Expert bytes `rank` holds in the new layout that can come from its stage's peers by all-to-all (the TP <->
+    EP view change of one width) instead of the weight store."""
+    if rank >= min(len(old.workers), len(new.workers)) or not spec.shape.is_moe:
+        return 0
+    before, after = old.workers[rank], new.workers[rank]
+    if not can_reshard(before, after):
+        return 0
+    layers = [layer for layer in after.layers if layer in spec.moe_layers]
+    if after.ep_size > 1:
+        elements = len(after.expert_slots) * spec.moe_intermediate_size
+    else:
+        elements = spec.num_experts * len(after.expert_intermediate)
+    return len(layers) * elements * 3 * spec.hidden_size * dtype_bytes
 
 
 async def plan_switch(reconfigurer: Reconfigurer, topology: str, layer_partition=()) -> controller_pb2.PlanResponse:
@@ -23,10 +51,13 @@ async def plan_switch(reconfigurer: Reconfigurer, topology: str, layer_partition
     weights = plan_weight_reload(old, old_ranks, new, new_ranks, WeightFlags.of(spec))
     dtype_bytes, block_size = prepared[0].kv_dtype_bytes, prepared[0].block_size
     used = stats.num_kv_blocks_used
-    moved = kv_plan.bytes_moved(used, block_size, spec.head_dim, dtype_bytes)
+    pools = pool_pair_blocks(list(stats.num_kv_blocks_used_per_dp_rank) or [used], num_kv_pools(new))
+    moved = kv_plan.bytes_moved(used, block_size, spec.head_dim, dtype_bytes,
+                                blocks_per_pools=pools if kv_plan.renumbers_blocks else None)
     rows, fits = [], used <= capacity
     for rank in range(world):
-        local = sum(t.nbytes(used, block_size, spec.head_dim, dtype_bytes)
+        local = sum(t.nbytes(pools.get(t.pools, 0) if kv_plan.renumbers_blocks else used, block_size, spec.head_dim,
+                             dtype_bytes)
                     for t in kv_plan.receives_of(rank) if t.is_local)
         reload = weights.get(rank)
         # The old layout has each worker's current blocks; the new one the capacity every active worker shares.
@@ -39,6 +70,7 @@ async def plan_switch(reconfigurer: Reconfigurer, topology: str, layer_partition
             weight_bytes_load=reload.load_bytes(dtype_bytes) if reload else 0,
             weight_bytes_keep=reload.keep_bytes(dtype_bytes) if reload else 0,
             peak_extra_bytes=peak, num_kv_blocks_after=capacity if rank in new_ranks else 0,
+            weight_bytes_reshard=reshardable_expert_bytes(old, new, rank, spec, dtype_bytes),
         ))
     return controller_pb2.PlanResponse(
         from_topology=str(state.topology), to_topology=str(target.topology), workers=rows, num_used_blocks=used,

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from services.controller.plan import plan_switch
 from services.controller.status import OperationState
 from services.controller.transaction import SwitchTarget, apply_workers, dp_size, prepare_workers
 from services.launch.cluster import ClusterConfig, LocalCluster
@@ -165,6 +166,8 @@ async def _there_and_back(cluster, prompts, head_dim):
         tasks = [asyncio.ensure_future(generated_tokens(engine, GenerationRequest(f"b{i}", tuple(p), 30)))
                  for i, p in enumerate(prompts)]
         await until(lambda: engine.stats().num_generation_tokens >= 8 * 5, what="KV of prompts and outputs")
+        plan = await plan_switch(stack.reconfigurer, "ep4pp1")  # what the switch below will move
+        assert all(w.weight_bytes_reshard > 0 for w in plan.workers) and sum(w.kv_bytes_in for w in plan.workers)
         await engine.freeze()
         before_tables = _tables(engine)
         before = await _snapshot(stubs, before_tables, head_dim)

@@ -1,0 +1,25 @@
+"""The Plan of a switch to or from an EP layout: KV per pool pair before the router assigns requests, and the expert
+bytes that can change view by all-to-all."""
+
+from __future__ import annotations
+
+from services.controller.plan import pool_pair_blocks, reshardable_expert_bytes
+from services.model.spec import ModelSpec
+from services.topology import Topology, place
+from tests.conftest import make_checkpoint
+
+
+def test_pool_pairs_before_assignment():
+    assert pool_pair_blocks([5, 7, 0, 2], 1) == {(0, 0): 5, (1, 0): 7, (2, 0): 0, (3, 0): 2}  # EP -> TP: whole
+    assert pool_pair_blocks([5, 7], 2) == {(0, 0): 5, (1, 1): 7}  # EP -> EP of one width: pool to pool
+    assert pool_pair_blocks([9], 4) == {(0, q): 3 for q in range(4)}  # TP -> EP: spread (rounded up)
+
+
+def test_reshardable_expert_bytes(tmp_path):
+    spec = ModelSpec.from_dir(make_checkpoint(tmp_path / "moe", "qwen3_moe"))  # 3 layers, layer 1 dense, 8 x 32
+    tp4, ep4, ep2pp2 = (place(Topology.parse(t), spec.shape) for t in ("tp4pp1", "ep4pp1", "ep2pp2"))
+    per_layer = spec.num_experts * spec.moe_intermediate_size * 3 * spec.hidden_size * 4 // 4  # fp32, 1/4 each
+    for rank in range(4):
+        assert reshardable_expert_bytes(tp4, ep4, rank, spec, 4) == 2 * per_layer  # the two sparse layers
+        assert reshardable_expert_bytes(ep4, tp4, rank, spec, 4) == 2 * per_layer
+        assert reshardable_expert_bytes(tp4, ep2pp2, rank, spec, 4) == 0  # other width and stages: the store
