@@ -92,6 +92,11 @@ class BlockManager:
             self._owner[block_id] = request_id
         return taken
 
+    def release(self, block_id: int) -> None:
+        """Return one used block (DataParallelBlocks.release)."""
+        del self._owner[block_id]
+        heapq.heappush(self._free, block_id)
+
     def free(self, seq: Sequence) -> None:
         """Return all of seq's blocks; seq.block_ids becomes empty."""
         self.truncate(seq, 0)

@@ -135,6 +135,17 @@ class DataParallelBlocks:
         self._pools[rank].truncate(seq, num_tokens)
         self._bind(seq, rank)
 
+    def release(self, request_id: str, block_ids: list[int]) -> None:
+        """Return a request's blocks when only its id and ids are known (it ended while these pools were set
+        aside by a switch that then rolled back)."""
+        rank = self._rank.pop(request_id, None)
+        if rank is None:
+            return
+        pool = self._pools[rank]
+        for block_id in block_ids:
+            if pool.owner(block_id) == request_id:
+                pool.release(block_id)
+
     def _bind(self, seq: Sequence, rank: int) -> None:
         if seq.block_ids:
             self._rank[seq.request_id] = rank

@@ -365,6 +365,8 @@ class Scheduler:
             seq = self._sequences.get(request_id)
             if seq is not None and seq.block_ids:
                 seq.block_ids[:] = ids
+            else:  # it ended (aborted) while the switch ran: its old blocks go back to its old pool
+                old.release(request_id, ids)
         return True
 
     def commit_partition(self) -> None:

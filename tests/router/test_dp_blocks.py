@@ -488,3 +488,21 @@ def test_repartition_to_fewer_pools_preempts_the_requests_that_do_not_fit():
         done(scheduler, workers, scheduler.schedule())
     for seq in (a, b):
         assert seq.output_token_ids == expected_output(seq.prompt_token_ids, 2)
+
+
+def test_a_request_aborted_during_a_rolled_back_repartition_frees_its_old_blocks():
+    scheduler = make_scheduler(num_ranks=1, num_blocks=8, block_size=1)
+    workers = DataParallelWorkers(scheduler.block_manager)
+    for name in "ab":
+        scheduler.add(seq_of(name, prompt_of(ord(name), 3), 4))
+    done(scheduler, workers, scheduler.schedule())
+    old = scheduler.block_manager
+    scheduler.freeze()
+    scheduler.repartition(2, 8)
+    assert scheduler.abort("a")  # a client goes away while the switch runs
+    assert scheduler.restore_partition()  # and the switch rolls back
+    assert scheduler.block_manager is old and old.num_used == len(scheduler.get("b").block_ids)
+    scheduler.unfreeze()
+    while scheduler.has_unfinished:
+        done(scheduler, workers, scheduler.schedule())
+    assert old.num_used == 0 and old.num_free == old.num_total
