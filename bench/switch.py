@@ -48,6 +48,7 @@ class BenchConfig:
     memcpy_mb: int
     seed: int
     out: Path
+    strategy: str = "staged"         # "staged": shards built while serving, before the freeze; "in-place"
 
     def __post_init__(self) -> None:
         if len(self.chain) < 2 or self.num_requests < 1 or self.max_tokens < 2 or self.steps_between < 0:
@@ -95,6 +96,7 @@ class Switch:
     built_groups: bool
     snapshot: list[list[int]] = field(default_factory=list, repr=False)  # prompt + generated, at the freeze
     restart: Restart | None = None
+    staging_seconds: float = 0.0         # shards built while serving, before the freeze (not downtime)
 
     @property
     def label(self) -> str:
@@ -228,7 +230,7 @@ async def _switch(config: BenchConfig, stack: _Stack, target: str, prompts: list
     before = stack.engine.stats()
     snapshot = [list(p) + list(t) for p, t in zip(prompts, live.tokens)]
     num_live = live.num_live
-    operation = await stack.reconfigurer.reconfigure(target)
+    operation = await stack.reconfigurer.reconfigure(target, strategy=config.strategy)
     if operation.state is not OperationState.SUCCEEDED:
         raise RuntimeError(f"{source}→{target}: {operation.state.name}: {operation.error}")
     replies = [w.applied for w in stack.workers]
@@ -250,6 +252,7 @@ async def _switch(config: BenchConfig, stack: _Stack, target: str, prompts: list
         worker_peak_extra_bytes=max(r.peak_extra_bytes for r in replies), layer_kv_bytes=memory[peak_rank][1],
         layer_kv_used_bytes=memory[peak_rank][1] * before.num_kv_blocks_used // max(1, plan.num_kv_blocks_after),
         num_preempted=operation.num_requests_preempted, built_groups=any(r.built_groups for r in replies),
+        staging_seconds=operation.staging_seconds,
         snapshot=snapshot,
     )
 
@@ -383,14 +386,14 @@ def format_table(config: BenchConfig, result: Result, num_kv_heads: int) -> str:
 
     short = {"QUIESCING": "quiesce", "PREPARING_WORKERS": "prepare", "APPLYING_TOPOLOGY": "apply",
              "MIGRATING": "migrate", "REBINDING": "rebind"}
-    lines = ["| transition | live reqs | live KV MiB (% of pool) | downtime ms | "
+    lines = ["| transition | live reqs | live KV MiB (% of pool) | staging ms (serving) | downtime ms | "
              + " | ".join(f"{short[p]} ms" for p in PHASES) + " | cold restart s | restart / switch |",
-             "|---|---:|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|"]
+             "|---|---:|---:|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|"]
     for s in result.switches:
         restart = f"{s.restart.seconds:.2f}" if s.restart else "-"
         ratio = f"{s.restart.seconds / s.downtime_seconds:.0f}x" if s.restart else "-"
         lines.append(f"| {s.label} | {s.num_live_requests} | {_mib(s.live_kv_bytes)} ({100 * s.kv_capacity_used:.0f}%)"
-                     f" | {1e3 * s.downtime_seconds:.0f} | "
+                     f" | {1e3 * s.staging_seconds:.0f} | {1e3 * s.downtime_seconds:.0f} | "
                      + " | ".join(f"{1e3 * s.phase_seconds[p]:.0f}" for p in PHASES) + f" | {restart} | {ratio} |")
     lines += ["", "| transition | KV moved MiB (peer + local) | KV GB/s (migrate phase) | KV GB/s (worker copy) "
               "| memcpy GB/s | weights loaded MiB (reused) | reload s | peak extra MiB (Plan RPC) "
@@ -495,6 +498,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--restart-all", action="store_true", help="cold restart baseline for every transition")
     parser.add_argument("--memcpy-mb", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--strategy", choices=("staged", "in-place"), default="staged",
+                        help="staged: target shards built while serving, then the freeze (default); in-place: all of "
+                             "it inside the freeze")
     parser.add_argument("--out", type=Path, default=Path("bench/results/switch.json"))
     parser.add_argument("--quick", action="store_true", help=f"smoke-run sizes: {QUICK}")
     args = parser.parse_args(argv)
@@ -505,7 +511,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         num_workers=args.num_workers, num_requests=pick["num_requests"], prompt_len=pick["prompt_len"],
         max_tokens=pick["max_tokens"], steps_between=args.steps_between, kv_cache_mb=pick["kv_cache_mb"],
         block_size=args.block_size, restart_all=args.restart_all, memcpy_mb=args.memcpy_mb, seed=args.seed,
-        out=args.out,
+        out=args.out, strategy=args.strategy,
     )
 
 

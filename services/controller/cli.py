@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     reconfigure.add_argument("--deadline", type=float, default=0.0, metavar="S",
                              help="give up and restore the old layout after S seconds (default: the controller's)")
     reconfigure.add_argument("--dry-run", action="store_true", help="only say what the switch would move")
+    reconfigure.add_argument("--strategy", choices=("staged", "in-place"), default="staged",
+                             help="staged: build the target's shards while serving, then freeze only to move KV and "
+                                  "swap (default); in-place: all of it inside the freeze")
     add = commands.add_parser("add-worker", parents=[common],
                               help="bring a worker started in join mode (a replacement) into the stack")
     add.add_argument("address", metavar="ADDRESS", help="the joining worker's host:port")
@@ -248,6 +251,7 @@ def _reconfigure_command(args: argparse.Namespace, target: Target) -> int:
     request = controller_pb2.ReconfigureRequest(
         topology=args.topology, operation_id=args.operation_id or uuid.uuid4().hex[:12],
         deadline_seconds=args.deadline, dry_run=args.dry_run, layer_partition=args.layer_partition,
+        strategy=args.strategy,
     )
     # With --json stdout is only the JSON: the live display goes to stderr.
     display = PhaseDisplay(sys.stderr if args.json else sys.stdout) if args.wait and not args.dry_run else None

@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.router.contracts import EngineStats
+from services.router.contracts import STAGING_PHASE, EngineStats
 from services.router.grpc_server import stats_from_pb, stats_to_pb
 from services.rpc.reconfig.v1 import controller_pb2
 
@@ -97,8 +97,13 @@ class OperationStatus:
 
     @property
     def downtime_seconds(self) -> float:
-        """Seconds the router was frozen for it: the sum of the phases (all of them run frozen)."""
-        return sum(self.phase_seconds.values())
+        """Seconds the router was frozen for it (the cutover): every phase but STAGING, which runs while serving."""
+        return sum(s for phase, s in self.phase_seconds.items() if phase != STAGING_PHASE)
+
+    @property
+    def staging_seconds(self) -> float:
+        """Seconds its shards were built while the router served, before the freeze."""
+        return self.phase_seconds.get(STAGING_PHASE, 0.0)
 
     def to_pb(self) -> controller_pb2.OperationStatus:
         """The wire form."""

@@ -21,10 +21,12 @@ from services.model.spec import ModelSpec
 from services.rpc.auth import auth_metadata
 from services.rpc.errors import describe_error
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.router.contracts import STAGING_PHASE
 from services.topology import Topology, TopologyError, validate
 
 log = structlog.get_logger(__name__)
-PHASES = ("QUIESCING", "PREPARING_WORKERS", "APPLYING_TOPOLOGY", "MIGRATING", "REBINDING")
+# In order; STAGING runs while the router serves (strategy "staged"), the others inside the freeze.
+PHASES = ("STAGING", "QUIESCING", "PREPARING_WORKERS", "APPLYING_TOPOLOGY", "MIGRATING", "REBINDING")
 FREEZE_LEASE_S = 15.0  # the router waits this long for a renewal before it stops trusting a frozen operation
 
 
@@ -61,6 +63,9 @@ class Reconfigurer:
         self.operations: dict[str, asyncio.Future[OperationStatus]] = {}
         self.running: str | None = None
         self._lease: _Lease | None = None
+        # Build the target's shards while serving before each switch (strategy "staged", the default); False: every
+        # switch runs in place, all of it inside the freeze.
+        self.staging = True
 
     @property
     def workers(self) -> list[worker_pb2_grpc.WorkerStub]:
@@ -100,8 +105,9 @@ class Reconfigurer:
     async def reconfigure(self, topology: str, operation_id: str = "", deadline_s: float = 0.0,
                           strategy: str = "", layer_partition=()) -> OperationStatus:
         """Run (or join, for a repeated operation_id) a switch; returns the operation when it has ended."""
-        if strategy not in ("", "in-place"):
-            raise ValueError(f"strategy {strategy!r} is not supported (supported: in-place)")
+        if strategy not in ("", "staged", "in-place"):
+            raise ValueError(f"strategy {strategy!r} is not supported (supported: staged, the default: the target's "
+                             "shards are built while serving; in-place: everything inside the freeze)")
         check_deadline(deadline_s)
         if operation_id and operation_id in self.operations:
             return await asyncio.shield(self.operations[operation_id])  # idempotent retry
@@ -118,7 +124,8 @@ class Reconfigurer:
             self.operations[operation_id] = _done(done)
             return done
         self.claim(operation_id)
-        future = asyncio.ensure_future(self._run(status, target, deadline_s or self.default_deadline_s))
+        staged = strategy != "in-place" and self.staging
+        future = asyncio.ensure_future(self._run(status, target, deadline_s or self.default_deadline_s, staged))
         self.operations[operation_id] = future
         try:
             return await asyncio.shield(future)
@@ -126,10 +133,14 @@ class Reconfigurer:
             if future.done():
                 self.running = None
 
-    async def _run(self, status: OperationStatus, target: SwitchTarget, deadline_s: float) -> OperationStatus:
+    async def _run(self, status: OperationStatus, target: SwitchTarget, deadline_s: float,
+                   staged: bool = False) -> OperationStatus:
         progress = Progress(self.state, status, time.monotonic() + deadline_s)
-        lease = self.hold_lease()
+        lease = None
         try:
+            if staged:
+                await self._stage(progress, target)  # the router serves on: no freeze, so no lease yet
+            lease = self.hold_lease()
             return await self._transaction(progress, target)
         except Exception as exc:  # the deadline, an RPC error, a worker failure
             error = describe_error(exc)
@@ -137,8 +148,23 @@ class Reconfigurer:
             state = OperationState.ROLLED_BACK if progress.rolled_back else OperationState.FAILED
             return progress.finish(state, error)
         finally:
-            await lease.stop()
+            if lease is not None:
+                await lease.stop()
             self.running = None
+
+    async def _stage(self, progress: Progress, target: SwitchTarget) -> None:
+        """STAGING, while the router serves: every worker builds its shard of the target beside its steps. A
+        failure or the deadline here changes nothing anywhere (a later ApplySwitch would build the shard itself)."""
+        progress.enter(STAGING_PHASE)
+        try:
+            replies = await stage_workers(self.workers, target, progress.status.operation_id,
+                                          progress.timeout(self), self.metadata)
+        except BaseException:
+            progress.rolled_back = True  # nothing was frozen and nothing moved: the old layout serves as it did
+            raise
+        log.info("controller.staged", operation_id=progress.status.operation_id, topology=str(target.topology),
+                 workers=sum(r.staged for r in replies), seconds=round(max((r.seconds for r in replies), default=0), 4),
+                 weight_bytes_loaded=sum(r.weight_bytes_loaded for r in replies))
 
     async def _transaction(self, progress: Progress, target: SwitchTarget) -> OperationStatus:
         """Until APPLYING_TOPOLOGY the operation's deadline bounds every call (and expiring means: restore and
@@ -267,6 +293,19 @@ async def prepare_workers(workers: list[worker_pb2_grpc.WorkerStub], target: Swi
     prepared = list(await asyncio.gather(*(w.PrepareSwitch(request, timeout=timeout, metadata=metadata)
                                            for w in workers)))
     return prepared, min(p.num_kv_blocks for p in prepared if p.num_kv_blocks > 0)
+
+
+async def stage_workers(workers: list[worker_pb2_grpc.WorkerStub], target: SwitchTarget, operation_id: str,
+                        timeout: float, metadata: tuple = ()) -> list[worker_pb2.StageSwitchResponse]:
+    """STAGING on every worker at once (the router serving): each builds its shard of the target. Returns once every
+    worker has answered, also when one fails (then raises its error): no staging outlives its operation."""
+    request = worker_pb2.StageSwitchRequest(operation_id=operation_id, topology=str(target.topology),
+                                            layer_partition=target.layer_partition or ())
+    replies = await asyncio.gather(*(w.StageSwitch(request, timeout=timeout, metadata=metadata) for w in workers),
+                                   return_exceptions=True)
+    if errors := [r for r in replies if isinstance(r, BaseException)]:
+        raise errors[0]
+    return list(replies)
 
 
 async def apply_workers(workers: list[worker_pb2_grpc.WorkerStub], target: SwitchTarget,

@@ -130,12 +130,14 @@ class ShardedCausalLM:
 
     def __init__(self, spec: ModelSpec, wp: WorkerPlacement, loader: ShardLoader, group: TPGroup,
                  previous: ShardedCausalLM | None = None, *, ep_group: TPGroup | None = None,
-                 expert_maps: Mapping[int, Sequence[int]] | None = None) -> None:
+                 expert_maps: Mapping[int, Sequence[int]] | None = None, expert_reshard: bool = True) -> None:
         """Build this worker's shard. With `previous` (a live reconfiguration), parts whose slice is unchanged —
         a layer's heads, its MLP columns, an expert slice held before, the same vocabulary rows — are kept, not
         copied again. In an EP layout `group` is a single-rank group (attention and dense MLPs are whole here) and
         `ep_group`, over the stage's ranks, carries the experts' all-to-alls. expert_maps: {sparse layer: phy2log}
-        (None or a layer left out: the identity, possible only without redundant slots)."""
+        (None or a layer left out: the identity, possible only without redundant slots). expert_reshard: a sparse
+        layer switching between its TP and EP view may take its experts from the stage's peers by all-to-all (a
+        collective of the stage's ranks); False: from `loader`."""
         if wp.ep_size > 1 and ep_group is None:
             raise ValueError(f"an EP layout (ep_size={wp.ep_size}) needs the stage's ep_group")
         self.spec = spec
@@ -157,8 +159,8 @@ class ShardedCausalLM:
         same_attention = old is not None and (old.q_heads, old.kv_heads) == (wp.q_heads, wp.kv_heads)
         same_dense = old is not None and old.intermediate == wp.intermediate
         moe_group = ep_group if wp.ep_size > 1 else group
-        self.layers = [self._layer(i, loader, group, moe_group, old_layers.get(i), same_attention, same_dense)
-                       for i in wp.layers]
+        self.layers = [self._layer(i, loader, group, moe_group, old_layers.get(i), same_attention, same_dense,
+                                   expert_reshard) for i in wp.layers]
         self.final_norm = self.lm_head = None
         if wp.is_last_stage:
             kept_norm = previous.final_norm if previous is not None else None
@@ -173,13 +175,14 @@ class ShardedCausalLM:
             self.lm_head = ParallelLMHead(head, spec.vocab_size, group)
 
     def _layer(self, layer_id: int, loader: ShardLoader, group: TPGroup, moe_group: TPGroup,
-               kept: DecoderLayer | None, same_attention: bool, same_dense: bool) -> DecoderLayer:
+               kept: DecoderLayer | None, same_attention: bool, same_dense: bool,
+               expert_reshard: bool = True) -> DecoderLayer:
         """Layer `layer_id`, reusing what `kept` (the previous shard's same layer, if any) holds of it."""
         mlp: DenseMLP | SparseMoeBlock | None = None  # None: DecoderLayer builds the dense MLP
         if layer_id in self.spec.moe_layers:
             old_block = kept.mlp if kept is not None and isinstance(kept.mlp, SparseMoeBlock) else None
             mlp = SparseMoeBlock(self.spec, self.placement, layer_id, loader, moe_group,
-                                 self.expert_maps[layer_id], previous=old_block)
+                                 self.expert_maps[layer_id], previous=old_block, reshard=expert_reshard)
         elif kept is not None and same_dense:
             mlp = kept.mlp.regrouped(group)
         elif kept is not None and same_attention:

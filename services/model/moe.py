@@ -82,13 +82,15 @@ class SparseMoeBlock:
     token lives, with no collective."""
 
     def __init__(self, spec: ModelSpec, wp: WorkerPlacement, layer_id: int, loader: ShardLoader, group: TPGroup,
-                 phy2log: Sequence[int] | None = None, previous: SparseMoeBlock | None = None) -> None:
+                 phy2log: Sequence[int] | None = None, previous: SparseMoeBlock | None = None,
+                 reshard: bool = True) -> None:
         """group: the TP group (TP form) or the stage's EP group (EP form). phy2log: the logical expert of every
         physical slot (None: the identity; the TP form accepts only the identity). previous: this layer's block
         before a reconfiguration: the router and the experts it holds with the same intermediate slice are shared,
         not loaded again (an EP -> TP switch at full width reloads only the experts this rank lacked); when it is in
         the other form over the same stage (tp{P} <-> ep{P}, see `can_reshard`), the experts come from it by one
-        all-to-all over `group` instead (every rank of the stage builds this layer at the same time).
+        all-to-all over `group` instead (every rank of the stage builds this layer at the same time), unless
+        `reshard` is False (a shard staged while steps use the same group) or RECONFIG_EXPERT_RESHARD says no.
         resharded_bytes / loaded_bytes: this rank's expert bytes that came by that all-to-all / from `loader`."""
         self.placement = wp
         self.layer_id = layer_id
@@ -117,7 +119,7 @@ class SparseMoeBlock:
         else:
             self.router = loader.full(router_tensor_name(spec.moe_style, layer_id))  # [E, hidden]
         if (previous is not None and previous.is_expert_parallel != self.is_expert_parallel
-                and can_reshard(previous, wp) and reshard_wanted(group)):
+                and reshard and can_reshard(previous, wp) and reshard_wanted(group)):
             self.experts = reshard_experts(previous, wp, self.phy2log, group)  # by local slot
             self.resharded_bytes = expert_bytes(self.experts)
         else:

@@ -57,6 +57,11 @@ class GenerationDelta:
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
+# The one phase of a switch that runs while the router serves (the target's shards built beside the steps); every
+# other phase runs frozen, and their sum is the downtime (the cutover).
+STAGING_PHASE = "STAGING"
+
+
 @dataclass(frozen=True, slots=True)
 class SwitchReport:
     """What one layout switch did, as the controller reports it on the Resume that ends the switch."""
@@ -72,8 +77,12 @@ class SwitchReport:
 
     @property
     def downtime_seconds(self) -> float:
-        """Freeze to resume: no step ran during any phase."""
-        return sum(self.phase_seconds.values())
+        """Freeze to resume (the cutover): every phase but STAGING, during which the router served."""
+        return sum(s for phase, s in self.phase_seconds.items() if phase != STAGING_PHASE)
+
+    @property
+    def staging_seconds(self) -> float:
+        return self.phase_seconds.get(STAGING_PHASE, 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +93,8 @@ class SwitchTotals:
     phase_seconds: dict[str, float] = field(default_factory=dict)  # summed over switches, by phase
     phase_counts: dict[str, int] = field(default_factory=dict)     # switches that went through each phase
     downtime_seconds: float = 0.0
+    staging_seconds: float = 0.0
+    num_staged: int = 0                # switches that staged their shards first
     kv_bytes_moved: int = 0
     weight_bytes_loaded: int = 0
     num_requests_preempted: int = 0
@@ -105,6 +116,8 @@ class SwitchTotals:
         return SwitchTotals(
             num_switches=num_switches, phase_seconds=phase_seconds, phase_counts=phase_counts,
             downtime_seconds=self.downtime_seconds + report.downtime_seconds,
+            staging_seconds=self.staging_seconds + report.staging_seconds,
+            num_staged=self.num_staged + (STAGING_PHASE in report.phase_seconds),
             kv_bytes_moved=self.kv_bytes_moved + report.kv_bytes_moved,
             weight_bytes_loaded=self.weight_bytes_loaded + report.weight_bytes_loaded,
             num_requests_preempted=self.num_requests_preempted + report.num_requests_preempted,

@@ -36,6 +36,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         # EPLB's prepare: its collectives (the stage's CPU group) run beside the steps (the device group).
         self.eplb_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eplb")
+        # Staging builds the target's shard beside the steps (not on the model thread), at a low OS priority.
+        self.stage_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
         self.stopped = asyncio.Event()
 
     @property
@@ -92,6 +94,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return await self._on_model_thread(self._with_faults, "PrepareSwitch", request, self.shard.prepare_switch)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def StageSwitch(self, request, context):  # noqa: N802
+        """Build the target layout's shard while steps go on (its own thread); changes nothing live."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.stage_thread, self._with_faults, "StageSwitch", request, self.shard.stage_switch)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:
+            log.exception("worker.stage_failed", rank=self.rank, operation_id=request.operation_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"staging failed on rank {self.rank}: {exc}")
 
     async def ApplySwitch(self, request, context):  # noqa: N802
         """Switch layout: groups, KV migration, shard reload. Runs on the model thread, between steps."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 
 import structlog
@@ -37,6 +39,27 @@ from services.worker.parallel import ParallelState
 from services.worker.threads import set_threads, threads_per_worker, usable_cores
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StagedShard:
+    """A target layout's shard built while serving (StageSwitch), for the ApplySwitch of that target."""
+
+    operation_id: str                  # the switch it was staged for: only that one's ApplySwitch takes it
+    topology: Topology
+    partition: tuple[int, ...] | None
+    generation: int                    # the world it was built in (its groups)
+    live: ModelRunner | None           # the runner it shares tensors with: it must still be the live one
+    model: ShardedCausalLM
+
+
+def lower_thread_priority(niceness: int = 10) -> None:
+    """Give the calling thread (Linux: a task of its own) a lower scheduling priority: background work such as
+    staging yields its cores to the steps. Best effort: where it cannot be done nothing changes."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except (AttributeError, OSError):
+        pass
 
 # Decode graphs captured when a layout starts serving (the rest on first use): the batch buckets most steps meet.
 WARM_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -83,6 +106,7 @@ class WorkerShard:
         self._new_cache: KVCache | None = None  # the target's cache while a switch fills it
         self.num_threads = 0  # torch threads of the model thread (prepare_steps)
         self.balancer = ExpertBalancer(config.eplb_window)  # MoE: expert load window, EPLB's staged map
+        self._staged: StagedShard | None = None  # the target's shard built by StageSwitch, until its ApplySwitch
 
     def load(self) -> None:
         """Load this worker's shard of the start layout (its groups must be built)."""
@@ -142,9 +166,25 @@ class WorkerShard:
                                      self.dtype, self.config.kv_cache_bytes)
 
     def _build(self, topology: Topology, partition, checkpoint: MappedCheckpoint, previous: ModelRunner | None,
-               kv_cache: KVCache | None) -> ModelRunner | None:
+               kv_cache: KVCache | None, model: ShardedCausalLM | None = None) -> ModelRunner | None:
+        """The runner of `topology` on this rank (None on standby): its shard (`model` when staged, else built now
+        from `previous` and the checkpoint) over `kv_cache` (None: a new one of the configured budget)."""
         if not 0 <= self.rank < topology.num_workers:
             return None
+        placement = self._placement(topology, partition)
+        wp = placement.workers[self.rank]
+        if model is None:
+            model = self._build_model(topology, partition, checkpoint, previous)
+        if kv_cache is None:
+            kv_cache = KVCache(wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size, self.dtype,
+                               self.device, self.config.kv_cache_bytes)
+        return ModelRunner(model, kv_cache, placement, wp, self.parallel, self.device,
+                           cuda_graphs=self.device.type == "cuda" and not self.config.enforce_eager)
+
+    def _build_model(self, topology: Topology, partition, checkpoint: MappedCheckpoint, previous: ModelRunner | None,
+                     expert_reshard: bool = True) -> ShardedCausalLM:
+        """This rank's shard of `topology`, sharing what `previous` holds of it. expert_reshard: experts may change
+        view by all-to-all with the stage's peers (a collective: never while steps run, i.e. not when staging)."""
         placement = self._placement(topology, partition)
         wp = placement.workers[self.rank]
         # The stage's group: tensor-parallel collectives, or in an EP layout the experts' all-to-all (attention
@@ -153,15 +193,46 @@ class WorkerShard:
         group, ep_group = (SingleRankGroup(), stage_group) if topology.is_expert_parallel else (stage_group, None)
         loader = ShardLoader(checkpoint.tensor, set(self.manifest.tensors), self.dtype, self.device)
         expert_maps = initial_expert_maps(self.spec.shape, placement) if self.spec.shape.is_moe else None
-        model = ShardedCausalLM(self.spec, wp, loader, group, previous.model if previous else None,
-                                ep_group=ep_group, expert_maps=expert_maps)
-        if kv_cache is None:
-            kv_cache = KVCache(wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size, self.dtype,
-                               self.device, self.config.kv_cache_bytes)
-        return ModelRunner(model, kv_cache, placement, wp, self.parallel, self.device,
-                           cuda_graphs=self.device.type == "cuda" and not self.config.enforce_eager)
+        return ShardedCausalLM(self.spec, wp, loader, group, previous.model if previous else None,
+                               ep_group=ep_group, expert_maps=expert_maps, expert_reshard=expert_reshard)
 
     # ---- switching -----------------------------------------------------------------------------------------------
+    def stage_switch(self, request: worker_pb2.StageSwitchRequest) -> worker_pb2.StageSwitchResponse:
+        """STAGING, beside the steps (the stage thread): build this rank's shard of the target from the live one
+        and the weight store, and keep it for the ApplySwitch of that target. Nothing live changes; the build runs
+        at a low OS priority so that the steps keep their cores."""
+        target = Topology.parse(request.topology)
+        partition = tuple(request.layer_partition) or None
+        self._staged = None  # a previous staging is obsolete
+        live, rank = self.runner, self.rank
+        if not (self.parallel.in_world and 0 <= rank < target.num_workers and target in self.parallel.candidates):
+            return worker_pb2.StageSwitchResponse(staged=False)  # standby there, or groups to build: apply builds
+        lower_thread_priority()
+        started = time.perf_counter()
+        with MappedCheckpoint(self.manifest) as checkpoint:
+            model = self._build_model(target, partition, checkpoint, live, expert_reshard=False)
+        seconds = time.perf_counter() - started
+        shared = set(model.parameter_tensors()) & set(live.model.parameter_tensors()) if live else set()
+        tensors = model.parameter_tensors()
+        reused = sum(t.numel() * t.element_size() for i, t in tensors.items() if i in shared)
+        loaded = sum(t.numel() * t.element_size() for t in tensors.values()) - reused
+        self._staged = StagedShard(request.operation_id, target, partition, self.parallel.generation, live, model)
+        log.info("worker.staged", operation_id=request.operation_id, topology=str(target), rank=rank,
+                 seconds=round(seconds, 4), weights_loaded=loaded, weights_reused=reused)
+        return worker_pb2.StageSwitchResponse(staged=True, seconds=seconds, weight_bytes_loaded=loaded,
+                                              weight_bytes_reused=reused)
+
+    def _take_staged(self, operation_id: str, target: Topology, partition, old: ModelRunner | None
+                     ) -> ShardedCausalLM | None:
+        """The shard staged for this switch (its operation, built on the live runner, in this world), once; None
+        otherwise."""
+        staged, self._staged = self._staged, None
+        if (staged is None or staged.operation_id != operation_id
+                or (staged.topology, staged.partition) != (target, partition) or staged.live is not old
+                or staged.generation != self.parallel.generation):
+            return None
+        return staged.model
+
     def prepare_switch(self, request: worker_pb2.PrepareSwitchRequest) -> worker_pb2.PrepareSwitchResponse:
         topology = Topology.parse(request.topology)
         partition = tuple(request.layer_partition) or None
@@ -214,6 +285,7 @@ class WorkerShard:
         topology = Topology.parse(request.topology)
         partition = tuple(request.layer_partition) or None
         previous = self.rank
+        self._staged = None  # built over the old world's groups
         self.parallel.regroup(request.generation, request.rank, request.world_size, self.candidates(topology))
         if self.runner is None:  # a standby or joining worker holds nothing; it plans with the others' layout
             self.topology, self.layer_partition = topology, partition
@@ -265,9 +337,11 @@ class WorkerShard:
         apply_seconds = time.perf_counter() - started
         used = list(request.used_block_ids)
         self.kv_intact = bool(request.drop_kv)  # KV moves from here on (a dropped cache has nothing to lose)
+        staged = self._take_staged(request.operation_id, target, partition, old)
         with MappedCheckpoint(self.manifest) as checkpoint, ThreadPoolExecutor(1, "reload") as pool:
-            # The shard reload overlaps the KV migration (both copy memory; torch releases the GIL).
-            reload = pool.submit(self._timed_build, target, partition, checkpoint, old, new_cache)
+            # The shard reload overlaps the KV migration (both copy memory; torch releases the GIL). A staged shard
+            # only needs its runner over the new cache.
+            reload = pool.submit(self._timed_build, target, partition, checkpoint, old, new_cache, staged)
             try:
                 stats = MigrationStats() if plan is None else migrate_kv(
                     plan, rank, old.kv_cache if old else None, new_cache, used, channel, self.agree,
@@ -301,7 +375,7 @@ class WorkerShard:
             kv_bytes_received=stats.bytes_received, kv_bytes_local=stats.bytes_local, weight_bytes_loaded=loaded,
             weight_bytes_reused=reused, migrate_seconds=stats.seconds, reload_seconds=reload_seconds,
             peak_extra_bytes=stats.peak_extra_bytes, built_groups=built_groups, info=self.info(),
-            apply_seconds=apply_seconds, weight_bytes_resharded=resharded,
+            apply_seconds=apply_seconds, weight_bytes_resharded=resharded, used_staged=staged is not None,
         )
 
     def _rollback(self, plan, layers: list[int], old: ModelRunner | None, new_cache: KVCache | None,

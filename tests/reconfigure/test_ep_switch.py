@@ -69,8 +69,9 @@ async def _chain(stack, tasks, head_dim: int):
     tables, filled = _tables(engine), _filled(engine)
     before = _positions(await _snapshot(stubs, tables, head_dim), filled)
     engine.resume()
-    operation = await stack.reconfigurer.reconfigure("ep4pp1")
+    operation = await stack.reconfigurer.reconfigure("ep4pp1")  # staged: the staged shards are dropped
     assert operation.state is OperationState.ROLLED_BACK, operation
+    assert "STAGING" in operation.phase_seconds
     assert "rolled back (layers [" in operation.error and str(engine.topology) == "tp4pp1"
     await engine.freeze()  # steps ran since: requests only appended to their tables
     for request_id, (pool, ids) in _tables(engine).items():
@@ -78,8 +79,8 @@ async def _chain(stack, tasks, head_dim: int):
     after = _positions(await _snapshot(stubs, tables, head_dim), filled)
     assert _equal(after, before)  # every position cached before the switch: the same bytes in the old layout
     engine.resume()
-    for target in CHAIN:
-        operation = await stack.reconfigurer.reconfigure(target)
+    for target in CHAIN:  # in place: staging (the default) builds shards beside the steps, with no collective
+        operation = await stack.reconfigurer.reconfigure(target, strategy="in-place")
         assert operation.state is OperationState.SUCCEEDED, operation.error
         assert str(engine.topology) == target
         # TP <-> EP of one width and the same stages (all but tp4 -> ep2pp2): experts change view by all-to-all

@@ -121,22 +121,27 @@ async def test_reconfigctl_reconfigure_wait_status_and_json(live_stack, controll
     lines = _output(captured.out)
     assert "\r" not in captured.out  # not a terminal: one line per phase, nothing rewritten
     assert lines[0] == "reconfigure tp2pp2 -> tp4pp1 (operation cli-1)"
-    for line, phase in zip(lines[1:6], PHASES, strict=True):
+    for line, phase in zip(lines[1:7], PHASES, strict=True):
         mark, name, seconds, unit = line.split()
         assert (mark, name, seconds, unit) == ("✓", phase, f"{op.phase_seconds[phase]:.3f}", "s")
-    assert lines[6] == f"SUCCEEDED: tp2pp2 -> tp4pp1 is live after {op.downtime_seconds:.3f} s of downtime"
-    assert lines[7] == (f"  downtime {op.downtime_seconds:.3f} s; KV moved {format_bytes(op.kv_bytes_moved)}; "
+    assert lines[7] == f"SUCCEEDED: tp2pp2 -> tp4pp1 is live after {op.downtime_seconds:.3f} s of downtime"
+    assert op.downtime_seconds == pytest.approx(sum(op.phase_seconds.values()) - op.phase_seconds["STAGING"])
+    assert lines[8] == (f"  staged {op.staging_seconds:.3f} s while serving; downtime {op.downtime_seconds:.3f} s; "
+                        f"KV moved {format_bytes(op.kv_bytes_moved)}; "
                         f"weights loaded {format_bytes(op.weight_bytes_loaded)}; requests preempted 0")
-    assert op.kv_bytes_moved > 0 and len(lines) == 8
+    assert op.kv_bytes_moved > 0 and len(lines) == 9
 
     assert await _reconfigctl("status", *controller.flags()) == 0
     status_lines = _output(capsys.readouterr().out)
     start = next(i for i, line in enumerate(status_lines) if line.startswith("last operation: reconfigure cli-1"))
-    for line, phase in zip(status_lines[start + 1:start + 6], PHASES, strict=True):
-        name, seconds, unit, share, _bar = line.split(maxsplit=4)
+    for line, phase in zip(status_lines[start + 1:start + 7], PHASES, strict=True):
+        name, seconds, unit, share, bar = line.split(maxsplit=4)
         assert (name, seconds, unit) == (phase, f"{op.phase_seconds[phase]:.3f}", "s")
-        assert share == f"{op.phase_seconds[phase] / op.downtime_seconds:.0%}"
-    assert status_lines[start + 6] == lines[7]
+        if phase == "STAGING":  # before the freeze: no share of the downtime
+            assert (share, bar) == ("while", "serving")
+        else:
+            assert share == f"{op.phase_seconds[phase] / op.downtime_seconds:.0%}"
+    assert status_lines[start + 7] == lines[8]
 
     assert await _reconfigctl("reconfigure", "tp2pp2", "--json", *controller.flags()) == 0  # no --wait
     back = json.loads("\n".join(_output(capsys.readouterr().out)))
@@ -170,8 +175,8 @@ async def test_reconfigctl_refusals_busy_and_idempotent_retry(live_stack, contro
     outcome = _output(captured.out)  # the controller's log of the failure shares stdout: find reconfigctl's lines
     start = next(i for i, line in enumerate(outcome) if line.startswith("ROLLED_BACK: tp2pp2 -> tp4pp1; error: "))
     assert "rebind refused by the test" in outcome[start]
-    assert [line.split()[0] for line in outcome[start + 1:start + 4]] == ["QUIESCING", "PREPARING_WORKERS",
-                                                                           "downtime"]
+    assert [line.split()[0] for line in outcome[start + 1:start + 5]] == ["STAGING", "QUIESCING",
+                                                                           "PREPARING_WORKERS", "staged"]
     assert str(live_stack.state.topology) == "tp2pp2" and not engine.stats().is_frozen  # the old layout serves
     monkeypatch.setattr(engine, "rebind", rebind)
 
@@ -197,7 +202,7 @@ async def test_reconfigctl_refusals_busy_and_idempotent_retry(live_stack, contro
     out = "\n".join(_output(capsys.readouterr().out))
     joined = json.loads(out[out.index("{"):out.rindex("}") + 1])  # the retry's JSON: the same operation
     assert joined == live_stack.state.last_operation.to_json() and joined["state"] == "SUCCEEDED"
-    for phase in PHASES:
+    for phase in PHASES[1:]:  # STAGING was drawn before the refusal above, which read (and reset) the output
         assert f"✓ {phase}" in out
 
 

@@ -79,6 +79,15 @@ def switch_metrics(switches: SwitchTotals, model_name: str) -> Iterator[Metric]:
                                    labels=LABELS)
     downtime.add_metric(labels, switches.num_total, switches.downtime_seconds)
     yield downtime
+    cutover = SummaryMetricFamily(PREFIX + "switch_cutover_seconds",
+                                  "The only freeze of layout switches (the same as switch_seconds).", labels=LABELS)
+    cutover.add_metric(labels, switches.num_total, switches.downtime_seconds)
+    yield cutover
+    staging = SummaryMetricFamily(PREFIX + "switch_staging_seconds",
+                                  "Staging of layout switches: target shards built while serving, before the freeze.",
+                                  labels=LABELS)
+    staging.add_metric(labels, switches.num_staged, switches.staging_seconds)
+    yield staging
     last = GaugeMetricFamily(PREFIX + "last_switch_seconds", "Downtime of the latest layout switch (0: none yet).",
                              labels=LABELS)
     last.add_metric(labels, switches.last.downtime_seconds if switches.last else 0.0)

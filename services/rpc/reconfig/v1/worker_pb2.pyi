@@ -100,6 +100,28 @@ class PrepareSwitchRequest(_message.Message):
     layer_partition: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class StageSwitchRequest(_message.Message):
+    __slots__ = ("operation_id", "topology", "layer_partition")
+    OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    LAYER_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    operation_id: str
+    topology: str
+    layer_partition: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, operation_id: _Optional[str] = ..., topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StageSwitchResponse(_message.Message):
+    __slots__ = ("staged", "seconds", "weight_bytes_loaded", "weight_bytes_reused")
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_REUSED_FIELD_NUMBER: _ClassVar[int]
+    staged: bool
+    seconds: float
+    weight_bytes_loaded: int
+    weight_bytes_reused: int
+    def __init__(self, staged: _Optional[bool] = ..., seconds: _Optional[float] = ..., weight_bytes_loaded: _Optional[int] = ..., weight_bytes_reused: _Optional[int] = ...) -> None: ...
+
 class PrepareSwitchResponse(_message.Message):
     __slots__ = ("num_kv_blocks", "kv_segments", "is_candidate", "block_size", "kv_dtype_bytes", "num_kv_blocks_now")
     class KvSegmentsEntry(_message.Message):
@@ -180,7 +202,7 @@ class BlockMap(_message.Message):
     def __init__(self, src_pool: _Optional[int] = ..., dst_pool: _Optional[int] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ApplySwitchResponse(_message.Message):
-    __slots__ = ("kv_bytes_received", "kv_bytes_local", "weight_bytes_loaded", "weight_bytes_reused", "migrate_seconds", "reload_seconds", "peak_extra_bytes", "built_groups", "info", "apply_seconds", "weight_bytes_resharded")
+    __slots__ = ("kv_bytes_received", "kv_bytes_local", "weight_bytes_loaded", "weight_bytes_reused", "migrate_seconds", "reload_seconds", "peak_extra_bytes", "built_groups", "info", "apply_seconds", "weight_bytes_resharded", "used_staged")
     KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_LOCAL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +214,7 @@ class ApplySwitchResponse(_message.Message):
     INFO_FIELD_NUMBER: _ClassVar[int]
     APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_RESHARDED_FIELD_NUMBER: _ClassVar[int]
+    USED_STAGED_FIELD_NUMBER: _ClassVar[int]
     kv_bytes_received: int
     kv_bytes_local: int
     weight_bytes_loaded: int
@@ -203,7 +226,8 @@ class ApplySwitchResponse(_message.Message):
     info: WorkerInfo
     apply_seconds: float
     weight_bytes_resharded: int
-    def __init__(self, kv_bytes_received: _Optional[int] = ..., kv_bytes_local: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., weight_bytes_reused: _Optional[int] = ..., migrate_seconds: _Optional[float] = ..., reload_seconds: _Optional[float] = ..., peak_extra_bytes: _Optional[int] = ..., built_groups: _Optional[bool] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., apply_seconds: _Optional[float] = ..., weight_bytes_resharded: _Optional[int] = ...) -> None: ...
+    used_staged: bool
+    def __init__(self, kv_bytes_received: _Optional[int] = ..., kv_bytes_local: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., weight_bytes_reused: _Optional[int] = ..., migrate_seconds: _Optional[float] = ..., reload_seconds: _Optional[float] = ..., peak_extra_bytes: _Optional[int] = ..., built_groups: _Optional[bool] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., apply_seconds: _Optional[float] = ..., weight_bytes_resharded: _Optional[int] = ..., used_staged: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "num_logprobs")

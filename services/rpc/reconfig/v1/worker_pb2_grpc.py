@@ -56,6 +56,11 @@ class WorkerStub:
                 request_serializer=reconfig_dot_v1_dot_worker__pb2.PrepareSwitchRequest.SerializeToString,
                 response_deserializer=reconfig_dot_v1_dot_worker__pb2.PrepareSwitchResponse.FromString,
                 _registered_method=True)
+        self.StageSwitch = channel.unary_unary(
+                '/reconfig.v1.Worker/StageSwitch',
+                request_serializer=reconfig_dot_v1_dot_worker__pb2.StageSwitchRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_worker__pb2.StageSwitchResponse.FromString,
+                _registered_method=True)
         self.ApplySwitch = channel.unary_unary(
                 '/reconfig.v1.Worker/ApplySwitch',
                 request_serializer=reconfig_dot_v1_dot_worker__pb2.ApplySwitchRequest.SerializeToString,
@@ -113,6 +118,16 @@ class WorkerServicer:
     def PrepareSwitch(self, request, context):
         """PREPARING_WORKERS: what this worker would hold in a target layout (its KV capacity there) and
         where its current KV pool lives, so peers can copy from it. Changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StageSwitch(self, request, context):
+        """STAGING (serving goes on): build this worker's shard of the target layout in the background —
+        weight slices that stay are shared, the others loaded from the weight store — so that the
+        ApplySwitch that follows only moves KV and swaps. Returns when the shard is built. No collective:
+        each worker stages alone. A later StageSwitch, a Regroup or an ApplySwitch drops what is staged.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -186,6 +201,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.PrepareSwitch,
                     request_deserializer=reconfig_dot_v1_dot_worker__pb2.PrepareSwitchRequest.FromString,
                     response_serializer=reconfig_dot_v1_dot_worker__pb2.PrepareSwitchResponse.SerializeToString,
+            ),
+            'StageSwitch': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageSwitch,
+                    request_deserializer=reconfig_dot_v1_dot_worker__pb2.StageSwitchRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_worker__pb2.StageSwitchResponse.SerializeToString,
             ),
             'ApplySwitch': grpc.unary_unary_rpc_method_handler(
                     servicer.ApplySwitch,
@@ -323,6 +343,33 @@ class Worker:
             '/reconfig.v1.Worker/PrepareSwitch',
             reconfig_dot_v1_dot_worker__pb2.PrepareSwitchRequest.SerializeToString,
             reconfig_dot_v1_dot_worker__pb2.PrepareSwitchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageSwitch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Worker/StageSwitch',
+            reconfig_dot_v1_dot_worker__pb2.StageSwitchRequest.SerializeToString,
+            reconfig_dot_v1_dot_worker__pb2.StageSwitchResponse.FromString,
             options,
             channel_credentials,
             insecure,
