@@ -194,6 +194,8 @@ def format_plan(plan: controller_pb2.PlanResponse) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines.append("")
     lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines.append("staging: " + ("yes, each worker builds its WEIGHTS LOAD beside the live shard while serving"
+                                if plan.stages else f"no ({plan.staging_note}): in place, inside the freeze"))
     if reshard := sum(w.weight_bytes_reshard for w in workers):
         lines.append(f"of the weights loaded, {format_bytes(reshard)} of experts can change view by all-to-all with "
                      "the stage's peers instead (TP <-> EP; over NCCL by default)")

@@ -31,8 +31,11 @@ def make_reconfigurer(state: ControllerState) -> Reconfigurer | None:
     config = state.config
     if not config.model_dir or state.router_stub is None:
         return None
-    return Reconfigurer(state, ModelSpec.from_dir(config.model_dir), None, state.router_stub,
-                        config.token, rpc_timeout_s=config.switch_rpc_timeout_s)
+    reconfigurer = Reconfigurer(state, ModelSpec.from_dir(config.model_dir), None, state.router_stub,
+                                config.token, rpc_timeout_s=config.switch_rpc_timeout_s)
+    if config.staging_budget_mb is not None:
+        reconfigurer.staging_budget_bytes = config.staging_budget_mb << 20
+    return reconfigurer
 
 
 async def start_controller_grpc(state: ControllerState, host: str, port: int, token: str,

@@ -42,6 +42,7 @@ class ControllerConfig:
     eplb_rpc_timeout_s: float = 300.0          # deadline of a forwarded RebalanceExperts (prepare + commit)
     state_file: str = ""                       # where the live layout and the last operation survive a restart
     heartbeat_misses: int = 2                  # refreshes a worker may miss in a row before it counts as lost
+    staging_budget_mb: int | None = None       # a switch stages only if each worker's new slices fit (None: any)
 
     def __post_init__(self) -> None:
         if not self.token:

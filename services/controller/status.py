@@ -94,6 +94,7 @@ class OperationStatus:
     lost_workers: tuple[str, ...] = ()  # "recover": the workers it found gone and left out of the new world
     kv_dropped: bool = False           # the running requests' KV was dropped (they re-prefill), not migrated
     weight_bytes_resharded: int = 0    # expert bytes that changed view by all-to-all (TP <-> EP), not loaded
+    staging: str = ""                  # "staged", "in-place", or "in-place: <why staging was skipped>"
 
     @property
     def downtime_seconds(self) -> float:

@@ -22,11 +22,12 @@ from services.rpc.auth import auth_metadata
 from services.rpc.errors import describe_error
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.router.contracts import STAGING_PHASE
-from services.topology import Topology, TopologyError, validate
+from services.topology import Topology, TopologyError, WeightFlags, place, plan_weight_reload, validate
 
 log = structlog.get_logger(__name__)
 # In order; STAGING runs while the router serves (strategy "staged"), the others inside the freeze.
 PHASES = ("STAGING", "QUIESCING", "PREPARING_WORKERS", "APPLYING_TOPOLOGY", "MIGRATING", "REBINDING")
+MIB = 1 << 20
 FREEZE_LEASE_S = 15.0  # the router waits this long for a renewal before it stops trusting a frozen operation
 
 
@@ -66,6 +67,7 @@ class Reconfigurer:
         # Build the target's shards while serving before each switch (strategy "staged", the default); False: every
         # switch runs in place, all of it inside the freeze.
         self.staging = True
+        self.staging_budget_bytes: int | None = None  # staging only if every worker's new slices fit (None: any)
 
     @property
     def workers(self) -> list[worker_pb2_grpc.WorkerStub]:
@@ -125,6 +127,7 @@ class Reconfigurer:
             return done
         self.claim(operation_id)
         staged = strategy != "in-place" and self.staging
+        status = dataclasses.replace(status, staging="staged" if staged else "in-place")
         future = asyncio.ensure_future(self._run(status, target, deadline_s or self.default_deadline_s, staged))
         self.operations[operation_id] = future
         try:
@@ -138,6 +141,10 @@ class Reconfigurer:
         progress = Progress(self.state, status, time.monotonic() + deadline_s)
         lease = None
         try:
+            if staged and (why_not := await self.staging_refusal(target, progress.timeout(self))):
+                staged = False  # it would not fit beside the live shards: build them in the freeze, as in place
+                progress.status = dataclasses.replace(progress.status, staging=f"in-place: {why_not}")
+                log.info("controller.staging_skipped", operation_id=status.operation_id, reason=why_not)
             if staged:
                 await self._stage(progress, target)  # the router serves on: no freeze, so no lease yet
             lease = self.hold_lease()
@@ -151,6 +158,16 @@ class Reconfigurer:
             if lease is not None:
                 await lease.stop()
             self.running = None
+
+    async def staging_refusal(self, target: SwitchTarget, timeout: float) -> str:
+        """Why this switch may not stage under the staging budget ("" when it may): a worker would hold the
+        target's new slices beside its live shard until the freeze."""
+        if self.staging_budget_bytes is None:
+            return ""
+        prepared, _ = await prepare_workers(self.workers, target, timeout, self.metadata)
+        needs = staging_needs(self.spec, self.state.topology, self.state.layer_partition, target,
+                              prepared[0].kv_dtype_bytes)
+        return staging_verdict(needs, self.staging_budget_bytes)
 
     async def _stage(self, progress: Progress, target: SwitchTarget) -> None:
         """STAGING, while the router serves: every worker builds its shard of the target beside its steps. A
@@ -272,6 +289,29 @@ class _Lease:
         async with self.lock:
             self.stopped = True
         self.task.cancel()
+
+
+def staging_needs(spec: ModelSpec, live: Topology, live_partition, target: SwitchTarget,
+                  dtype_bytes: int) -> dict[int, int]:
+    """Rank -> bytes its staged shard of the target holds beside the live one: the slices it loads (the ones it
+    keeps are shared), from the pure weight plan."""
+    old = place(live, spec.shape, live_partition)
+    new = place(target.topology, spec.shape, target.layer_partition)
+    reloads = plan_weight_reload(old, range(live.num_workers), new, range(target.topology.num_workers),
+                                 WeightFlags.of(spec))
+    return {rank: reload.load_bytes(dtype_bytes) for rank, reload in reloads.items()
+            if rank < target.topology.num_workers}
+
+
+def staging_verdict(needs: dict[int, int], budget_bytes: int | None) -> str:
+    """"" when every worker's staging need fits the budget (None: no budget), else why not, naming the worst."""
+    if budget_bytes is None or not needs:
+        return ""
+    rank = max(needs, key=lambda r: (needs[r], -r))
+    if needs[rank] <= budget_bytes:
+        return ""
+    return (f"worker {rank} would stage {needs[rank] / MIB:.1f} MiB beside its live shard, over the staging budget "
+            f"of {budget_bytes / MIB:.1f} MiB")
 
 
 def dp_size(topology: Topology) -> int:

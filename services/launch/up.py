@@ -48,6 +48,7 @@ class UpConfig:
     eplb: bool = False                  # MoE, EP layouts: the router rebalances the experts every eplb_step_interval
     eplb_window: int = 1000             # steps of per-expert load each worker keeps (EPLB's sliding window)
     eplb_step_interval: int = 3000      # steps between automatic rebalances (vLLM's defaults: 1000 / 3000)
+    staging_budget_mb: int | None = None  # a switch stages only if every worker's new slices fit (None: no limit)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -112,6 +113,9 @@ def add_expert_arguments(parser: argparse.ArgumentParser) -> None:
                         help="steps of per-expert load each worker keeps for EPLB [1000]")
     parser.add_argument("--eplb-step-interval", type=int, metavar="STEPS",
                         help="steps between automatic rebalances with --eplb [3000]")
+    parser.add_argument("--staging-budget-mb", type=int, metavar="MB",
+                        help="memory a worker may spend building the target's shard beside the live one before a "
+                             "switch; a switch needing more runs in place, inside the freeze [no limit]")
 
 
 def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
@@ -172,7 +176,7 @@ def up(config: UpConfig) -> int:
             host=config.host, port=config.controller_port, token=token,
             worker_addresses=tuple(cluster.worker_addresses), router_grpc_address=router_grpc,
             topology=config.topology, model=config.model, model_dir=str(cluster.model_dir),
-            state_file=str(run_dir() / "controller-state.json"),
+            state_file=str(run_dir() / "controller-state.json"), staging_budget_mb=config.staging_budget_mb,
         )
         controller = cluster.spawn_service("controller", run_controller, controller_config)
         http = f"http://{config.host}:{router['http_port']}"

@@ -23,3 +23,24 @@ def test_reshardable_expert_bytes(tmp_path):
         assert reshardable_expert_bytes(tp4, ep4, rank, spec, 4) == 2 * per_layer  # the two sparse layers
         assert reshardable_expert_bytes(ep4, tp4, rank, spec, 4) == 2 * per_layer
         assert reshardable_expert_bytes(tp4, ep2pp2, rank, spec, 4) == 0  # other width and stages: the store
+
+
+def test_staging_verdict_names_the_worker_over_the_budget():
+    from services.controller.transaction import staging_verdict
+
+    needs = {0: 10 << 20, 1: 20 << 20, 2: 20 << 20}
+    assert staging_verdict(needs, None) == "" and staging_verdict(needs, 20 << 20) == ""
+    assert staging_verdict(needs, 15 << 20) == ("worker 1 would stage 20.0 MiB beside its live shard, over the "
+                                                 "staging budget of 15.0 MiB")
+
+
+def test_staging_needs_are_the_slices_each_target_worker_loads(tmp_path):
+    from services.controller.transaction import SwitchTarget, staging_needs
+
+    spec = ModelSpec.from_dir(make_checkpoint(tmp_path / "llama", "llama"))
+    needs = staging_needs(spec, Topology.parse("tp2pp2"), None, SwitchTarget(Topology.parse("tp4pp1")), 4)
+    assert sorted(needs) == [0, 1, 2, 3] and all(n > 0 for n in needs.values())
+    same = staging_needs(spec, Topology.parse("tp2pp2"), None, SwitchTarget(Topology.parse("tp2pp2")), 4)
+    assert set(same.values()) == {0}  # every slice is already held: staging costs nothing
+    fewer = staging_needs(spec, Topology.parse("tp2pp2"), None, SwitchTarget(Topology.parse("tp1pp2")), 4)
+    assert sorted(fewer) == [0, 1]  # standby workers stage nothing

@@ -95,3 +95,22 @@ async def test_a_failed_staging_changes_nothing_and_never_freezes(live_stack, sw
     assert (await reconfigurer.reconfigure("tp2pp2")).state is OperationState.SUCCEEDED
     expected, _ = hf_greedy(switch_checkpoint, prompts, 30)
     assert await asyncio.gather(*tasks) == expected
+
+
+async def test_a_switch_over_the_staging_budget_runs_in_place_and_the_plan_says_so(live_stack, switch_checkpoint):
+    from services.controller.plan import plan_switch
+
+    workers = [_Worker(stub) for stub in live_stack.state.worker_stubs]
+    reconfigurer = _reconfigurer(live_stack, workers)
+    reconfigurer.staging_budget_bytes = 1024  # far below any shard
+    plan = await plan_switch(reconfigurer, "tp4pp1")
+    assert not plan.stages and "over the staging budget of 0.0 MiB" in plan.staging_note
+    operation = await reconfigurer.reconfigure("tp4pp1")
+    assert operation.state is OperationState.SUCCEEDED, operation.error
+    assert "STAGING" not in operation.phase_seconds and not any(w.applied.used_staged for w in workers)
+    assert operation.staging.startswith("in-place: worker ") and "over the staging budget" in operation.staging
+    reconfigurer.staging_budget_bytes = 1 << 30  # room enough
+    plan = await plan_switch(reconfigurer, "tp2pp2")
+    assert plan.stages and plan.staging_note == ""
+    back = await reconfigurer.reconfigure("tp2pp2")
+    assert back.state is OperationState.SUCCEEDED and back.staging == "staged" and "STAGING" in back.phase_seconds

@@ -104,7 +104,7 @@ class WorkerPlan(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., state_before: _Optional[str] = ..., state_after: _Optional[str] = ..., kv_bytes_in: _Optional[int] = ..., kv_bytes_local: _Optional[int] = ..., weight_bytes_load: _Optional[int] = ..., weight_bytes_keep: _Optional[int] = ..., peak_extra_bytes: _Optional[int] = ..., num_kv_blocks_after: _Optional[int] = ..., weight_bytes_reshard: _Optional[int] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
-    __slots__ = ("from_topology", "to_topology", "workers", "num_used_blocks", "num_kv_blocks_after", "num_requests_preempted", "fits", "is_candidate")
+    __slots__ = ("from_topology", "to_topology", "workers", "num_used_blocks", "num_kv_blocks_after", "num_requests_preempted", "fits", "is_candidate", "stages", "staging_note")
     FROM_TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     TO_TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,8 @@ class PlanResponse(_message.Message):
     NUM_REQUESTS_PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     FITS_FIELD_NUMBER: _ClassVar[int]
     IS_CANDIDATE_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    STAGING_NOTE_FIELD_NUMBER: _ClassVar[int]
     from_topology: str
     to_topology: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerPlan]
@@ -121,7 +123,9 @@ class PlanResponse(_message.Message):
     num_requests_preempted: int
     fits: bool
     is_candidate: bool
-    def __init__(self, from_topology: _Optional[str] = ..., to_topology: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerPlan, _Mapping]]] = ..., num_used_blocks: _Optional[int] = ..., num_kv_blocks_after: _Optional[int] = ..., num_requests_preempted: _Optional[int] = ..., fits: _Optional[bool] = ..., is_candidate: _Optional[bool] = ...) -> None: ...
+    stages: bool
+    staging_note: str
+    def __init__(self, from_topology: _Optional[str] = ..., to_topology: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerPlan, _Mapping]]] = ..., num_used_blocks: _Optional[int] = ..., num_kv_blocks_after: _Optional[int] = ..., num_requests_preempted: _Optional[int] = ..., fits: _Optional[bool] = ..., is_candidate: _Optional[bool] = ..., stages: _Optional[bool] = ..., staging_note: _Optional[str] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
@@ -170,7 +174,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., device: _Optional[str] = ..., address: _Optional[str] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., param_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class OperationStatus(_message.Message):
-    __slots__ = ("operation_id", "kind", "state", "started_at", "ended_at", "error", "phase_seconds", "from_topology", "to_topology", "phase", "kv_bytes_moved", "weight_bytes_loaded", "num_requests_preempted", "built_groups", "lost_workers", "kv_dropped", "weight_bytes_resharded")
+    __slots__ = ("operation_id", "kind", "state", "started_at", "ended_at", "error", "phase_seconds", "from_topology", "to_topology", "phase", "kv_bytes_moved", "weight_bytes_loaded", "num_requests_preempted", "built_groups", "lost_workers", "kv_dropped", "weight_bytes_resharded", "staging")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +199,7 @@ class OperationStatus(_message.Message):
     LOST_WORKERS_FIELD_NUMBER: _ClassVar[int]
     KV_DROPPED_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_RESHARDED_FIELD_NUMBER: _ClassVar[int]
+    STAGING_FIELD_NUMBER: _ClassVar[int]
     operation_id: str
     kind: str
     state: OperationState
@@ -212,7 +217,8 @@ class OperationStatus(_message.Message):
     lost_workers: _containers.RepeatedScalarFieldContainer[str]
     kv_dropped: bool
     weight_bytes_resharded: int
-    def __init__(self, operation_id: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[_Union[OperationState, str]] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., error: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., from_topology: _Optional[str] = ..., to_topology: _Optional[str] = ..., phase: _Optional[str] = ..., kv_bytes_moved: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., num_requests_preempted: _Optional[int] = ..., built_groups: _Optional[bool] = ..., lost_workers: _Optional[_Iterable[str]] = ..., kv_dropped: _Optional[bool] = ..., weight_bytes_resharded: _Optional[int] = ...) -> None: ...
+    staging: str
+    def __init__(self, operation_id: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[_Union[OperationState, str]] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., error: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., from_topology: _Optional[str] = ..., to_topology: _Optional[str] = ..., phase: _Optional[str] = ..., kv_bytes_moved: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., num_requests_preempted: _Optional[int] = ..., built_groups: _Optional[bool] = ..., lost_workers: _Optional[_Iterable[str]] = ..., kv_dropped: _Optional[bool] = ..., weight_bytes_resharded: _Optional[int] = ..., staging: _Optional[str] = ...) -> None: ...
 
 class StackStatus(_message.Message):
     __slots__ = ("topology", "state", "reason", "model", "workers", "router_address", "router", "last_operation", "updated_at", "lost_workers")
