@@ -152,7 +152,9 @@ class ControllerState:
             await self._worker_channels.pop(address).close()
         for address in addresses:
             self.stub_for(address)  # every member has its channel
-        self.misses = {a: n for a, n in self.misses.items() if a in addresses}
+        # Every member just answered the recovery's probe and its Regroup: count heartbeats afresh (a miss from a
+        # busy moment before would otherwise start a second recovery that finds nothing lost).
+        self.misses = {}
         self._save()  # the next refresh shows the new table
 
     @property
