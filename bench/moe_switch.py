@@ -62,21 +62,6 @@ def memcpy_gbps(num_bytes: int = 256 * MIB, repeats: int = 7) -> float:
     return num_bytes / sorted(times)[len(times) // 2] / 1e9
 
 
-class _RecordingWorker:
-    """A worker stub that keeps its last ApplySwitch response (the operation reports sums only)."""
-
-    def __init__(self, stub) -> None:
-        self._stub = stub
-        self.applied = None
-
-    def __getattr__(self, name: str):
-        return getattr(self._stub, name)
-
-    async def ApplySwitch(self, request, **kwargs):  # noqa: N802
-        self.applied = await self._stub.ApplySwitch(request, **kwargs)
-        return self.applied
-
-
 async def start(model_dir: Path, mode: str):
     from services.controller.state import ControllerConfig, ControllerState
     from services.controller.transaction import Reconfigurer
@@ -85,6 +70,8 @@ async def start(model_dir: Path, mode: str):
     from services.model.spec import ModelSpec
     from services.router.grpc_server import start_router_grpc
     from services.router.main import RouterConfig, build_engine
+
+    from bench.switch import _RecordingWorker  # its stub wrapper that keeps each worker's ApplySwitch reply
 
     started = time.perf_counter()
     cluster = LocalCluster(ClusterConfig(model=str(model_dir), num_workers=4, topology="tp4pp1", kv_cache_bytes=64 * MIB,
@@ -141,7 +128,8 @@ async def run_mode(model_dir: Path, mode: str, occupancies: dict[str, tuple[int,
                 await asyncio.sleep(0.005)
             for target in ("ep4pp1", "tp4pp1"):
                 stats = engine.stats()
-                operation = await stack["reconfigurer"].reconfigure(target)
+                # In place: a staged switch builds its shards from the store while serving, with no all-to-all.
+                operation = await stack["reconfigurer"].reconfigure(target, strategy="in-place")
                 if operation.state is not OperationState.SUCCEEDED:
                     raise RuntimeError(f"{mode} -> {target}: {operation.state.name}: {operation.error}")
                 replies = [w.applied for w in stack["workers"]]

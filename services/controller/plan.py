@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 
-from services.controller.transaction import Reconfigurer, prepare_workers, staging_needs, staging_verdict
+from services.controller.staging import staging_needs, staging_verdict
+from services.controller.transaction import Reconfigurer, prepare_workers
 from services.model.expert_reshard import can_reshard
 from services.model.spec import ModelSpec
 from services.rpc.reconfig.v1 import controller_pb2, router_pb2
@@ -74,8 +75,8 @@ async def plan_switch(reconfigurer: Reconfigurer, topology: str, layer_partition
         ))
     staging_note = "" if reconfigurer.staging else "staging is off: every switch runs in place"
     if not staging_note:
-        needs = staging_needs(spec, state.topology, state.layer_partition, target, dtype_bytes)
-        staging_note = staging_verdict(needs, reconfigurer.staging_budget_bytes)
+        staging_note = staging_verdict(staging_needs(weights, target.topology, dtype_bytes),
+                                       reconfigurer.staging_budget_bytes)
     return controller_pb2.PlanResponse(
         from_topology=str(state.topology), to_topology=str(target.topology), workers=rows, num_used_blocks=used,
         num_kv_blocks_after=capacity, fits=fits, is_candidate=all(p.is_candidate for p in prepared),

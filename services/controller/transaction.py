@@ -22,12 +22,12 @@ from services.rpc.auth import auth_metadata
 from services.rpc.errors import describe_error
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.router.contracts import STAGING_PHASE
-from services.topology import Topology, TopologyError, WeightFlags, place, plan_weight_reload, validate
+from services.controller.staging import planned_reloads, stage_workers, staging_needs, staging_verdict
+from services.topology import Topology, TopologyError, validate
 
 log = structlog.get_logger(__name__)
 # In order; STAGING runs while the router serves (strategy "staged"), the others inside the freeze.
 PHASES = ("STAGING", "QUIESCING", "PREPARING_WORKERS", "APPLYING_TOPOLOGY", "MIGRATING", "REBINDING")
-MIB = 1 << 20
 FREEZE_LEASE_S = 15.0  # the router waits this long for a renewal before it stops trusting a frozen operation
 
 
@@ -165,17 +165,18 @@ class Reconfigurer:
         if self.staging_budget_bytes is None:
             return ""
         prepared, _ = await prepare_workers(self.workers, target, timeout, self.metadata)
-        needs = staging_needs(self.spec, self.state.topology, self.state.layer_partition, target,
-                              prepared[0].kv_dtype_bytes)
-        return staging_verdict(needs, self.staging_budget_bytes)
+        reloads = planned_reloads(self.spec, self.state.topology, self.state.layer_partition, target.topology,
+                                  target.layer_partition)
+        return staging_verdict(staging_needs(reloads, target.topology, prepared[0].kv_dtype_bytes),
+                               self.staging_budget_bytes)
 
     async def _stage(self, progress: Progress, target: SwitchTarget) -> None:
         """STAGING, while the router serves: every worker builds its shard of the target beside its steps. A
         failure or the deadline here changes nothing anywhere (a later ApplySwitch would build the shard itself)."""
         progress.enter(STAGING_PHASE)
         try:
-            replies = await stage_workers(self.workers, target, progress.status.operation_id,
-                                          progress.timeout(self), self.metadata)
+            replies = await stage_workers(self.workers, target.topology, target.layer_partition,
+                                          progress.status.operation_id, progress.timeout(self), self.metadata)
         except BaseException:
             progress.rolled_back = True  # nothing was frozen and nothing moved: the old layout serves as it did
             raise
@@ -194,14 +195,14 @@ class Reconfigurer:
             progress.rolled_back = True
             await self.resume(progress.report(OperationState.ROLLED_BACK))
             raise
-        old_capacity, old_dp = frozen.stats.num_kv_blocks_total, dp_size(self.state.topology)
+        old_capacity, old_dp = frozen.stats.num_kv_blocks_total, self.state.topology.num_kv_pools
         try:
             progress.enter("PREPARING_WORKERS")
             prepared, capacity = await prepare_workers(self.workers, target, progress.timeout(self), meta)
             before = frozen.stats.num_preemptions
             # To or from an EP layout the router gives every running request a KV pool of the target (block maps)
             rebound = await self.router.Rebind(
-                router_pb2.RebindRequest(num_kv_blocks=capacity, dp_size=dp_size(target.topology)),
+                router_pb2.RebindRequest(num_kv_blocks=capacity, dp_size=target.topology.num_kv_pools),
                 timeout=progress.timeout(self), metadata=meta)
             progress.timeout(self)  # the last chance to give up cleanly
             progress.status = dataclasses.replace(
@@ -291,34 +292,6 @@ class _Lease:
         self.task.cancel()
 
 
-def staging_needs(spec: ModelSpec, live: Topology, live_partition, target: SwitchTarget,
-                  dtype_bytes: int) -> dict[int, int]:
-    """Rank -> bytes its staged shard of the target holds beside the live one: the slices it loads (the ones it
-    keeps are shared), from the pure weight plan."""
-    old = place(live, spec.shape, live_partition)
-    new = place(target.topology, spec.shape, target.layer_partition)
-    reloads = plan_weight_reload(old, range(live.num_workers), new, range(target.topology.num_workers),
-                                 WeightFlags.of(spec))
-    return {rank: reload.load_bytes(dtype_bytes) for rank, reload in reloads.items()
-            if rank < target.topology.num_workers}
-
-
-def staging_verdict(needs: dict[int, int], budget_bytes: int | None) -> str:
-    """"" when every worker's staging need fits the budget (None: no budget), else why not, naming the worst."""
-    if budget_bytes is None or not needs:
-        return ""
-    rank = max(needs, key=lambda r: (needs[r], -r))
-    if needs[rank] <= budget_bytes:
-        return ""
-    return (f"worker {rank} would stage {needs[rank] / MIB:.1f} MiB beside its live shard, over the staging budget "
-            f"of {budget_bytes / MIB:.1f} MiB")
-
-
-def dp_size(topology: Topology) -> int:
-    """KV pools of a layout: one per rank of a stage in an expert-parallel layout (data-parallel attention), else 1."""
-    return topology.ep if topology.is_expert_parallel else 1
-
-
 def check_deadline(deadline_s: float) -> None:
     """ValueError unless `deadline_s` is a finite number >= 0 (0: the controller's default)."""
     if not (math.isfinite(deadline_s) and deadline_s >= 0):
@@ -333,19 +306,6 @@ async def prepare_workers(workers: list[worker_pb2_grpc.WorkerStub], target: Swi
     prepared = list(await asyncio.gather(*(w.PrepareSwitch(request, timeout=timeout, metadata=metadata)
                                            for w in workers)))
     return prepared, min(p.num_kv_blocks for p in prepared if p.num_kv_blocks > 0)
-
-
-async def stage_workers(workers: list[worker_pb2_grpc.WorkerStub], target: SwitchTarget, operation_id: str,
-                        timeout: float, metadata: tuple = ()) -> list[worker_pb2.StageSwitchResponse]:
-    """STAGING on every worker at once (the router serving): each builds its shard of the target. Returns once every
-    worker has answered, also when one fails (then raises its error): no staging outlives its operation."""
-    request = worker_pb2.StageSwitchRequest(operation_id=operation_id, topology=str(target.topology),
-                                            layer_partition=target.layer_partition or ())
-    replies = await asyncio.gather(*(w.StageSwitch(request, timeout=timeout, metadata=metadata) for w in workers),
-                                   return_exceptions=True)
-    if errors := [r for r in replies if isinstance(r, BaseException)]:
-        raise errors[0]
-    return list(replies)
 
 
 async def apply_workers(workers: list[worker_pb2_grpc.WorkerStub], target: SwitchTarget,

@@ -86,13 +86,13 @@ def lost_kv(old: Placement, old_ranks: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def kv_pool(placement: Placement, worker: WorkerPlacement) -> int:
-    """The KV pool a worker's cache holds in a placement: its dp_rank in an EP layout, else the stage's one pool 0."""
-    return worker.dp_rank if placement.topology.is_expert_parallel else 0
+    """The KV pool a worker's cache holds in a placement: its dp_rank (0, the stage's one pool, outside EP)."""
+    return worker.dp_rank
 
 
 def num_kv_pools(placement: Placement) -> int:
-    """KV pools of a layout (per stage): one per data-parallel rank in an EP layout, else one."""
-    return placement.topology.ep if placement.topology.is_expert_parallel else 1
+    """KV pools of a layout, per stage (Topology.num_kv_pools)."""
+    return placement.topology.num_kv_pools
 
 
 def renumbers_blocks(old: Placement, old_ranks: Sequence[int], new: Placement, new_ranks: Sequence[int]) -> bool:

@@ -95,6 +95,12 @@ class Topology:
         return self.tp * self.pp * self.ep * self.dp
 
     @property
+    def num_kv_pools(self) -> int:
+        """KV pools per stage: one per rank of an EP stage (data-parallel attention, each rank its own requests'
+        KV, its dp_rank naming its pool), one shared by the TP ranks of a stage otherwise (ep == 1)."""
+        return self.ep
+
+    @property
     def stage_size(self) -> int:
         """Workers per pipeline stage: its TP group, or its EP group."""
         return self.tp * self.ep

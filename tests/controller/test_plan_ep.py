@@ -26,7 +26,7 @@ def test_reshardable_expert_bytes(tmp_path):
 
 
 def test_staging_verdict_names_the_worker_over_the_budget():
-    from services.controller.transaction import staging_verdict
+    from services.controller.staging import staging_verdict
 
     needs = {0: 10 << 20, 1: 20 << 20, 2: 20 << 20}
     assert staging_verdict(needs, None) == "" and staging_verdict(needs, 20 << 20) == ""
@@ -35,12 +35,14 @@ def test_staging_verdict_names_the_worker_over_the_budget():
 
 
 def test_staging_needs_are_the_slices_each_target_worker_loads(tmp_path):
-    from services.controller.transaction import SwitchTarget, staging_needs
+    from services.controller.staging import planned_reloads, staging_needs
 
     spec = ModelSpec.from_dir(make_checkpoint(tmp_path / "llama", "llama"))
-    needs = staging_needs(spec, Topology.parse("tp2pp2"), None, SwitchTarget(Topology.parse("tp4pp1")), 4)
-    assert sorted(needs) == [0, 1, 2, 3] and all(n > 0 for n in needs.values())
-    same = staging_needs(spec, Topology.parse("tp2pp2"), None, SwitchTarget(Topology.parse("tp2pp2")), 4)
-    assert set(same.values()) == {0}  # every slice is already held: staging costs nothing
-    fewer = staging_needs(spec, Topology.parse("tp2pp2"), None, SwitchTarget(Topology.parse("tp1pp2")), 4)
-    assert sorted(fewer) == [0, 1]  # standby workers stage nothing
+
+    def needs(target: str) -> dict[int, int]:
+        live, new = Topology.parse("tp2pp2"), Topology.parse(target)
+        return staging_needs(planned_reloads(spec, live, None, new, None), new, 4)
+
+    assert sorted(needs("tp4pp1")) == [0, 1, 2, 3] and all(n > 0 for n in needs("tp4pp1").values())
+    assert set(needs("tp2pp2").values()) == {0}  # every slice is already held: staging costs nothing
+    assert sorted(needs("tp1pp2")) == [0, 1]  # standby workers stage nothing

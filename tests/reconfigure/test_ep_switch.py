@@ -13,7 +13,7 @@ import torch
 
 from services.controller.plan import plan_switch
 from services.controller.status import OperationState
-from services.controller.transaction import SwitchTarget, apply_workers, dp_size, prepare_workers
+from services.controller.transaction import SwitchTarget, apply_workers, prepare_workers
 from services.launch.cluster import ClusterConfig, LocalCluster
 from services.model.expert_reshard import RESHARD_ENV
 from services.model.spec import ModelSpec
@@ -144,7 +144,7 @@ async def _switch(engine, stubs, topology: str) -> None:
     """One switch driven by hand with the router frozen throughout (no step between switches)."""
     target = SwitchTarget(Topology.parse(topology))
     prepared, capacity = await prepare_workers(stubs, target, 60)
-    maps = await engine.rebind(capacity, dp_size=dp_size(target.topology))
+    maps = await engine.rebind(capacity, dp_size=target.topology.num_kv_pools)
     await apply_workers(stubs, target, prepared, capacity, engine.used_block_ids() if maps is None else [],
                         f"bytes-{topology}", 60, block_maps=block_maps_to_pb(maps) if maps else ())
     await engine.rebind(capacity, tuple(engine.driver.addresses))  # the same workers, in their new layout
