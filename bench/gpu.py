@@ -14,7 +14,8 @@ On a CUDA machine (../shared/gpu/README.md), in one run:
 5. reconfig's serving path: a LocalCluster of 2 workers sharing the GPU (tp1pp1, one on standby) behind the router's
    engine over gRPC, concurrent requests, tok/s from submission to the last token (prefill included, as
    `generate`'s);
-6. with 16 requests streaming there, tp1pp1 -> tp1pp2 -> tp1pp1: each switch's downtime and phases.
+6. with 16 requests streaming there, tp1pp1 -> tp1pp2 -> tp1pp1 in place (all inside the freeze), then the same
+   two switches staged (the target built while serving): each switch's downtime and phases.
 Prints a markdown table, writes JSON and a plot next to it (bench/results/ by default).
 """
 
@@ -236,14 +237,15 @@ async def bench_serving(model_dir: Path, batches: list[int], new_tokens: int) ->
         while min(len(t) for t in live) < 8:
             await asyncio.sleep(0.005)
         switches = []
-        for target in ("tp1pp2", "tp1pp1"):
-            operation = await reconfigurer.reconfigure(target)
+        for strategy, target in (("in-place", "tp1pp2"), ("in-place", "tp1pp1"), ("staged", "tp1pp2"),
+                                 ("staged", "tp1pp1")):
+            operation = await reconfigurer.reconfigure(target, strategy=strategy)
             if operation.state is not OperationState.SUCCEEDED:
                 raise RuntimeError(f"switch to {target}: {operation.state.name}: {operation.error}")
-            switches.append(dict(target=target, downtime_ms=operation.downtime_seconds * 1e3,
+            switches.append(dict(target=target, strategy=strategy, downtime_ms=operation.downtime_seconds * 1e3,
                                  live=sum(1 for t in tasks if not t.done()),
                                  phases_ms={k: v * 1e3 for k, v in operation.phase_seconds.items()}))
-            log(f"switch -> {target}: downtime {operation.downtime_seconds * 1e3:.0f} ms, "
+            log(f"switch -> {target} ({strategy}): downtime {operation.downtime_seconds * 1e3:.0f} ms, "
                 f"{switches[-1]['live']} requests live")
         await asyncio.gather(*tasks)
         # The same 16 prompts again without a switch: the switched streams must equal them.
@@ -286,7 +288,8 @@ def table(result: dict, batches: list[int]) -> str:
             lines.append(f"\nbatch {b}: reconfig serving ÷ transformers static cache = {ours / theirs:.2f}×")
     for switch in result.get("switches", []):
         phases = ", ".join(f"{k} {v:.0f}" for k, v in switch["phases_ms"].items())
-        lines.append(f"\nswitch → {switch['target']} (shared GPU, {switch['live']} live): downtime "
+        lines.append(f"\nswitch → {switch['target']} ({switch.get('strategy', 'in-place')}, shared GPU, "
+                     f"{switch['live']} live): downtime "
                      f"{switch['downtime_ms']:.0f} ms ({phases} ms)")
     if "switch_streams_identical" in result:
         lines.append(f"\nswitched streams identical to unswitched: {result['switch_streams_identical']}")

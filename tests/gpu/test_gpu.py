@@ -143,3 +143,42 @@ async def test_kill9_of_a_worker_under_load(checkpoint):
         assert tokens == expected[i], f"request {i}"
     print(f"\nKILL9 | rank 1 of tp2pp2 | recovered to {topology} in {time.perf_counter() - killed_at:.2f} s "
           f"(until every request ended) | 16/16 exact")
+
+
+MOE_CHAIN = ["ep4pp1", "tp4pp1", "ep2pp2", "tp2pp2"]
+
+
+async def test_moe_streams_through_staged_tp_ep_switches(tmp_path):
+    """A Qwen3-MoE-style model on 4 workers sharing the GPU: 16 greedy streams through staged (the default)
+    tp4 -> ep4 -> tp4 -> ep2pp2 -> tp2pp2, KV pools repartitioned between TP and EP on CUDA; every stream ends with
+    transformers' tokens, none re-prefilled."""
+    checkpoint = make_checkpoint(tmp_path / "qwen3-moe", "qwen3_moe", seed=7)
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(2, 30))] for _ in range(16)]
+    lengths = [rng.randrange(60, 90) for _ in prompts]
+    expected, _ = hf_greedy(checkpoint, prompts, max(lengths))
+    rows = []
+    with _cluster(checkpoint, 4, "tp4pp1") as cluster:
+        async with open_live_stack(cluster, leave_in=None) as stack:
+            engine = stack.engine
+            tasks = [asyncio.ensure_future(generated_tokens(engine, GenerationRequest(f"m{i}", tuple(p), n)))
+                     for i, (p, n) in enumerate(zip(prompts, lengths))]
+            while engine.stats().num_generation_tokens < 3 * len(prompts):
+                await asyncio.sleep(0.01)
+            for target in MOE_CHAIN:
+                before = str(engine.topology)
+                operation = await stack.reconfigurer.reconfigure(target)
+                assert operation.state is OperationState.SUCCEEDED, operation.error
+                assert str(engine.topology) == target and "STAGING" in operation.phase_seconds
+                assert any(not t.done() for t in tasks), "a switch with nothing in flight proves nothing"
+                rows.append((f"{before} -> {target} (MoE, staged)", operation))
+            outputs = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            stats = engine.stats()
+    for i, tokens in enumerate(outputs):
+        assert tokens == expected[i][: lengths[i]], f"request {i}"
+    assert stats.num_preemptions == 0
+    assert stats.extra["num_full_prefills"] == len(prompts)
+    for name, operation in rows:
+        phases = " ".join(f"{k}={v * 1e3:.0f}ms" for k, v in operation.phase_seconds.items())
+        print(f"\nSWITCH | {name} | {operation.state.name} | downtime {operation.downtime_seconds * 1e3:.0f} ms | "
+              f"{phases}")
