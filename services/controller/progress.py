@@ -9,7 +9,7 @@ from typing import TextIO
 
 from services.controller.status import OperationState, OperationStatus
 from services.controller.transaction import PHASES
-from services.router.contracts import STAGING_PHASE
+from services.router.contracts import SERVING_PHASES
 
 BAR_WIDTH = 20
 _SPINNER = "|/-\\"
@@ -38,7 +38,10 @@ def _bar(fraction: float) -> str:
 def totals_line(op: OperationStatus) -> str:
     """Downtime and what the operation moved."""
     staged = f"staged {op.staging_seconds:.3f} s while serving; " if op.staging_seconds else ""
-    return (f"{staged}downtime {op.downtime_seconds:.3f} s; KV moved {format_bytes(op.kv_bytes_moved)}; "
+    precopied = (f"KV pre-copied {format_bytes(op.kv_bytes_precopied)} ({op.precopy}) while serving; "
+                 if op.kv_bytes_precopied else "")
+    moved = "KV delta moved" if op.kv_bytes_precopied else "KV moved"
+    return (f"{staged}{precopied}downtime {op.downtime_seconds:.3f} s; {moved} {format_bytes(op.kv_bytes_moved)}; "
             f"weights loaded {format_bytes(op.weight_bytes_loaded)}"
             + (f", resharded {format_bytes(op.weight_bytes_resharded)}" if op.weight_bytes_resharded else "") + "; "
             f"requests preempted {op.num_requests_preempted}")
@@ -53,7 +56,7 @@ def operation_lines(op: OperationStatus, indent: str = "  ") -> list[str]:
     downtime = op.downtime_seconds
     width = max((len(phase) for phase, _ in phases), default=0)
     lines = [f"{indent}{phase.ljust(width)}  {seconds:8.3f} s  "
-             + ("while serving" if phase == STAGING_PHASE else
+             + ("while serving" if phase in SERVING_PHASES else
                 f"{seconds / downtime if downtime else 0.0:4.0%}  {_bar(seconds / downtime if downtime else 0.0)}")
              for phase, seconds in phases]
     return lines + [indent + totals_line(op)]

@@ -1,18 +1,32 @@
-"""STAGING, the phase of a switch that runs while the router serves: every worker builds its shard of the target
-beside its steps, so the freeze only moves KV and swaps. Here: the call to the workers, and whether a switch may
-stage under the staging budget (each worker holds its staged slices beside its live shard until the freeze)."""
+"""The phases of a switch that run while the router serves. STAGING: every worker builds its shard of the target
+beside its steps; PRECOPY: the KV of running requests is copied into the target's pools in rounds. The freeze then
+only copies the KV delta and swaps. Here: the calls to the workers and the router, whether a switch may stage under
+the staging budget (each worker holds its staged slices and pool beside its live ones until the freeze), and
+whether it may pre-copy."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import structlog
 
 from services.model.spec import ModelSpec
-from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
+from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.topology import Topology, WeightFlags, place, plan_weight_reload
 from services.topology.weight_plan import WeightReload
 
 MIB = 1 << 20
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchTarget:
+    """A validated target layout."""
+
+    topology: Topology
+    layer_partition: tuple[int, ...] | None = None
 
 
 async def stage_workers(workers: list[worker_pb2_grpc.WorkerStub], topology: Topology,
@@ -51,3 +65,74 @@ def staging_verdict(needs: dict[int, int], budget_bytes: int | None) -> str:
         return ""
     return (f"worker {rank} would stage {needs[rank] / MIB:.1f} MiB beside its live shard, over the staging budget "
             f"of {budget_bytes / MIB:.1f} MiB")
+
+
+# Pre-copy rounds (Llumnix): the first copies every full block, each next one the blocks filled meanwhile, until a
+# round is this small or the rounds run out; the freeze copies what is left (the delta).
+PRECOPY_MAX_ROUNDS = 4
+PRECOPY_STOP_BLOCKS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Precopy:
+    """What the pre-copy rounds leave to the freeze: the pools and capacity they copied against."""
+
+    prepared: list[worker_pb2.PrepareSwitchResponse]
+    capacity: int
+    rounds: int
+    bytes_copied: int
+    blocks_copied: int
+
+
+def precopy_refusal(live: Topology, target: Topology, staged: list[bool]) -> str:
+    """Why this switch may not pre-copy its KV ("" when it may): every rank active in the target must hold a
+    staged shard (the pool goes with it), and blocks must keep their ids (one KV pool on both sides)."""
+    if live.num_kv_pools > 1 or target.num_kv_pools > 1:
+        return "the switch renumbers KV blocks (several KV pools: expert parallel)"
+    missing = [rank for rank in range(target.num_workers) if rank >= len(staged) or not staged[rank]]
+    if missing:
+        return f"worker {missing[0]} staged no shard of the target"
+    return ""
+
+
+async def precopy_kv(workers: list[worker_pb2_grpc.WorkerStub], router: router_pb2_grpc.RouterStub,
+                     target: SwitchTarget, operation_id: str, timeout: Callable[[], float],
+                     metadata: tuple = ()) -> Precopy | str:
+    """PRECOPY, while the router serves: rounds of (the router's full blocks not copied yet -> every active worker
+    of the target copies them into its staged pool). Returns what the freeze needs, or why no worker can pre-copy
+    here (a str: nothing is left to undo but the staged pools)."""
+    prepared, capacity = await prepare_workers(workers, target, timeout(), metadata)
+    peers = {rank: worker_pb2.PeerPool(kv_segments=p.kv_segments) for rank, p in enumerate(prepared)}
+    receivers = workers[: target.topology.num_workers]
+    rounds = copied_bytes = copied_blocks = 0
+    while rounds < PRECOPY_MAX_ROUNDS:
+        blocks = await router.PreCopyBlocks(
+            router_pb2.PreCopyBlocksRequest(operation_id=operation_id, num_kv_blocks=capacity),
+            timeout=timeout(), metadata=metadata)
+        request = worker_pb2.PreCopyKVRequest(operation_id=operation_id, num_kv_blocks=capacity,
+                                              block_ids=blocks.block_ids, peers=peers)
+        replies = await asyncio.gather(*(w.PreCopyKV(request, timeout=timeout(), metadata=metadata)
+                                         for w in receivers), return_exceptions=True)
+        if errors := [r for r in replies if isinstance(r, BaseException)]:
+            raise errors[0]
+        if not all(r.supported for r in replies):
+            return "a worker's KV does not travel through shared memory (GPU, or several hosts): it moves in the freeze"
+        rounds += 1
+        copied_bytes += sum(r.kv_bytes_received + r.kv_bytes_local for r in replies)
+        copied_blocks += len(blocks.block_ids)
+        log.info("controller.precopy_round", operation_id=operation_id, round=rounds, blocks=len(blocks.block_ids),
+                 used=blocks.num_used, bytes=sum(r.kv_bytes_received + r.kv_bytes_local for r in replies),
+                 seconds=round(max(r.seconds for r in replies), 4))
+        if rounds > 1 and len(blocks.block_ids) <= PRECOPY_STOP_BLOCKS:
+            break
+    return Precopy(prepared, capacity, rounds, copied_bytes, copied_blocks)
+
+
+async def prepare_workers(workers: list[worker_pb2_grpc.WorkerStub], target: SwitchTarget, timeout: float,
+                          metadata: tuple = ()) -> tuple[list[worker_pb2.PrepareSwitchResponse], int]:
+    """PREPARING_WORKERS: every worker's pool and target capacity; the capacity is the smallest active one."""
+    request = worker_pb2.PrepareSwitchRequest(topology=str(target.topology),
+                                              layer_partition=target.layer_partition or ())
+    prepared = list(await asyncio.gather(*(w.PrepareSwitch(request, timeout=timeout, metadata=metadata)
+                                           for w in workers)))
+    return prepared, min(p.num_kv_blocks for p in prepared if p.num_kv_blocks > 0)

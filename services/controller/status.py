@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.router.contracts import STAGING_PHASE, EngineStats
+from services.router.contracts import SERVING_PHASES, EngineStats
 from services.router.grpc_server import stats_from_pb, stats_to_pb
 from services.rpc.reconfig.v1 import controller_pb2
 
@@ -95,16 +95,18 @@ class OperationStatus:
     kv_dropped: bool = False           # the running requests' KV was dropped (they re-prefill), not migrated
     weight_bytes_resharded: int = 0    # expert bytes that changed view by all-to-all (TP <-> EP), not loaded
     staging: str = ""                  # "staged", "in-place", or "in-place: <why staging was skipped>"
+    precopy: str = ""                  # KV pre-copied while serving: "N rounds", or "off: <why>"; "": not tried
+    kv_bytes_precopied: int = 0        # KV bytes copied by the pre-copy rounds (kv_bytes_moved: in the freeze)
 
     @property
     def downtime_seconds(self) -> float:
-        """Seconds the router was frozen for it (the cutover): every phase but STAGING, which runs while serving."""
-        return sum(s for phase, s in self.phase_seconds.items() if phase != STAGING_PHASE)
+        """Seconds the router was frozen for it (the cutover): every phase but STAGING and PRECOPY (serving)."""
+        return sum(s for phase, s in self.phase_seconds.items() if phase not in SERVING_PHASES)
 
     @property
     def staging_seconds(self) -> float:
-        """Seconds its shards were built while the router served, before the freeze."""
-        return self.phase_seconds.get(STAGING_PHASE, 0.0)
+        """Seconds the switch ran while the router served, before the freeze: STAGING and PRECOPY."""
+        return sum(self.phase_seconds.get(phase, 0.0) for phase in SERVING_PHASES)
 
     def to_pb(self) -> controller_pb2.OperationStatus:
         """The wire form."""

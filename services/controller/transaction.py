@@ -1,4 +1,5 @@
-"""The Reconfigure transaction (ReMP): QUIESCING → PREPARING_WORKERS → APPLYING_TOPOLOGY → MIGRATING → REBINDING.
+"""The Reconfigure transaction (ReMP): QUIESCING → PREPARING_WORKERS → APPLYING_TOPOLOGY → MIGRATING → REBINDING,
+after STAGING and PRECOPY while serving (strategy "staged": the freeze then only copies the KV delta and swaps).
 
 The controller is the only writer of the live layout. One operation runs at a time; operations are idempotent by
 id. A failure before the workers switch (freeze, prepare, capacity rebind) resumes the old layout untouched.
@@ -11,7 +12,6 @@ import dataclasses
 import math
 import time
 import uuid
-from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -21,13 +21,23 @@ from services.model.spec import ModelSpec
 from services.rpc.auth import auth_metadata
 from services.rpc.errors import describe_error
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.router.contracts import STAGING_PHASE
-from services.controller.staging import planned_reloads, stage_workers, staging_needs, staging_verdict
+from services.router.contracts import PRECOPY_PHASE, STAGING_PHASE
+from services.controller.staging import (
+    Precopy,
+    SwitchTarget,
+    planned_reloads,
+    precopy_kv,
+    precopy_refusal,
+    prepare_workers,
+    stage_workers,
+    staging_needs,
+    staging_verdict,
+)
 from services.topology import Topology, TopologyError, validate
 
 log = structlog.get_logger(__name__)
-# In order; STAGING runs while the router serves (strategy "staged"), the others inside the freeze.
-PHASES = ("STAGING", "QUIESCING", "PREPARING_WORKERS", "APPLYING_TOPOLOGY", "MIGRATING", "REBINDING")
+# In order; STAGING and PRECOPY run while the router serves (strategy "staged"), the others inside the freeze.
+PHASES = ("STAGING", "PRECOPY", "QUIESCING", "PREPARING_WORKERS", "APPLYING_TOPOLOGY", "MIGRATING", "REBINDING")
 FREEZE_LEASE_S = 15.0  # the router waits this long for a renewal before it stops trusting a frozen operation
 
 
@@ -37,14 +47,6 @@ class OperationBusy(RuntimeError):
 
 class DeadlineExceeded(TimeoutError):
     """The operation did not reach its commit point in time (the old layout is restored)."""
-
-
-@dataclass(frozen=True, slots=True)
-class SwitchTarget:
-    """A validated target layout."""
-
-    topology: Topology
-    layer_partition: tuple[int, ...] | None = None
 
 
 class Reconfigurer:
@@ -68,6 +70,8 @@ class Reconfigurer:
         # switch runs in place, all of it inside the freeze.
         self.staging = True
         self.staging_budget_bytes: int | None = None  # staging only if every worker's new slices fit (None: any)
+        # After staging, copy the KV of running requests in rounds while serving (the freeze copies the delta).
+        self.kv_precopy = True
 
     @property
     def workers(self) -> list[worker_pb2_grpc.WorkerStub]:
@@ -145,10 +149,13 @@ class Reconfigurer:
                 staged = False  # it would not fit beside the live shards: build them in the freeze, as in place
                 progress.status = dataclasses.replace(progress.status, staging=f"in-place: {why_not}")
                 log.info("controller.staging_skipped", operation_id=status.operation_id, reason=why_not)
-            if staged:
-                await self._stage(progress, target)  # the router serves on: no freeze, so no lease yet
+            precopy = None
+            if staged:  # the router serves on: no freeze, so no lease yet
+                replies = await self._stage(progress, target)
+                if self.kv_precopy:
+                    precopy = await self._precopy(progress, target, [r.staged for r in replies])
             lease = self.hold_lease()
-            return await self._transaction(progress, target)
+            return await self._transaction(progress, target, precopy)
         except Exception as exc:  # the deadline, an RPC error, a worker failure
             error = describe_error(exc)
             log.error("controller.reconfigure_failed", operation_id=status.operation_id, error=error)
@@ -170,7 +177,7 @@ class Reconfigurer:
         return staging_verdict(staging_needs(reloads, target.topology, prepared[0].kv_dtype_bytes),
                                self.staging_budget_bytes)
 
-    async def _stage(self, progress: Progress, target: SwitchTarget) -> None:
+    async def _stage(self, progress: Progress, target: SwitchTarget) -> list[worker_pb2.StageSwitchResponse]:
         """STAGING, while the router serves: every worker builds its shard of the target beside its steps. A
         failure or the deadline here changes nothing anywhere (a later ApplySwitch would build the shard itself)."""
         progress.enter(STAGING_PHASE)
@@ -179,12 +186,44 @@ class Reconfigurer:
                                           progress.status.operation_id, progress.timeout(self), self.metadata)
         except BaseException:
             progress.rolled_back = True  # nothing was frozen and nothing moved: the old layout serves as it did
+            await self._unstage()
             raise
         log.info("controller.staged", operation_id=progress.status.operation_id, topology=str(target.topology),
                  workers=sum(r.staged for r in replies), seconds=round(max((r.seconds for r in replies), default=0), 4),
                  weight_bytes_loaded=sum(r.weight_bytes_loaded for r in replies))
+        return replies
 
-    async def _transaction(self, progress: Progress, target: SwitchTarget) -> OperationStatus:
+    async def _precopy(self, progress: Progress, target: SwitchTarget, staged: list[bool]) -> Precopy | None:
+        """PRECOPY, while the router serves: the KV of running requests into the staged pools, in rounds. None when
+        this switch cannot (the status says why): the freeze moves all the KV. A failure or the deadline here
+        changes nothing live: the staged shards and pools are dropped."""
+        why_not = precopy_refusal(self.state.topology, target.topology, staged)
+        if not why_not:
+            progress.enter(PRECOPY_PHASE)
+            try:
+                result = await precopy_kv(self.workers, self.router, target, progress.status.operation_id,
+                                          lambda: progress.timeout(self), self.metadata)
+            except BaseException:
+                progress.rolled_back = True
+                await self._unstage()
+                raise
+            if isinstance(result, Precopy):
+                progress.status = dataclasses.replace(progress.status, precopy=f"{result.rounds} rounds",
+                                                      kv_bytes_precopied=result.bytes_copied)
+                return result
+            why_not = result
+        progress.status = dataclasses.replace(progress.status, precopy=f"off: {why_not}")
+        log.info("controller.precopy_skipped", operation_id=progress.status.operation_id, reason=why_not)
+        return None
+
+    async def _unstage(self) -> None:
+        """Best effort, after a failure while serving: every worker drops what it staged (shards and KV pools)."""
+        request = worker_pb2.StageSwitchRequest()  # no topology: drop
+        await asyncio.gather(*(w.StageSwitch(request, timeout=self.rpc_timeout_s, metadata=self.metadata)
+                               for w in self.workers), return_exceptions=True)
+
+    async def _transaction(self, progress: Progress, target: SwitchTarget,
+                           precopy: Precopy | None = None) -> OperationStatus:
         """Until APPLYING_TOPOLOGY the operation's deadline bounds every call (and expiring means: restore and
         resume); from there on it is past its commit point and runs to the end (each RPC has its own timeout)."""
         meta = self.metadata
@@ -198,11 +237,16 @@ class Reconfigurer:
         old_capacity, old_dp = frozen.stats.num_kv_blocks_total, self.state.topology.num_kv_pools
         try:
             progress.enter("PREPARING_WORKERS")
-            prepared, capacity = await prepare_workers(self.workers, target, progress.timeout(self), meta)
+            if precopy is None:
+                prepared, capacity = await prepare_workers(self.workers, target, progress.timeout(self), meta)
+            else:  # asked before the pre-copy: the live pools have not changed since
+                prepared, capacity = precopy.prepared, precopy.capacity
             before = frozen.stats.num_preemptions
-            # To or from an EP layout the router gives every running request a KV pool of the target (block maps)
+            # To or from an EP layout the router gives every running request a KV pool of the target (block maps);
+            # after a pre-copy it lists only the blocks written since (the delta).
             rebound = await self.router.Rebind(
-                router_pb2.RebindRequest(num_kv_blocks=capacity, dp_size=target.topology.num_kv_pools),
+                router_pb2.RebindRequest(num_kv_blocks=capacity, dp_size=target.topology.num_kv_pools,
+                                         precopy_operation_id=progress.status.operation_id if precopy else ""),
                 timeout=progress.timeout(self), metadata=meta)
             progress.timeout(self)  # the last chance to give up cleanly
             progress.status = dataclasses.replace(
@@ -212,11 +256,14 @@ class Reconfigurer:
             await self._restore(old_capacity, old_dp, progress.report(OperationState.ROLLED_BACK))
             raise
         timeout = self.rpc_timeout_s
+        log.info("controller.kv_to_move", operation_id=progress.status.operation_id, precopied=precopy is not None,
+                 blocks=len(rebound.used_block_ids), used=rebound.stats.num_kv_blocks_used)
         progress.enter("APPLYING_TOPOLOGY")
         # One RPC per worker runs both phases (the groups are selected, then KV moves layer by layer).
         switching = asyncio.ensure_future(apply_workers(self.workers, target, prepared, capacity,
                                                         rebound.used_block_ids, progress.status.operation_id,
-                                                        timeout, metadata=meta, block_maps=rebound.block_maps))
+                                                        timeout, metadata=meta, block_maps=rebound.block_maps,
+                                                        precopied=precopy is not None))
         progress.enter("MIGRATING")
         try:
             results = await switching
@@ -298,21 +345,11 @@ def check_deadline(deadline_s: float) -> None:
         raise ValueError(f"deadline_seconds must be a finite number >= 0 (0: the default), got {deadline_s}")
 
 
-async def prepare_workers(workers: list[worker_pb2_grpc.WorkerStub], target: SwitchTarget, timeout: float,
-                          metadata: tuple = ()) -> tuple[list[worker_pb2.PrepareSwitchResponse], int]:
-    """PREPARING_WORKERS: every worker's pool and target capacity; the capacity is the smallest active one."""
-    request = worker_pb2.PrepareSwitchRequest(topology=str(target.topology),
-                                              layer_partition=target.layer_partition or ())
-    prepared = list(await asyncio.gather(*(w.PrepareSwitch(request, timeout=timeout, metadata=metadata)
-                                           for w in workers)))
-    return prepared, min(p.num_kv_blocks for p in prepared if p.num_kv_blocks > 0)
-
-
 async def apply_workers(workers: list[worker_pb2_grpc.WorkerStub], target: SwitchTarget,
                         prepared: list[worker_pb2.PrepareSwitchResponse], capacity: int, used_block_ids,
                         operation_id: str, timeout: float, kv_channel: str = "",
                         metadata: tuple = (), old_ranks=(), drop_kv: bool = False, block_maps=(),
-                        ) -> list[worker_pb2.ApplySwitchResponse]:
+                        precopied: bool = False) -> list[worker_pb2.ApplySwitchResponse]:
     """APPLYING_TOPOLOGY + MIGRATING on every worker at once (the router must be frozen). After a regroup,
     `old_ranks` says which new rank holds each active index of the old layout (LOST: gone); with `drop_kv` the
     workers start the target with empty caches."""
@@ -320,7 +357,7 @@ async def apply_workers(workers: list[worker_pb2_grpc.WorkerStub], target: Switc
         operation_id=operation_id, topology=str(target.topology), layer_partition=target.layer_partition or (),
         num_kv_blocks=capacity, used_block_ids=used_block_ids, kv_channel=kv_channel,
         peers={rank: worker_pb2.PeerPool(kv_segments=p.kv_segments) for rank, p in enumerate(prepared)},
-        old_ranks=old_ranks, drop_kv=drop_kv, block_maps=block_maps,
+        old_ranks=old_ranks, drop_kv=drop_kv, block_maps=block_maps, precopied=precopied,
     )
     results = await asyncio.gather(*(w.ApplySwitch(request, timeout=timeout, metadata=metadata) for w in workers),
                                    return_exceptions=True)  # every worker has finished (or rolled back) first

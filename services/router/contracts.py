@@ -57,9 +57,11 @@ class GenerationDelta:
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
-# The one phase of a switch that runs while the router serves (the target's shards built beside the steps); every
-# other phase runs frozen, and their sum is the downtime (the cutover).
+# The phases of a switch that run while the router serves: the target's shards built beside the steps, then the
+# KV pre-copied in rounds; every other phase runs frozen, and their sum is the downtime (the cutover).
 STAGING_PHASE = "STAGING"
+PRECOPY_PHASE = "PRECOPY"
+SERVING_PHASES = (STAGING_PHASE, PRECOPY_PHASE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,12 +79,13 @@ class SwitchReport:
 
     @property
     def downtime_seconds(self) -> float:
-        """Freeze to resume (the cutover): every phase but STAGING, during which the router served."""
-        return sum(s for phase, s in self.phase_seconds.items() if phase != STAGING_PHASE)
+        """Freeze to resume (the cutover): every phase but STAGING and PRECOPY, during which the router served."""
+        return sum(s for phase, s in self.phase_seconds.items() if phase not in SERVING_PHASES)
 
     @property
     def staging_seconds(self) -> float:
-        return self.phase_seconds.get(STAGING_PHASE, 0.0)
+        """Before the freeze, while serving: STAGING and PRECOPY."""
+        return sum(self.phase_seconds.get(phase, 0.0) for phase in SERVING_PHASES)
 
 
 @dataclass(frozen=True, slots=True)

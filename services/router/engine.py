@@ -31,6 +31,7 @@ from services.router.contracts import (
 from services.router.dp import BlockMaps, DataParallelBlocks
 from services.router.expert_balance import EplbSettings, ExpertBalancer
 from services.router.output import RequestStream
+from services.router.precopy import KVPrecopy, PrecopyUnsupported
 from services.router.scheduler import ScheduledBatch, Scheduler
 from services.router.sequence import Sequence, SequenceStatus
 from services.topology import Topology
@@ -88,6 +89,7 @@ class Engine:
         self.num_steps = 0  # steps completed (EPLB's step_interval counts them)
         self._expert_commit: tuple[int, asyncio.Future] | None = None  # EPLB: (epoch, done) for the next step
         self.experts = ExpertBalancer(self, eplb)  # MoE: EPLB's trigger, status and commit
+        self.precopy: KVPrecopy | None = None  # the KV pre-copy of the switch under way (precopy_blocks)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -255,6 +257,31 @@ class Engine:
 
     def used_block_ids(self) -> list[int]:
         return self.scheduler.block_manager.used_block_ids()
+
+    def precopy_blocks(self, operation_id: str, num_kv_blocks: int) -> tuple[list[int], int, int]:
+        """A KV pre-copy round of switch `operation_id` (serving goes on): the full blocks of running requests not
+        handed out before in this operation, below the target capacity. Returns (those ids, blocks handed out in
+        the operation so far, blocks used now). A new operation id starts afresh."""
+        blocks = self.scheduler.block_manager
+        if blocks.num_ranks > 1:
+            raise PrecopyUnsupported("KV pre-copy needs one KV pool: the layout is expert parallel")
+        if num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
+        if self.precopy is None or self.precopy.operation_id != operation_id:
+            self.precopy = KVPrecopy(operation_id, num_kv_blocks)
+        ids = self.precopy.next_round(self.scheduler.running, blocks.block_size)
+        return ids, self.precopy.num_copied, blocks.num_used
+
+    def kv_to_move(self, precopy_operation_id: str = "") -> list[int]:
+        """Frozen: the used block ids a switch's KV migration must copy now: all of them, or with the operation
+        whose rounds pre-copied the rest, only the delta. The pre-copy record ends here."""
+        used = self.used_block_ids()
+        precopy, self.precopy = self.precopy, None
+        if not precopy_operation_id:
+            return used
+        if precopy is None or precopy.operation_id != precopy_operation_id:
+            raise ValueError(f"no KV pre-copy of operation {precopy_operation_id!r} ran here")
+        return precopy.delta(self.scheduler.running, used)
 
     def record_switch(self, report: SwitchReport) -> None:
         """Count a finished layout switch (the controller sends it on the Resume that ends the switch)."""

@@ -25,13 +25,14 @@ from services.router.contracts import (
 from services.rpc.auth import TokenAuthInterceptor, generate_token, protect_methods
 from services.rpc.errors import ErrorInterceptor, check_address
 from services.router.expert_balance import ExpertBalanceAborted, ExpertBalanceError
+from services.router.precopy import PrecopyUnsupported
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from services.worker.step import SamplingParams
 
 log = structlog.get_logger(__name__)
 
 _SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name  # "reconfig.v1.Router"
-ADMIN_METHODS = tuple(f"/{_SERVICE}/{name}" for name in ("Freeze", "Rebind", "Resume", "Stats",
+ADMIN_METHODS = tuple(f"/{_SERVICE}/{name}" for name in ("Freeze", "Rebind", "Resume", "Stats", "PreCopyBlocks",
                                                                    "ExpertStatus", "RebalanceExperts"))
 DEFAULT_FREEZE_TIMEOUT_S = 60.0
 MAX_KV_BLOCKS = 1 << 22       # the block manager lists its free ids: a larger capacity is a bad request, not a GiB
@@ -49,6 +50,14 @@ class AdminEngine(EngineProtocol, Protocol):
                drop_kv: bool = False, dp_size: int = 0) -> object:
         """Take a new KV capacity (frozen only), optionally new workers, dropping the KV, and another number of
         KV pools (then it returns the block maps); may return an awaitable."""
+        ...
+
+    def kv_to_move(self, precopy_operation_id: str = "") -> list[int]:
+        """Frozen: the used block ids a KV migration copies now (only the delta after a pre-copy)."""
+        ...
+
+    def precopy_blocks(self, operation_id: str, num_kv_blocks: int) -> tuple[list[int], int, int]:
+        """A KV pre-copy round while serving: (block ids to copy, handed out so far, used now)."""
         ...
 
     def resume(self) -> object:
@@ -218,8 +227,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return router_pb2.RebindResponse(stats=stats_to_pb(stats), block_maps=block_maps_to_pb(maps))
         # With several pools an id names a block of one pool: only block maps can say what moves.
         several_pools = len(stats.num_kv_blocks_used_per_dp_rank) > 1
-        return router_pb2.RebindResponse(stats=stats_to_pb(stats),
-                                         used_block_ids=[] if several_pools else self.engine.used_block_ids())
+        moving = [] if several_pools else self.engine.kv_to_move(request.precopy_operation_id)
+        return router_pb2.RebindResponse(stats=stats_to_pb(stats), used_block_ids=moving)
+
+    async def PreCopyBlocks(self, request, context):  # noqa: N802
+        """A KV pre-copy round while serving: the full blocks not handed out before in this operation."""
+        if not request.operation_id:
+            raise ValueError("PreCopyBlocks needs an operation_id")
+        try:
+            ids, copied, used = self.engine.precopy_blocks(request.operation_id, request.num_kv_blocks)
+        except PrecopyUnsupported as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return router_pb2.PreCopyBlocksResponse(block_ids=ids, num_precopied=copied, num_used=used)
 
     async def Resume(self, request, context):  # noqa: N802
         """Schedule again; a switch report that comes with it is counted first (it shows on the next scrape)."""

@@ -52,11 +52,10 @@ class ShmChannel:
 
     needs_outgoing = False  # peers read the pools themselves
 
-    def __init__(self, pools: dict[int, dict[int, str]], plan: KVMigrationPlan, used: torch.Tensor,
-                 block_size: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, pools: dict[int, dict[int, str]], plan: KVMigrationPlan, block_size: int, head_dim: int,
+                 dtype: torch.dtype) -> None:
         self.pools = pools  # rank -> layer -> segment name (PrepareSwitch)
         self.plan = plan
-        self.used = used
         self.block_size, self.head_dim, self.dtype = block_size, head_dim, dtype
         self._open: dict[int, ShmSegment] = {}  # this layer's peer pools, closed at the next layer
 

@@ -4,7 +4,9 @@ RECONFIG_FAULTS is a ';'-separated list of rules `point:key=value:...`, e.g.
     migrate:rank=2:layer=1:action=raise     rank 2 fails while migrating layer 1 (the switch rolls back)
     apply:rank=0:action=crash               rank 0 dies (kill -9 of itself) as ApplySwitch starts
     rpc:method=ApplySwitch:rank=1:delay=3   rank 1 sleeps 3 s before serving ApplySwitch
-Points: apply (ApplySwitch, before any KV moves), migrate (per layer), rpc (any worker RPC, by method).
+    precopy:rank=1:layer=2:once=1          rank 1 fails pre-copying layer 2 (a round while serving: no freeze yet)
+Points: apply (ApplySwitch, before any KV moves), migrate (per layer; with a pre-copy, the delta's layers at the
+cutover), precopy (per layer of a pre-copy round), rpc (any worker RPC, by method).
 Actions: raise (an exception the switch handles), crash (SIGKILL to itself), delay=SECONDS. A rule fires every time
 its point is reached with matching keys; `once=1` makes it fire only the first time.
 """

@@ -106,6 +106,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             log.exception("worker.stage_failed", rank=self.rank, operation_id=request.operation_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"staging failed on rank {self.rank}: {exc}")
 
+    async def PreCopyKV(self, request, context):  # noqa: N802
+        """A KV pre-copy round into the staged pool while steps go on (the stage thread); reads the live pools."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.stage_thread, self._with_faults, "PreCopyKV", request, self.shard.precopy_kv)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except Exception as exc:
+            log.exception("worker.precopy_failed", rank=self.rank, operation_id=request.operation_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"KV pre-copy failed on rank {self.rank}: {exc}")
+
     async def ApplySwitch(self, request, context):  # noqa: N802
         """Switch layout: groups, KV migration, shard reload. Runs on the model thread, between steps."""
         log.info("worker.switch_start", rank=self.rank, operation_id=request.operation_id, topology=request.topology)
@@ -153,7 +164,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.AbortExpertMapResponse()
 
     def _with_faults(self, method: str, request, handler):
-        FAULTS.check("rpc", method=method, rank=self.rank, topology=request.topology)
+        FAULTS.check("rpc", method=method, rank=self.rank, topology=getattr(request, "topology", ""))
         return handler(request)
 
     async def _on_model_thread(self, fn, *args):

@@ -21,6 +21,7 @@ from services.weightstore.client import MappedCheckpoint
 from services.weightstore.manifest import Manifest
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KVCache, num_blocks_for_budget
+from services.worker.kv_precopy import StagedKV, finish_precopy
 from services.worker.channel import DistChannel, KVChannel, ShmChannel
 from services.worker.faults import FAULTS
 from services.worker.expert_balance import ExpertBalancer
@@ -41,7 +42,7 @@ from services.worker.threads import set_threads, threads_per_worker, usable_core
 log = structlog.get_logger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StagedShard:
     """A target layout's shard built while serving (StageSwitch), for the ApplySwitch of that target."""
 
@@ -51,6 +52,7 @@ class StagedShard:
     generation: int                    # the world it was built in (its groups)
     live: ModelRunner | None           # the runner it shares tensors with: it must still be the live one
     model: ShardedCausalLM
+    kv: StagedKV | None = None         # the target's KV pool while KV is pre-copied into it (PreCopyKV)
 
 
 def lower_thread_priority(niceness: int = 10) -> None:
@@ -201,9 +203,11 @@ class WorkerShard:
         """STAGING, beside the steps (the stage thread): build this rank's shard of the target from the live one
         and the weight store, and keep it for the ApplySwitch of that target. Nothing live changes; the build runs
         at a low OS priority so that the steps keep their cores."""
+        self.drop_staged()  # a previous staging is obsolete
+        if not request.topology:  # the controller gave up on the switch it staged for
+            return worker_pb2.StageSwitchResponse(staged=False)
         target = Topology.parse(request.topology)
         partition = tuple(request.layer_partition) or None
-        self._staged = None  # a previous staging is obsolete
         live, rank = self.runner, self.rank
         if not (self.parallel.in_world and 0 <= rank < target.num_workers and target in self.parallel.candidates):
             return worker_pb2.StageSwitchResponse(staged=False)  # standby there, or groups to build: apply builds
@@ -211,6 +215,7 @@ class WorkerShard:
         started = time.perf_counter()
         with MappedCheckpoint(self.manifest) as checkpoint:
             model = self._build_model(target, partition, checkpoint, live, expert_reshard=False)
+        model.pack_weights()  # MKL's layout (CPU) now, not in the freeze (packing is idempotent: kept parts are)
         seconds = time.perf_counter() - started
         shared = set(model.parameter_tensors()) & set(live.model.parameter_tensors()) if live else set()
         tensors = model.parameter_tensors()
@@ -222,16 +227,53 @@ class WorkerShard:
         return worker_pb2.StageSwitchResponse(staged=True, seconds=seconds, weight_bytes_loaded=loaded,
                                               weight_bytes_reused=reused)
 
+    def drop_staged(self) -> None:
+        """Forget what was staged, freeing its KV pool."""
+        staged, self._staged = self._staged, None
+        if staged is not None and staged.kv is not None:
+            staged.kv.cache.close()
+
     def _take_staged(self, operation_id: str, target: Topology, partition, old: ModelRunner | None
-                     ) -> ShardedCausalLM | None:
-        """The shard staged for this switch (its operation, built on the live runner, in this world), once; None
-        otherwise."""
+                     ) -> StagedShard | None:
+        """What was staged for this switch (its operation, built on the live runner, in this world), once; None
+        otherwise (a staged pool of another switch is freed)."""
         staged, self._staged = self._staged, None
         if (staged is None or staged.operation_id != operation_id
                 or (staged.topology, staged.partition) != (target, partition) or staged.live is not old
                 or staged.generation != self.parallel.generation):
+            if staged is not None and staged.kv is not None:
+                staged.kv.cache.close()
             return None
-        return staged.model
+        return staged
+
+    def precopy_kv(self, request: worker_pb2.PreCopyKVRequest) -> worker_pb2.PreCopyKVResponse:
+        """A KV pre-copy round (the stage thread, beside the steps): copy full blocks from the live pools into the
+        staged pool of the target (allocated at the first round). ValueError: nothing is staged for the operation
+        on this live runner. supported=False: KV does not travel through shared memory here (GPUs)."""
+        staged, rank = self._staged, self.rank
+        if (staged is None or staged.operation_id != request.operation_id or staged.live is not self.runner
+                or staged.generation != self.parallel.generation):
+            raise ValueError(f"rank {rank} has no shard staged for operation {request.operation_id!r}")
+        if self.device.type != "cpu":
+            return worker_pb2.PreCopyKVResponse(supported=False)
+        live = self.runner.kv_cache if self.runner else None
+        if staged.kv is None:
+            plan = plan_kv_migration(self._placement(self.topology, self.layer_partition),
+                                     active_ranks(self.topology), self._placement(staged.topology, staged.partition),
+                                     active_ranks(staged.topology))
+            if plan.renumbers_blocks:
+                return worker_pb2.PreCopyKVResponse(supported=False)
+            wp = plan.new.workers[rank]
+            target = KVCache(wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size, self.dtype,
+                             self.device, num_blocks=request.num_kv_blocks, allocate=False)
+            staged.kv = StagedKV.allocate(plan, rank, live, target)
+        if staged.kv.cache.num_blocks != request.num_kv_blocks:
+            raise ValueError(f"the staged pool holds {staged.kv.cache.num_blocks} blocks, not {request.num_kv_blocks}")
+        stats = staged.kv.copy(live, list(request.block_ids), self._shm_channel(request.peers, staged.kv.plan),
+                               fault=lambda layer: FAULTS.check("precopy", rank=rank, layer=layer))
+        return worker_pb2.PreCopyKVResponse(
+            supported=True, kv_bytes_received=stats.bytes_received, kv_bytes_local=stats.bytes_local,
+            seconds=stats.seconds, staged_pool_bytes=staged.kv.num_bytes)
 
     def prepare_switch(self, request: worker_pb2.PrepareSwitchRequest) -> worker_pb2.PrepareSwitchResponse:
         topology = Topology.parse(request.topology)
@@ -285,7 +327,7 @@ class WorkerShard:
         topology = Topology.parse(request.topology)
         partition = tuple(request.layer_partition) or None
         previous = self.rank
-        self._staged = None  # built over the old world's groups
+        self.drop_staged()  # built over the old world's groups
         self.parallel.regroup(request.generation, request.rank, request.world_size, self.candidates(topology))
         if self.runner is None:  # a standby or joining worker holds nothing; it plans with the others' layout
             self.topology, self.layer_partition = topology, partition
@@ -311,8 +353,14 @@ class WorkerShard:
             self.parallel.build_groups([target])  # slow path: every rank builds the same groups, in order
         error, plan, new_cache, channel, block_maps = "", None, None, None, None
         old_ranks = list(request.old_ranks) or active_ranks(self.topology)  # renumbered by a regroup, LOST gaps
+        staged = self._take_staged(request.operation_id, target, partition, old)
+        precopied = staged.kv if staged is not None and request.precopied else None
+        if staged is not None and staged.kv is not None and precopied is None:
+            staged.kv.cache.close()  # pre-copied into, but the switch moves all the KV in the freeze after all
         try:
             FAULTS.check("apply", rank=rank)
+            if request.precopied:
+                check_precopied(precopied, rank, target, request)
             old_placement = self._placement(self.topology, self.layer_partition)
             new_placement = self._placement(target, partition)
             if not request.drop_kv:
@@ -322,7 +370,9 @@ class WorkerShard:
                     raise ValueError(f"{self.topology} -> {target} renumbers KV blocks: it needs block maps")
             elif old is not None:
                 old.kv_cache.close()  # the router dropped every request's KV: free it before allocating anew
-            if rank < target.num_workers:
+            if precopied is not None:
+                new_cache = self._new_cache = precopied.cache  # holds the pre-copied blocks: the delta goes in
+            elif rank < target.num_workers:
                 wp = new_placement.workers[rank]
                 new_cache = self._new_cache = KVCache(
                     wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size, self.dtype,
@@ -336,25 +386,41 @@ class WorkerShard:
             raise SwitchFailed(f"switch to {target} refused before any KV moved: {error or 'another rank failed'}")
         apply_seconds = time.perf_counter() - started
         used = list(request.used_block_ids)
-        self.kv_intact = bool(request.drop_kv)  # KV moves from here on (a dropped cache has nothing to lose)
-        staged = self._take_staged(request.operation_id, target, partition, old)
+        # KV moves from here on (a dropped cache has nothing to lose; a pre-copy only reads the old pools)
+        self.kv_intact = bool(request.drop_kv) or request.precopied
+        old_kv = old.kv_cache if old else None
+        fault = lambda layer: FAULTS.check("migrate", rank=rank, layer=layer)  # noqa: E731
         with MappedCheckpoint(self.manifest) as checkpoint, ThreadPoolExecutor(1, "reload") as pool:
             # The shard reload overlaps the KV migration (both copy memory; torch releases the GIL). A staged shard
             # only needs its runner over the new cache.
-            reload = pool.submit(self._timed_build, target, partition, checkpoint, old, new_cache, staged)
+            reload = pool.submit(self._timed_build, target, partition, checkpoint, old, new_cache,
+                                 staged.model if staged is not None else None)
             try:
-                stats = MigrationStats() if plan is None else migrate_kv(
-                    plan, rank, old.kv_cache if old else None, new_cache, used, channel, self.agree,
-                    fault=lambda layer: FAULTS.check("migrate", rank=rank, layer=layer), block_maps=block_maps)
+                if request.precopied:  # only the delta moves: the old pools stay whole until the commit
+                    stats = finish_precopy(precopied, old_kv, used, channel, self.agree, fault)
+                else:
+                    stats = MigrationStats() if plan is None else migrate_kv(
+                        plan, rank, old_kv, new_cache, used, channel, self.agree, fault=fault, block_maps=block_maps)
             except MigrationAborted as aborted:
                 _result_or_none(reload)
+                if request.precopied:
+                    if new_cache is not None:
+                        new_cache.close()
+                    raise SwitchFailed(f"{aborted}; rolled back (layers [] moved back: the KV was pre-copied, the "
+                                       "old pools were only read)") from aborted
                 self._rollback(plan, aborted.done_layers, old, new_cache, request)
                 raise SwitchFailed(f"{aborted}; rolled back (layers {aborted.done_layers} moved back)") from aborted
             built = _result_or_none(reload)
             if not self.agree(built is not None):  # a shard failed to load: undo the whole migration
-                self._rollback(plan, plan.layers() if plan else [], old, new_cache, request)
+                if request.precopied:
+                    if new_cache is not None:
+                        new_cache.close()
+                else:
+                    self._rollback(plan, plan.layers() if plan else [], old, new_cache, request)
                 raise SwitchFailed(f"switch to {target}: a worker failed to load its shard; rolled back")
         runner, reload_seconds = built
+        if precopied is not None:
+            precopied.commit(old_kv)
         if old is not None:
             old.kv_cache.close()  # anything the migration did not move or keep
         kept = set(runner.model.parameter_tensors()) & set(old.model.parameter_tensors()) if runner and old else set()
@@ -376,6 +442,7 @@ class WorkerShard:
             weight_bytes_reused=reused, migrate_seconds=stats.seconds, reload_seconds=reload_seconds,
             peak_extra_bytes=stats.peak_extra_bytes, built_groups=built_groups, info=self.info(),
             apply_seconds=apply_seconds, weight_bytes_resharded=resharded, used_staged=staged is not None,
+            used_precopy=precopied is not None,
         )
 
     def _rollback(self, plan, layers: list[int], old: ModelRunner | None, new_cache: KVCache | None,
@@ -415,14 +482,17 @@ class WorkerShard:
         buffers hold each pool pair's blocks: `block_maps`, or every used block when ids are kept)."""
         kind = request.kv_channel or ("shm" if self.device.type == "cpu" else "dist")
         if kind == "shm":
-            pools = {r: dict(pool.kv_segments) for r, pool in request.peers.items()}
-            return ShmChannel(pools, plan, torch.tensor(sorted(request.used_block_ids), dtype=torch.int64),
-                              self.config.block_size, self.spec.head_dim, self.dtype)
+            return self._shm_channel(request.peers, plan)
         if kind == "dist":
             counts = block_counts(identity_block_maps(request.used_block_ids) if block_maps is None else block_maps)
             return DistChannel(self.parallel, counts, self.config.block_size, self.spec.head_dim, self.dtype,
                                self.device)
         raise ValueError(f"kv_channel {kind!r} is not one of: shm, dist")
+
+    def _shm_channel(self, peers, plan) -> ShmChannel:
+        """Reads of the peers' pools (PeerPool messages by rank: PrepareSwitch's segments)."""
+        pools = {r: dict(pool.kv_segments) for r, pool in peers.items()}
+        return ShmChannel(pools, plan, self.config.block_size, self.spec.head_dim, self.dtype)
 
     def _timed_build(self, *args) -> tuple[ModelRunner | None, float]:
         started = time.perf_counter()
@@ -471,6 +541,21 @@ def initial_expert_maps(shape, placement: Placement) -> dict[int, tuple[int, ...
     num_ranks = placement.topology.ep
     phy2log = initial_phy2log(shape.num_experts, placement.num_physical_experts, num_ranks)
     return {layer: phy2log for layer in shape.moe_layers}
+
+
+def check_precopied(precopied: StagedKV | None, rank: int, target: Topology,
+                    request: worker_pb2.ApplySwitchRequest) -> None:
+    """ValueError unless a switch whose KV was pre-copied finds this rank's staged pool of the target (a rank on
+    standby there receives nothing)."""
+    if request.drop_kv:
+        raise ValueError("a switch cannot both drop the KV and use a pre-copy of it")
+    if rank >= target.num_workers:
+        return
+    if precopied is None:
+        raise ValueError(f"rank {rank} holds no pre-copied KV pool for operation {request.operation_id!r}")
+    if precopied.cache.num_blocks != request.num_kv_blocks:
+        raise ValueError(f"rank {rank}'s pre-copied pool holds {precopied.cache.num_blocks} blocks, the switch "
+                         f"wants {request.num_kv_blocks}")
 
 
 class SwitchFailed(RuntimeError):

@@ -121,27 +121,30 @@ async def test_reconfigctl_reconfigure_wait_status_and_json(live_stack, controll
     lines = _output(captured.out)
     assert "\r" not in captured.out  # not a terminal: one line per phase, nothing rewritten
     assert lines[0] == "reconfigure tp2pp2 -> tp4pp1 (operation cli-1)"
-    for line, phase in zip(lines[1:7], PHASES, strict=True):
+    for line, phase in zip(lines[1:8], PHASES, strict=True):
         mark, name, seconds, unit = line.split()
         assert (mark, name, seconds, unit) == ("✓", phase, f"{op.phase_seconds[phase]:.3f}", "s")
-    assert lines[7] == f"SUCCEEDED: tp2pp2 -> tp4pp1 is live after {op.downtime_seconds:.3f} s of downtime"
-    assert op.downtime_seconds == pytest.approx(sum(op.phase_seconds.values()) - op.phase_seconds["STAGING"])
-    assert lines[8] == (f"  staged {op.staging_seconds:.3f} s while serving; downtime {op.downtime_seconds:.3f} s; "
-                        f"KV moved {format_bytes(op.kv_bytes_moved)}; "
+    assert lines[8] == f"SUCCEEDED: tp2pp2 -> tp4pp1 is live after {op.downtime_seconds:.3f} s of downtime"
+    serving = op.phase_seconds["STAGING"] + op.phase_seconds["PRECOPY"]
+    assert op.downtime_seconds == pytest.approx(sum(op.phase_seconds.values()) - serving)
+    assert op.staging_seconds == pytest.approx(serving)
+    assert lines[9] == (f"  staged {op.staging_seconds:.3f} s while serving; KV pre-copied "
+                        f"{format_bytes(op.kv_bytes_precopied)} ({op.precopy}) while serving; downtime "
+                        f"{op.downtime_seconds:.3f} s; KV delta moved {format_bytes(op.kv_bytes_moved)}; "
                         f"weights loaded {format_bytes(op.weight_bytes_loaded)}; requests preempted 0")
-    assert op.kv_bytes_moved > 0 and len(lines) == 9
+    assert op.kv_bytes_precopied > 0 and op.kv_bytes_moved > 0 and len(lines) == 10
 
     assert await _reconfigctl("status", *controller.flags()) == 0
     status_lines = _output(capsys.readouterr().out)
     start = next(i for i, line in enumerate(status_lines) if line.startswith("last operation: reconfigure cli-1"))
-    for line, phase in zip(status_lines[start + 1:start + 7], PHASES, strict=True):
+    for line, phase in zip(status_lines[start + 1:start + 8], PHASES, strict=True):
         name, seconds, unit, share, bar = line.split(maxsplit=4)
         assert (name, seconds, unit) == (phase, f"{op.phase_seconds[phase]:.3f}", "s")
-        if phase == "STAGING":  # before the freeze: no share of the downtime
+        if phase in ("STAGING", "PRECOPY"):  # before the freeze: no share of the downtime
             assert (share, bar) == ("while", "serving")
         else:
             assert share == f"{op.phase_seconds[phase] / op.downtime_seconds:.0%}"
-    assert status_lines[start + 7] == lines[8]
+    assert status_lines[start + 8] == lines[9]
 
     assert await _reconfigctl("reconfigure", "tp2pp2", "--json", *controller.flags()) == 0  # no --wait
     back = json.loads("\n".join(_output(capsys.readouterr().out)))
@@ -175,7 +178,7 @@ async def test_reconfigctl_refusals_busy_and_idempotent_retry(live_stack, contro
     outcome = _output(captured.out)  # the controller's log of the failure shares stdout: find reconfigctl's lines
     start = next(i for i, line in enumerate(outcome) if line.startswith("ROLLED_BACK: tp2pp2 -> tp4pp1; error: "))
     assert "rebind refused by the test" in outcome[start]
-    assert [line.split()[0] for line in outcome[start + 1:start + 5]] == ["STAGING", "QUIESCING",
+    assert [line.split()[0] for line in outcome[start + 1:start + 6]] == ["STAGING", "PRECOPY", "QUIESCING",
                                                                            "PREPARING_WORKERS", "staged"]
     assert str(live_stack.state.topology) == "tp2pp2" and not engine.stats().is_frozen  # the old layout serves
     monkeypatch.setattr(engine, "rebind", rebind)
@@ -295,7 +298,9 @@ async def test_metrics_after_switches_with_preemption_and_rollback(live_stack, m
         assert _value(after, "reconfig:switch_seconds_count") == 1
         assert downtime == pytest.approx(report.downtime_seconds) and 0 < downtime <= shrink.downtime_seconds
         assert _value(after, "reconfig:last_switch_seconds") == pytest.approx(downtime)
-        assert _value(after, "reconfig:kv_migrated_bytes_total") == shrink.kv_bytes_moved > 0
+        # The KV moved in the freeze (the pre-copy's delta): none when every request holding an id past the new
+        # capacity was preempted
+        assert _value(after, "reconfig:kv_migrated_bytes_total") == shrink.kv_bytes_moved
         assert _value(after, "reconfig:weight_loaded_bytes_total") == shrink.weight_bytes_loaded > 0
         assert _value(after, "reconfig:switch_preempted_requests_total") == shrink.num_requests_preempted
         assert _value(after, "reconfig:topology_info", topology="tp2pp1") == 1

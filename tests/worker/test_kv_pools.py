@@ -121,7 +121,7 @@ def run(plan: KVMigrationPlan, old: Caches, new: Caches, maps: BlockMaps | None,
     agree = Agreement(len(ranks))
 
     def one(rank: int) -> MigrationStats:
-        channel = ShmChannel(pools, plan, torch.tensor([], dtype=torch.int64), BLOCK_SIZE, SHAPE.head_dim, DTYPE)
+        channel = ShmChannel(pools, plan, BLOCK_SIZE, SHAPE.head_dim, DTYPE)
         return migrate_kv(plan, rank, old.get(rank), new.get(rank), [], channel, agree, layers=layers,
                           fault=fault and (lambda layer: fault(rank, layer)), block_maps=maps)
 
@@ -238,7 +238,7 @@ def test_identity_switches_keep_the_fast_path_and_the_kept_layers() -> None:
         agree = Agreement(2)
 
         def one(rank: int) -> MigrationStats:
-            channel = ShmChannel(pools, plan, torch.tensor(sorted(used)), BLOCK_SIZE, SHAPE.head_dim, DTYPE)
+            channel = ShmChannel(pools, plan, BLOCK_SIZE, SHAPE.head_dim, DTYPE)
             return migrate_kv(plan, rank, start[rank], middle[rank], used, channel, agree)
 
         with ThreadPoolExecutor(2) as pool:

@@ -84,7 +84,8 @@ def switch_metrics(switches: SwitchTotals, model_name: str) -> Iterator[Metric]:
     cutover.add_metric(labels, switches.num_total, switches.downtime_seconds)
     yield cutover
     staging = SummaryMetricFamily(PREFIX + "switch_staging_seconds",
-                                  "Staging of layout switches: target shards built while serving, before the freeze.",
+                                  "Layout switches before the freeze, while serving: target shards built (STAGING) and "
+                                  "KV pre-copied (PRECOPY).",
                                   labels=LABELS)
     staging.add_metric(labels, switches.num_staged, switches.staging_seconds)
     yield staging

@@ -174,7 +174,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., device: _Optional[str] = ..., address: _Optional[str] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., param_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class OperationStatus(_message.Message):
-    __slots__ = ("operation_id", "kind", "state", "started_at", "ended_at", "error", "phase_seconds", "from_topology", "to_topology", "phase", "kv_bytes_moved", "weight_bytes_loaded", "num_requests_preempted", "built_groups", "lost_workers", "kv_dropped", "weight_bytes_resharded", "staging")
+    __slots__ = ("operation_id", "kind", "state", "started_at", "ended_at", "error", "phase_seconds", "from_topology", "to_topology", "phase", "kv_bytes_moved", "weight_bytes_loaded", "num_requests_preempted", "built_groups", "lost_workers", "kv_dropped", "weight_bytes_resharded", "staging", "precopy", "kv_bytes_precopied")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,8 @@ class OperationStatus(_message.Message):
     KV_DROPPED_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_RESHARDED_FIELD_NUMBER: _ClassVar[int]
     STAGING_FIELD_NUMBER: _ClassVar[int]
+    PRECOPY_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PRECOPIED_FIELD_NUMBER: _ClassVar[int]
     operation_id: str
     kind: str
     state: OperationState
@@ -218,7 +220,9 @@ class OperationStatus(_message.Message):
     kv_dropped: bool
     weight_bytes_resharded: int
     staging: str
-    def __init__(self, operation_id: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[_Union[OperationState, str]] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., error: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., from_topology: _Optional[str] = ..., to_topology: _Optional[str] = ..., phase: _Optional[str] = ..., kv_bytes_moved: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., num_requests_preempted: _Optional[int] = ..., built_groups: _Optional[bool] = ..., lost_workers: _Optional[_Iterable[str]] = ..., kv_dropped: _Optional[bool] = ..., weight_bytes_resharded: _Optional[int] = ..., staging: _Optional[str] = ...) -> None: ...
+    precopy: str
+    kv_bytes_precopied: int
+    def __init__(self, operation_id: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[_Union[OperationState, str]] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., error: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., from_topology: _Optional[str] = ..., to_topology: _Optional[str] = ..., phase: _Optional[str] = ..., kv_bytes_moved: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., num_requests_preempted: _Optional[int] = ..., built_groups: _Optional[bool] = ..., lost_workers: _Optional[_Iterable[str]] = ..., kv_dropped: _Optional[bool] = ..., weight_bytes_resharded: _Optional[int] = ..., staging: _Optional[str] = ..., precopy: _Optional[str] = ..., kv_bytes_precopied: _Optional[int] = ...) -> None: ...
 
 class StackStatus(_message.Message):
     __slots__ = ("topology", "state", "reason", "model", "workers", "router_address", "router", "last_operation", "updated_at", "lost_workers")

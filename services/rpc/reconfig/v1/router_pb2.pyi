@@ -130,16 +130,36 @@ class FreezeResponse(_message.Message):
     def __init__(self, stats: _Optional[_Union[RouterStats, _Mapping]] = ...) -> None: ...
 
 class RebindRequest(_message.Message):
-    __slots__ = ("num_kv_blocks", "worker_addresses", "drop_kv", "dp_size")
+    __slots__ = ("num_kv_blocks", "worker_addresses", "drop_kv", "dp_size", "precopy_operation_id")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     DROP_KV_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PRECOPY_OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     worker_addresses: _containers.RepeatedScalarFieldContainer[str]
     drop_kv: bool
     dp_size: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., worker_addresses: _Optional[_Iterable[str]] = ..., drop_kv: _Optional[bool] = ..., dp_size: _Optional[int] = ...) -> None: ...
+    precopy_operation_id: str
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., worker_addresses: _Optional[_Iterable[str]] = ..., drop_kv: _Optional[bool] = ..., dp_size: _Optional[int] = ..., precopy_operation_id: _Optional[str] = ...) -> None: ...
+
+class PreCopyBlocksRequest(_message.Message):
+    __slots__ = ("operation_id", "num_kv_blocks")
+    OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    operation_id: str
+    num_kv_blocks: int
+    def __init__(self, operation_id: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
+
+class PreCopyBlocksResponse(_message.Message):
+    __slots__ = ("block_ids", "num_precopied", "num_used")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PRECOPIED_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_precopied: int
+    num_used: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_precopied: _Optional[int] = ..., num_used: _Optional[int] = ...) -> None: ...
 
 class RebindResponse(_message.Message):
     __slots__ = ("stats", "used_block_ids", "block_maps")

@@ -52,6 +52,11 @@ class RouterStub:
                 request_serializer=reconfig_dot_v1_dot_router__pb2.RebindRequest.SerializeToString,
                 response_deserializer=reconfig_dot_v1_dot_router__pb2.RebindResponse.FromString,
                 _registered_method=True)
+        self.PreCopyBlocks = channel.unary_unary(
+                '/reconfig.v1.Router/PreCopyBlocks',
+                request_serializer=reconfig_dot_v1_dot_router__pb2.PreCopyBlocksRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_router__pb2.PreCopyBlocksResponse.FromString,
+                _registered_method=True)
         self.Resume = channel.unary_unary(
                 '/reconfig.v1.Router/Resume',
                 request_serializer=reconfig_dot_v1_dot_router__pb2.ResumeRequest.SerializeToString,
@@ -106,6 +111,16 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PreCopyBlocks(self, request, context):
+        """KV pre-copy of a switch, while serving: the full KV blocks of running requests (ids below
+        num_kv_blocks) not handed out before in this operation; they never change while their request
+        holds them. The Rebind of the same operation then lists only what changed since (the delta).
+        FAILED_PRECONDITION: the layout has several KV pools (expert parallel).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Resume(self, request, context):
         """Starts scheduling again after Freeze.
         """
@@ -154,6 +169,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Rebind,
                     request_deserializer=reconfig_dot_v1_dot_router__pb2.RebindRequest.FromString,
                     response_serializer=reconfig_dot_v1_dot_router__pb2.RebindResponse.SerializeToString,
+            ),
+            'PreCopyBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PreCopyBlocks,
+                    request_deserializer=reconfig_dot_v1_dot_router__pb2.PreCopyBlocksRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_router__pb2.PreCopyBlocksResponse.SerializeToString,
             ),
             'Resume': grpc.unary_unary_rpc_method_handler(
                     servicer.Resume,
@@ -260,6 +280,33 @@ class Router:
             '/reconfig.v1.Router/Rebind',
             reconfig_dot_v1_dot_router__pb2.RebindRequest.SerializeToString,
             reconfig_dot_v1_dot_router__pb2.RebindResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PreCopyBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Router/PreCopyBlocks',
+            reconfig_dot_v1_dot_router__pb2.PreCopyBlocksRequest.SerializeToString,
+            reconfig_dot_v1_dot_router__pb2.PreCopyBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -110,6 +110,39 @@ class StageSwitchRequest(_message.Message):
     layer_partition: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, operation_id: _Optional[str] = ..., topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class PreCopyKVRequest(_message.Message):
+    __slots__ = ("operation_id", "num_kv_blocks", "block_ids", "peers")
+    class PeersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: PeerPool
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[PeerPool, _Mapping]] = ...) -> None: ...
+    OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    operation_id: str
+    num_kv_blocks: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    peers: _containers.MessageMap[int, PeerPool]
+    def __init__(self, operation_id: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[_Mapping[int, PeerPool]] = ...) -> None: ...
+
+class PreCopyKVResponse(_message.Message):
+    __slots__ = ("supported", "kv_bytes_received", "kv_bytes_local", "seconds", "staged_pool_bytes")
+    SUPPORTED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STAGED_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    supported: bool
+    kv_bytes_received: int
+    kv_bytes_local: int
+    seconds: float
+    staged_pool_bytes: int
+    def __init__(self, supported: _Optional[bool] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_local: _Optional[int] = ..., seconds: _Optional[float] = ..., staged_pool_bytes: _Optional[int] = ...) -> None: ...
+
 class StageSwitchResponse(_message.Message):
     __slots__ = ("staged", "seconds", "weight_bytes_loaded", "weight_bytes_reused")
     STAGED_FIELD_NUMBER: _ClassVar[int]
@@ -159,7 +192,7 @@ class PeerPool(_message.Message):
     def __init__(self, kv_segments: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class ApplySwitchRequest(_message.Message):
-    __slots__ = ("operation_id", "topology", "layer_partition", "num_kv_blocks", "used_block_ids", "peers", "kv_channel", "old_ranks", "drop_kv", "block_maps")
+    __slots__ = ("operation_id", "topology", "layer_partition", "num_kv_blocks", "used_block_ids", "peers", "kv_channel", "old_ranks", "drop_kv", "block_maps", "precopied")
     class PeersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +210,7 @@ class ApplySwitchRequest(_message.Message):
     OLD_RANKS_FIELD_NUMBER: _ClassVar[int]
     DROP_KV_FIELD_NUMBER: _ClassVar[int]
     BLOCK_MAPS_FIELD_NUMBER: _ClassVar[int]
+    PRECOPIED_FIELD_NUMBER: _ClassVar[int]
     operation_id: str
     topology: str
     layer_partition: _containers.RepeatedScalarFieldContainer[int]
@@ -187,7 +221,8 @@ class ApplySwitchRequest(_message.Message):
     old_ranks: _containers.RepeatedScalarFieldContainer[int]
     drop_kv: bool
     block_maps: _containers.RepeatedCompositeFieldContainer[BlockMap]
-    def __init__(self, operation_id: _Optional[str] = ..., topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., used_block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[_Mapping[int, PeerPool]] = ..., kv_channel: _Optional[str] = ..., old_ranks: _Optional[_Iterable[int]] = ..., drop_kv: _Optional[bool] = ..., block_maps: _Optional[_Iterable[_Union[BlockMap, _Mapping]]] = ...) -> None: ...
+    precopied: bool
+    def __init__(self, operation_id: _Optional[str] = ..., topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., used_block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[_Mapping[int, PeerPool]] = ..., kv_channel: _Optional[str] = ..., old_ranks: _Optional[_Iterable[int]] = ..., drop_kv: _Optional[bool] = ..., block_maps: _Optional[_Iterable[_Union[BlockMap, _Mapping]]] = ..., precopied: _Optional[bool] = ...) -> None: ...
 
 class BlockMap(_message.Message):
     __slots__ = ("src_pool", "dst_pool", "src_block_ids", "dst_block_ids")
@@ -202,7 +237,7 @@ class BlockMap(_message.Message):
     def __init__(self, src_pool: _Optional[int] = ..., dst_pool: _Optional[int] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ApplySwitchResponse(_message.Message):
-    __slots__ = ("kv_bytes_received", "kv_bytes_local", "weight_bytes_loaded", "weight_bytes_reused", "migrate_seconds", "reload_seconds", "peak_extra_bytes", "built_groups", "info", "apply_seconds", "weight_bytes_resharded", "used_staged")
+    __slots__ = ("kv_bytes_received", "kv_bytes_local", "weight_bytes_loaded", "weight_bytes_reused", "migrate_seconds", "reload_seconds", "peak_extra_bytes", "built_groups", "info", "apply_seconds", "weight_bytes_resharded", "used_staged", "used_precopy")
     KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_LOCAL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +250,7 @@ class ApplySwitchResponse(_message.Message):
     APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_RESHARDED_FIELD_NUMBER: _ClassVar[int]
     USED_STAGED_FIELD_NUMBER: _ClassVar[int]
+    USED_PRECOPY_FIELD_NUMBER: _ClassVar[int]
     kv_bytes_received: int
     kv_bytes_local: int
     weight_bytes_loaded: int
@@ -227,7 +263,8 @@ class ApplySwitchResponse(_message.Message):
     apply_seconds: float
     weight_bytes_resharded: int
     used_staged: bool
-    def __init__(self, kv_bytes_received: _Optional[int] = ..., kv_bytes_local: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., weight_bytes_reused: _Optional[int] = ..., migrate_seconds: _Optional[float] = ..., reload_seconds: _Optional[float] = ..., peak_extra_bytes: _Optional[int] = ..., built_groups: _Optional[bool] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., apply_seconds: _Optional[float] = ..., weight_bytes_resharded: _Optional[int] = ..., used_staged: _Optional[bool] = ...) -> None: ...
+    used_precopy: bool
+    def __init__(self, kv_bytes_received: _Optional[int] = ..., kv_bytes_local: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., weight_bytes_reused: _Optional[int] = ..., migrate_seconds: _Optional[float] = ..., reload_seconds: _Optional[float] = ..., peak_extra_bytes: _Optional[int] = ..., built_groups: _Optional[bool] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., apply_seconds: _Optional[float] = ..., weight_bytes_resharded: _Optional[int] = ..., used_staged: _Optional[bool] = ..., used_precopy: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "num_logprobs")

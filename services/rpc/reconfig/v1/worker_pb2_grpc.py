@@ -61,6 +61,11 @@ class WorkerStub:
                 request_serializer=reconfig_dot_v1_dot_worker__pb2.StageSwitchRequest.SerializeToString,
                 response_deserializer=reconfig_dot_v1_dot_worker__pb2.StageSwitchResponse.FromString,
                 _registered_method=True)
+        self.PreCopyKV = channel.unary_unary(
+                '/reconfig.v1.Worker/PreCopyKV',
+                request_serializer=reconfig_dot_v1_dot_worker__pb2.PreCopyKVRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_worker__pb2.PreCopyKVResponse.FromString,
+                _registered_method=True)
         self.ApplySwitch = channel.unary_unary(
                 '/reconfig.v1.Worker/ApplySwitch',
                 request_serializer=reconfig_dot_v1_dot_worker__pb2.ApplySwitchRequest.SerializeToString,
@@ -128,6 +133,17 @@ class WorkerServicer:
         weight slices that stay are shared, the others loaded from the weight store — so that the
         ApplySwitch that follows only moves KV and swaps. Returns when the shard is built. No collective:
         each worker stages alone. A later StageSwitch, a Regroup or an ApplySwitch drops what is staged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PreCopyKV(self, request, context):
+        """KV PRE-COPY (serving goes on), after StageSwitch: copy full KV blocks of running requests (they
+        never change again while their request holds them) from the peers' live pools into this
+        worker's staged pool of the target, so that the freeze only copies the blocks written since.
+        Called in rounds; no collective. supported=false (a channel other than shared memory: GPUs,
+        several hosts): the ApplySwitch moves all the KV in the freeze, as without pre-copy.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -206,6 +222,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.StageSwitch,
                     request_deserializer=reconfig_dot_v1_dot_worker__pb2.StageSwitchRequest.FromString,
                     response_serializer=reconfig_dot_v1_dot_worker__pb2.StageSwitchResponse.SerializeToString,
+            ),
+            'PreCopyKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.PreCopyKV,
+                    request_deserializer=reconfig_dot_v1_dot_worker__pb2.PreCopyKVRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_worker__pb2.PreCopyKVResponse.SerializeToString,
             ),
             'ApplySwitch': grpc.unary_unary_rpc_method_handler(
                     servicer.ApplySwitch,
@@ -370,6 +391,33 @@ class Worker:
             '/reconfig.v1.Worker/StageSwitch',
             reconfig_dot_v1_dot_worker__pb2.StageSwitchRequest.SerializeToString,
             reconfig_dot_v1_dot_worker__pb2.StageSwitchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PreCopyKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Worker/PreCopyKV',
+            reconfig_dot_v1_dot_worker__pb2.PreCopyKVRequest.SerializeToString,
+            reconfig_dot_v1_dot_worker__pb2.PreCopyKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,99 @@
+"""KV pre-copy on one worker: fill the staged pool of a switch's target while the live layout serves, then, in
+the freeze, copy only the delta and hand the pool to the new runner.
+
+The staged pool is allocated at the first round: a layer tensor for every local layer of the target, except the
+layers this rank keeps as they are (same heads, same block count: the live tensor moves over at the cutover,
+nothing to copy). Each round copies full blocks (the router's PreCopyBlocks: they never change while their
+request holds them) from the peers' live shared-memory pools and from this worker's own, on the stage thread,
+beside the steps. Nothing here touches the live pools, so a failed or abandoned pre-copy only drops the staged
+pool. The cutover (`finish`) copies the delta the same way, then every rank of the world agrees once; the kept
+layers move over only when the whole switch has succeeded (`commit`). A failure before leaves the old layout
+exactly as it was (no layer to move back).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from services.topology import KVMigrationPlan
+from services.worker.channel import ShmChannel
+from services.worker.kv_cache import KVCache
+from services.worker.kv_migration import MigrationAborted, MigrationStats, _fill, identity_block_maps, pool_blocks
+
+
+@dataclass(slots=True)
+class StagedKV:
+    """The target's KV pool of this rank while a switch pre-copies into it."""
+
+    plan: KVMigrationPlan
+    rank: int
+    cache: KVCache             # the target's capacity; its layers: the ones this rank fills (kept ones added last)
+    kept_layers: list[int]     # local layers whose live tensor moves over as is at the cutover
+    bytes_received: int = 0    # over every round (peers' pools / this worker's own)
+    bytes_local: int = 0
+    rounds: list[float] = field(default_factory=list)  # seconds of each round
+
+    @classmethod
+    def allocate(cls, plan: KVMigrationPlan, rank: int, live: KVCache | None, target: KVCache) -> StagedKV:
+        """A layer tensor of `target` (which holds none yet) for every local layer of the target this rank must
+        fill; the identity layers are left to move over at the cutover."""
+        same_blocks = live is not None and live.num_blocks == target.num_blocks
+        kept = [layer for layer in plan.new_local_layers(rank) if same_blocks and plan.is_identity_for(rank, layer)]
+        for layer in plan.new_local_layers(rank):
+            if layer not in kept:
+                target.set_layer(layer, target.new_layer())
+        return cls(plan, rank, target, kept)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.cache.num_bytes
+
+    def copy(self, live: KVCache | None, block_ids: list[int], channel: ShmChannel,
+             fault: Callable[[int], None] | None = None) -> MigrationStats:
+        """Copy `block_ids` (they keep their ids) of every layer this rank fills: from the peers' live pools
+        (`channel`) and from `live` (its own). No collective; the live pools are only read."""
+        started = time.perf_counter()
+        stats = MigrationStats()
+        if block_ids:
+            maps = pool_blocks(identity_block_maps(block_ids))
+            try:
+                for layer in self.plan.layers():
+                    if not self.cache.has_layer(layer) or layer in self.kept_layers:
+                        continue
+                    transfers = [t for t in self.plan.for_layer(layer) if t.dst_rank == self.rank]
+                    received = channel.exchange(layer, [], [t for t in transfers if not t.is_local])
+                    if fault is not None:
+                        fault(layer)
+                    _fill(self.cache.layer(layer), transfers, self.rank, live, received, maps, layer, stats)
+            finally:
+                channel.close()
+        stats.seconds = time.perf_counter() - started
+        self.bytes_received += stats.bytes_received
+        self.bytes_local += stats.bytes_local
+        self.rounds.append(stats.seconds)
+        return stats
+
+    def commit(self, live: KVCache | None) -> None:
+        """The switch is done: the kept layers move from the live pool into this one (no copy)."""
+        for layer in self.kept_layers:
+            self.cache.set_layer(layer, live.pop_layer(layer))
+
+
+def finish_precopy(staged: StagedKV | None, live: KVCache | None, delta: list[int], channel: ShmChannel,
+                   agree: Callable[[bool], bool], fault: Callable[[int], None] | None = None) -> MigrationStats:
+    """The cutover of a pre-copied switch (collective, the router frozen): copy the delta into this rank's staged
+    pool (None: a rank on standby in the target, it only agrees), then agree with every rank once.
+    MigrationAborted (no done layer: nothing to move back) when any rank failed."""
+    error = ""
+    stats = MigrationStats()
+    try:
+        if staged is not None:
+            stats = staged.copy(live, delta, channel, fault)
+            stats.layers_kept = len(staged.kept_layers)
+    except Exception as exc:  # this rank's part failed: tell the others instead of leaving them waiting
+        error = f"{type(exc).__name__}: {exc}"
+    if not agree(not error):
+        raise MigrationAborted(-1, [], error or "another rank failed")
+    return stats
