@@ -419,6 +419,7 @@ class Progress:
         return router_pb2.SwitchReport(
             operation_id=status.operation_id, from_topology=status.from_topology, to_topology=status.to_topology,
             phase_seconds=seconds, kv_bytes_moved=status.kv_bytes_moved, weight_bytes_loaded=status.weight_bytes_loaded,
+            kv_bytes_precopied=status.kv_bytes_precopied,
             num_requests_preempted=status.num_requests_preempted, state=state.name,
         )
 

@@ -95,21 +95,28 @@ class Driver:
         await self.close()
 
     async def connect(self) -> None:
-        """Read every worker's info and open the step streams of the active ones."""
-        infos = []
-        for address in self.addresses:
-            async with grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
-                stub = worker_pb2_grpc.WorkerStub(channel)
-                try:
-                    infos.append(await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=10, metadata=self.metadata))
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
-                        raise
-                    raise WorkerUnreachable(f"worker {address} does not answer: {describe_error(exc)}") from None
-        self.infos = infos
-        self._streams = [_WorkerStream(a, self.metadata) for a, i in zip(self.addresses, infos) if i.num_kv_blocks > 0]
+        """Read every worker's info (all at once) and open the step streams of the active ones, each over the
+        channel its info came through (a switch's rebind waits on this: no second connection per worker)."""
+        streams = [_WorkerStream(address, self.metadata) for address in self.addresses]
+        try:
+            infos = await asyncio.gather(*(self._info(stream) for stream in streams))
+        except BaseException:
+            await asyncio.gather(*(stream.channel.close() for stream in streams), return_exceptions=True)
+            raise
+        self.infos = list(infos)
+        self._streams = [stream for stream, info in zip(streams, infos) if info.num_kv_blocks > 0]
+        await asyncio.gather(*(stream.channel.close() for stream, info in zip(streams, infos)
+                               if info.num_kv_blocks == 0))
         for stream in self._streams:
             await stream.open()
+
+    async def _info(self, stream: _WorkerStream) -> worker_pb2.WorkerInfo:
+        try:
+            return await stream.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=10, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
+                raise
+            raise WorkerUnreachable(f"worker {stream.address} does not answer: {describe_error(exc)}") from None
 
     @property
     def num_kv_blocks(self) -> int:
@@ -155,6 +162,5 @@ class Driver:
                           compute_seconds=max(o.compute_seconds for o in outputs))
 
     async def close(self) -> None:
-        for stream in self._streams:
-            await stream.close()
-        self._streams = []
+        streams, self._streams = self._streams, []
+        await asyncio.gather(*(stream.close() for stream in streams))

@@ -76,6 +76,7 @@ class SwitchReport:
     kv_bytes_moved: int = 0
     weight_bytes_loaded: int = 0
     num_requests_preempted: int = 0
+    kv_bytes_precopied: int = 0        # before the freeze (PRECOPY); kv_bytes_moved is what moved in it
 
     @property
     def downtime_seconds(self) -> float:
@@ -102,6 +103,7 @@ class SwitchTotals:
     weight_bytes_loaded: int = 0
     num_requests_preempted: int = 0
     last: SwitchReport | None = None
+    kv_bytes_precopied: int = 0
 
     @property
     def num_total(self) -> int:
@@ -122,6 +124,7 @@ class SwitchTotals:
             staging_seconds=self.staging_seconds + report.staging_seconds,
             num_staged=self.num_staged + (STAGING_PHASE in report.phase_seconds),
             kv_bytes_moved=self.kv_bytes_moved + report.kv_bytes_moved,
+            kv_bytes_precopied=self.kv_bytes_precopied + report.kv_bytes_precopied,
             weight_bytes_loaded=self.weight_bytes_loaded + report.weight_bytes_loaded,
             num_requests_preempted=self.num_requests_preempted + report.num_requests_preempted,
             last=report,

@@ -179,6 +179,7 @@ def switch_report_from_pb(pb: router_pb2.SwitchReport) -> SwitchReport:
     return SwitchReport(
         operation_id=pb.operation_id, from_topology=pb.from_topology, to_topology=pb.to_topology, state=pb.state,
         phase_seconds=dict(pb.phase_seconds), kv_bytes_moved=pb.kv_bytes_moved,
+        kv_bytes_precopied=pb.kv_bytes_precopied,
         weight_bytes_loaded=pb.weight_bytes_loaded, num_requests_preempted=pb.num_requests_preempted,
     )
 

@@ -301,6 +301,7 @@ async def test_metrics_after_switches_with_preemption_and_rollback(live_stack, m
         # The KV moved in the freeze (the pre-copy's delta): none when every request holding an id past the new
         # capacity was preempted
         assert _value(after, "reconfig:kv_migrated_bytes_total") == shrink.kv_bytes_moved
+        assert _value(after, "reconfig:kv_precopied_bytes_total") == shrink.kv_bytes_precopied > 0
         assert _value(after, "reconfig:weight_loaded_bytes_total") == shrink.weight_bytes_loaded > 0
         assert _value(after, "reconfig:switch_preempted_requests_total") == shrink.num_requests_preempted
         assert _value(after, "reconfig:topology_info", topology="tp2pp1") == 1

@@ -94,7 +94,9 @@ def switch_metrics(switches: SwitchTotals, model_name: str) -> Iterator[Metric]:
     last.add_metric(labels, switches.last.downtime_seconds if switches.last else 0.0)
     yield last
     for name, documentation, value in (
-        ("kv_migrated_bytes", "KV-cache bytes moved by layout switches.", switches.kv_bytes_moved),
+        ("kv_migrated_bytes", "KV-cache bytes moved by layout switches inside their freeze.", switches.kv_bytes_moved),
+        ("kv_precopied_bytes", "KV-cache bytes layout switches copied while serving, before their freeze.",
+         switches.kv_bytes_precopied),
         ("weight_loaded_bytes", "Weight bytes loaded from the weight store by layout switches.",
          switches.weight_bytes_loaded),
         ("switch_preempted_requests", "Requests preempted by layout switches (re-prefilled later).",

@@ -172,7 +172,7 @@ class RebindResponse(_message.Message):
     def __init__(self, stats: _Optional[_Union[RouterStats, _Mapping]] = ..., used_block_ids: _Optional[_Iterable[int]] = ..., block_maps: _Optional[_Iterable[_Union[_worker_pb2.BlockMap, _Mapping]]] = ...) -> None: ...
 
 class SwitchReport(_message.Message):
-    __slots__ = ("operation_id", "from_topology", "to_topology", "phase_seconds", "kv_bytes_moved", "weight_bytes_loaded", "num_requests_preempted", "state")
+    __slots__ = ("operation_id", "from_topology", "to_topology", "phase_seconds", "kv_bytes_moved", "weight_bytes_loaded", "num_requests_preempted", "state", "kv_bytes_precopied")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,7 @@ class SwitchReport(_message.Message):
     WEIGHT_BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PRECOPIED_FIELD_NUMBER: _ClassVar[int]
     operation_id: str
     from_topology: str
     to_topology: str
@@ -196,7 +197,8 @@ class SwitchReport(_message.Message):
     weight_bytes_loaded: int
     num_requests_preempted: int
     state: str
-    def __init__(self, operation_id: _Optional[str] = ..., from_topology: _Optional[str] = ..., to_topology: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., kv_bytes_moved: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., num_requests_preempted: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+    kv_bytes_precopied: int
+    def __init__(self, operation_id: _Optional[str] = ..., from_topology: _Optional[str] = ..., to_topology: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., kv_bytes_moved: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., num_requests_preempted: _Optional[int] = ..., state: _Optional[str] = ..., kv_bytes_precopied: _Optional[int] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("switch",)
