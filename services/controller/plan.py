@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from services.controller.staging import staging_needs, staging_verdict
+from services.controller.staging import staged_pool_bytes, staging_needs, staging_verdict
 from services.controller.transaction import Reconfigurer, prepare_workers
 from services.model.expert_reshard import can_reshard
 from services.model.spec import ModelSpec
@@ -75,7 +75,9 @@ async def plan_switch(reconfigurer: Reconfigurer, topology: str, layer_partition
         ))
     staging_note = "" if reconfigurer.staging else "staging is off: every switch runs in place"
     if not staging_note:
-        staging_note = staging_verdict(staging_needs(weights, target.topology, dtype_bytes),
+        pools = staged_pool_bytes(spec, state.topology, target, capacity, block_size, dtype_bytes) \
+            if reconfigurer.kv_precopy else {}
+        staging_note = staging_verdict(staging_needs(weights, target.topology, dtype_bytes, pools),
                                        reconfigurer.staging_budget_bytes)
     return controller_pb2.PlanResponse(
         from_topology=str(state.topology), to_topology=str(target.topology), workers=rows, num_used_blocks=used,

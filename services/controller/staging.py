@@ -50,10 +50,25 @@ def planned_reloads(spec: ModelSpec, live: Topology, live_partition, target: Top
     return plan_weight_reload(old, range(live.num_workers), new, range(target.num_workers), WeightFlags.of(spec))
 
 
-def staging_needs(reloads: Mapping[int, WeightReload], target: Topology, dtype_bytes: int) -> dict[int, int]:
+def staging_needs(reloads: Mapping[int, WeightReload], target: Topology, dtype_bytes: int,
+                  kv_pools: Mapping[int, int] | None = None) -> dict[int, int]:
     """Rank -> bytes its staged shard of the target holds beside the live one: the slices it loads (the ones it
-    keeps are shared); ranks on standby in the target stage nothing."""
-    return {rank: reload.load_bytes(dtype_bytes) for rank, reload in reloads.items() if rank < target.num_workers}
+    keeps are shared), plus its staged KV pool when the KV is pre-copied (`kv_pools`, see staged_pool_bytes);
+    ranks on standby in the target stage nothing."""
+    kv_pools = kv_pools or {}
+    return {rank: reload.load_bytes(dtype_bytes) + kv_pools.get(rank, 0) for rank, reload in reloads.items()
+            if rank < target.num_workers}
+
+
+def staged_pool_bytes(spec: ModelSpec, live: Topology, target: SwitchTarget, capacity: int, block_size: int,
+                      dtype_bytes: int) -> dict[int, int]:
+    """Rank -> bytes of the KV pool it pre-copies into (the target's capacity over its layers and KV heads; an
+    upper bound: layers it keeps as they are need none); empty when the switch cannot pre-copy."""
+    if live.num_kv_pools > 1 or target.topology.num_kv_pools > 1:
+        return {}
+    placement = place(target.topology, spec.shape, target.layer_partition)
+    return {rank: 2 * capacity * block_size * len(w.kv_heads) * spec.head_dim * dtype_bytes * len(w.layers)
+            for rank, w in enumerate(placement.workers)}
 
 
 def staging_verdict(needs: dict[int, int], budget_bytes: int | None) -> str:

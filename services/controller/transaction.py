@@ -30,6 +30,7 @@ from services.controller.staging import (
     precopy_refusal,
     prepare_workers,
     stage_workers,
+    staged_pool_bytes,
     staging_needs,
     staging_verdict,
 )
@@ -171,11 +172,13 @@ class Reconfigurer:
         target's new slices beside its live shard until the freeze."""
         if self.staging_budget_bytes is None:
             return ""
-        prepared, _ = await prepare_workers(self.workers, target, timeout, self.metadata)
+        prepared, capacity = await prepare_workers(self.workers, target, timeout, self.metadata)
         reloads = planned_reloads(self.spec, self.state.topology, self.state.layer_partition, target.topology,
                                   target.layer_partition)
-        return staging_verdict(staging_needs(reloads, target.topology, prepared[0].kv_dtype_bytes),
-                               self.staging_budget_bytes)
+        dtype_bytes = prepared[0].kv_dtype_bytes
+        pools = staged_pool_bytes(self.spec, self.state.topology, target, capacity, prepared[0].block_size,
+                                  dtype_bytes) if self.kv_precopy else {}
+        return staging_verdict(staging_needs(reloads, target.topology, dtype_bytes, pools), self.staging_budget_bytes)
 
     async def _stage(self, progress: Progress, target: SwitchTarget) -> list[worker_pb2.StageSwitchResponse]:
         """STAGING, while the router serves: every worker builds its shard of the target beside its steps. A
