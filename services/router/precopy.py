@@ -29,10 +29,7 @@ class KVPrecopy:
     num_kv_blocks: int  # the target's capacity: ids at or above it are never pre-copied
     copied: dict[str, tuple[int, set[int]]] = field(default_factory=dict)
     num_rounds: int = 0
-
-    @property
-    def num_copied(self) -> int:
-        return sum(len(ids) for _, ids in self.copied.values())
+    num_copied: int = 0  # blocks handed out in this operation, every round (a re-copied id counts again)
 
     def next_round(self, running: Iterable[Sequence], block_size: int) -> list[int]:
         """The full blocks of `running` not handed out yet (below the target capacity), ascending; recorded as
@@ -49,6 +46,7 @@ class KVPrecopy:
                     new.append(block)
             if ids:
                 self.copied[seq.request_id] = (seq.num_preemptions, ids)
+        self.num_copied += len(new)
         return sorted(new)
 
     def delta(self, holders: Iterable[Sequence], used_block_ids: Iterable[int]) -> list[int]:

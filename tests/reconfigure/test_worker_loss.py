@@ -43,6 +43,8 @@ class Case:
 CASES = [
     Case("serving", "tp2pp2", victim=1, replace=True),
     Case("STAGING", "tp2pp2", victim=2, stage="STAGING"),  # while serving, before any freeze
+    # A KV pre-copy round (serving, after STAGING): the victim dies as it copies its first layer.
+    Case("PRECOPY", "tp2pp2", victim=1, fault="precopy:rank=1:action=crash"),
     Case("QUIESCING", "tp2pp2", victim=3, stage="QUIESCING"),
     Case("PREPARING_WORKERS", "tp2pp2", victim=0, stage="PREPARING_WORKERS"),
     Case("APPLYING_TOPOLOGY", "tp2pp2", victim=2, stage="APPLYING_TOPOLOGY"),
