@@ -18,6 +18,7 @@ the CPU tests check against the variable-shape path.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -32,6 +33,10 @@ from services.worker.step import SequenceStep
 log = structlog.get_logger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+# Held while a graph is captured, and by any other thread of the process while it allocates or frees CUDA memory
+# (the stage thread building a target's shard): the caching allocator's bookkeeping of a capture's private pool
+# breaks when another thread allocates or frees meanwhile (found on an H200: an INTERNAL ASSERT, use_count > 0).
+CUDA_ALLOCATION_LOCK = threading.Lock()
 MIN_KEYS = 128  # the smallest key bucket (tokens); buckets double from here
 
 
@@ -191,7 +196,7 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph.graph = torch.cuda.CUDAGraph()
         # thread_local: the worker's RPC threads may touch CUDA (a status query) while the model thread captures
-        with torch.cuda.graph(graph.graph, pool=self._pool, capture_error_mode="thread_local"):
+        with CUDA_ALLOCATION_LOCK, torch.cuda.graph(graph.graph, pool=self._pool, capture_error_mode="thread_local"):
             outputs = self._step(graph)
         self._outputs(graph, outputs)
         elapsed = time.perf_counter() - started
