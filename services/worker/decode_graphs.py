@@ -18,7 +18,6 @@ the CPU tests check against the variable-shape path.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 
@@ -33,10 +32,6 @@ from services.worker.step import SequenceStep
 log = structlog.get_logger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
-# Held while a graph is captured, and by any other thread of the process while it allocates or frees CUDA memory
-# (the stage thread building a target's shard): the caching allocator's bookkeeping of a capture's private pool
-# breaks when another thread allocates or frees meanwhile (found on an H200: an INTERNAL ASSERT, use_count > 0).
-CUDA_ALLOCATION_LOCK = threading.Lock()
 MIN_KEYS = 128  # the smallest key bucket (tokens); buckets double from here
 
 
@@ -143,7 +138,12 @@ class DecodeGraphs:
         return captured
 
     def clear(self) -> None:
+        """Drop every graph. The next capture takes a new memory pool: the caching allocator keeps a pool whose graphs
+        are all gone (until its blocks are freed) but refuses captures into it (found on an H200: INTERNAL ASSERT
+        use_count > 0, after a rolled-back switch replaced a KV layer under the live runner)."""
         self._graphs.clear()
+        if self.capture:
+            self._pool = torch.cuda.graph_pool_handle()
 
     @property
     def num_graphs(self) -> int:
@@ -196,7 +196,7 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph.graph = torch.cuda.CUDAGraph()
         # thread_local: the worker's RPC threads may touch CUDA (a status query) while the model thread captures
-        with CUDA_ALLOCATION_LOCK, torch.cuda.graph(graph.graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph.graph, pool=self._pool, capture_error_mode="thread_local"):
             outputs = self._step(graph)
         self._outputs(graph, outputs)
         elapsed = time.perf_counter() - started

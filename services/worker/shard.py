@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -25,7 +24,6 @@ from services.worker.kv_cache import KVCache, num_blocks_for_budget
 from services.worker.kv_precopy import StagedKV, finish_precopy
 from services.worker.channel import DistChannel, KVChannel, ShmChannel
 from services.worker.faults import FAULTS
-from services.worker.decode_graphs import CUDA_ALLOCATION_LOCK
 from services.worker.expert_balance import ExpertBalancer
 from services.worker.kv_migration import (
     BlockMaps,
@@ -206,8 +204,7 @@ class WorkerShard:
         """STAGING, beside the steps (the stage thread): build this rank's shard of the target from the live one
         and the weight store, and keep it for the ApplySwitch of that target. Nothing live changes; the build runs
         at a low OS priority so that the steps keep their cores."""
-        with self._cuda_allocating():
-            self.drop_staged()  # a previous staging is obsolete
+        self.drop_staged()  # a previous staging is obsolete
         if not request.topology:  # the controller gave up on the switch it staged for
             return worker_pb2.StageSwitchResponse(staged=False)
         target = Topology.parse(request.topology)
@@ -217,8 +214,7 @@ class WorkerShard:
             return worker_pb2.StageSwitchResponse(staged=False)  # standby there, or groups to build: apply builds
         lower_thread_priority()
         started = time.perf_counter()
-        # On a GPU the build allocates while the model thread may capture a decode graph: not at the same time.
-        with self._cuda_allocating(), MappedCheckpoint(self.manifest) as checkpoint:
+        with MappedCheckpoint(self.manifest) as checkpoint:
             model = self._build_model(target, partition, checkpoint, live, expert_reshard=False)
         model.pack_weights()  # MKL's layout (CPU) now, not in the freeze (packing is idempotent: kept parts are)
         seconds = time.perf_counter() - started
@@ -231,14 +227,6 @@ class WorkerShard:
                  seconds=round(seconds, 4), weights_loaded=loaded, weights_reused=reused)
         return worker_pb2.StageSwitchResponse(staged=True, seconds=seconds, weight_bytes_loaded=loaded,
                                               weight_bytes_reused=reused)
-
-    def _cuda_allocating(self):
-        """Held by a thread other than the model thread around CUDA allocations and frees (decode_graphs)."""
-        return CUDA_ALLOCATION_LOCK if self.device.type == "cuda" else contextlib.nullcontext()
-
-    def _free_pool(self, cache: KVCache) -> None:
-        with self._cuda_allocating():
-            cache.close()
 
     def drop_staged(self) -> None:
         """Forget what was staged, freeing its KV pool."""
@@ -436,7 +424,10 @@ class WorkerShard:
         if precopied is not None:
             precopied.commit(old_kv)
         if old is not None:  # anything the migration did not move or keep; every peer is done reading it
-            self._freeing.submit(self._free_pool, old.kv_cache)  # unmapping a touched pool: ~0.2 s/GiB
+            if self.device.type == "cpu":  # unmapping a touched pool takes ~0.2 s/GiB: not in the freeze
+                self._freeing.submit(old.kv_cache.close)
+            else:  # back to the caching allocator, on the model thread (it may capture decode graphs)
+                old.kv_cache.close()
         kept = set(runner.model.parameter_tensors()) & set(old.model.parameter_tensors()) if runner and old else set()
         new_tensors = runner.model.parameter_tensors() if runner else {}
         reused = sum(t.numel() * t.element_size() for i, t in new_tensors.items() if i in kept)
