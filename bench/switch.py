@@ -144,8 +144,9 @@ class _Stack:
     workers: list[_RecordingWorker]
 
 
-async def start_stack(config: BenchConfig, topology: str) -> tuple[_Stack, float, float]:
-    """The stack of tests/reconfigure in-process; returns it, seconds to workers ready, seconds to router ready."""
+async def start_stack(config: BenchConfig, topology: str, max_num_seqs: int = 128) -> tuple[_Stack, float, float]:
+    """The stack of tests/reconfigure in-process (the router runs up to max_num_seqs requests at once); returns it,
+    seconds to workers ready, seconds to router ready."""
     from services.controller.state import ControllerConfig, ControllerState
     from services.controller.transaction import Reconfigurer
     from services.launch.cluster import ClusterConfig, LocalCluster
@@ -161,7 +162,7 @@ async def start_stack(config: BenchConfig, topology: str) -> tuple[_Stack, float
     workers_ready = time.perf_counter()
     addresses = tuple(cluster.worker_addresses)
     engine = await build_engine(RouterConfig(worker_addresses=addresses, model_dir=str(cluster.model_dir),
-                                             model_name=config.model))
+                                             model_name=config.model, max_num_seqs=max_num_seqs))
     server, port = await start_router_grpc(engine, "127.0.0.1", 0, TOKEN)
     state = ControllerState(ControllerConfig(token=TOKEN, worker_addresses=addresses, topology=topology,
                                              router_grpc_address=f"127.0.0.1:{port}", model_dir=str(cluster.model_dir)))
