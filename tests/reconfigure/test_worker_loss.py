@@ -38,6 +38,7 @@ class Case:
     switch_to: str = "tp4pp1"  # the switch that runs (when stage or fault is set)
     kv_kept: bool = False      # whether the running requests' KV survives (replicas on survivors)
     replace: bool = False      # then add a replacement worker and switch back to full strength
+    strategy: str = ""         # the switch's strategy ("": staged, with the KV pre-copy)
 
 
 CASES = [
@@ -46,7 +47,8 @@ CASES = [
     # A KV pre-copy round (serving, after STAGING): the victim dies as it copies its first layer.
     Case("PRECOPY", "tp2pp2", victim=1, fault="precopy:rank=1:action=crash"),
     Case("QUIESCING", "tp2pp2", victim=3, stage="QUIESCING"),
-    Case("PREPARING_WORKERS", "tp2pp2", victim=0, stage="PREPARING_WORKERS"),
+    # In place: a staged switch asks the workers before its pre-copy, so its PREPARING_WORKERS calls none of them.
+    Case("PREPARING_WORKERS", "tp2pp2", victim=0, stage="PREPARING_WORKERS", strategy="in-place"),
     Case("APPLYING_TOPOLOGY", "tp2pp2", victim=2, stage="APPLYING_TOPOLOGY"),
     Case("MIGRATING layer 1", "tp2pp2", victim=1, fault="migrate:rank=1:layer=1:action=crash"),
     # Past the commit point the live layout is tp4pp1, whose KV heads live on two workers each.
@@ -110,7 +112,7 @@ async def test_killed_worker_stack_recovers_and_every_request_completes(case, sw
                 if case.stage:
                     kill_at_stage(state, case.stage, cluster.worker_pids[case.victim])
                 if case.stage or case.fault:
-                    switched = await stack.reconfigurer.reconfigure(case.switch_to)
+                    switched = await stack.reconfigurer.reconfigure(case.switch_to, strategy=case.strategy)
                     assert switched.state is not OperationState.SUCCEEDED or case.stage == "REBINDING"
                 else:
                     os.kill(cluster.worker_pids[case.victim], signal.SIGKILL)
