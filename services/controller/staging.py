@@ -133,11 +133,11 @@ async def precopy_kv(workers: list[worker_pb2_grpc.WorkerStub], router: router_p
         if not all(r.supported for r in replies):
             return "a worker's KV does not travel through shared memory (GPU, or several hosts): it moves in the freeze"
         rounds += 1
-        copied_bytes += sum(r.kv_bytes_received + r.kv_bytes_local for r in replies)
+        round_bytes = sum(r.kv_bytes_received + r.kv_bytes_local for r in replies)
+        copied_bytes += round_bytes
         copied_blocks += len(blocks.block_ids)
         log.info("controller.precopy_round", operation_id=operation_id, round=rounds, blocks=len(blocks.block_ids),
-                 used=blocks.num_used, bytes=sum(r.kv_bytes_received + r.kv_bytes_local for r in replies),
-                 seconds=round(max(r.seconds for r in replies), 4))
+                 used=blocks.num_used, bytes=round_bytes, seconds=round(max(r.seconds for r in replies), 4))
         if rounds > 1 and len(blocks.block_ids) <= PRECOPY_STOP_BLOCKS:
             break
     return Precopy(prepared, capacity, rounds, copied_bytes, copied_blocks)

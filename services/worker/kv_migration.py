@@ -180,7 +180,7 @@ def migrate_kv(plan: KVMigrationPlan, rank: int, old_cache: KVCache | None, new_
             if fault is not None:
                 fault(layer)
             if fresh is not None:
-                _fill(fresh, [t for t in transfers if moves(t)], rank, old_cache, received, maps, layer, stats)
+                fill_layer(fresh, [t for t in transfers if moves(t)], rank, old_cache, received, maps, layer, stats)
         except Exception as exc:  # this rank's part failed: tell the others instead of leaving them waiting
             error = f"{type(exc).__name__}: {exc}"
         broken: BaseException | None = None
@@ -210,8 +210,8 @@ def migrate_kv(plan: KVMigrationPlan, rank: int, old_cache: KVCache | None, new_
     return stats
 
 
-def _fill(fresh: KVLayer, transfers, rank: int, old_cache: KVCache | None, received: dict[KVTransfer, Source],
-          maps: dict[tuple[int, int], PoolBlocks], layer: int, stats: MigrationStats) -> None:
+def fill_layer(fresh: KVLayer, transfers, rank: int, old_cache: KVCache | None, received: dict[KVTransfer, Source],
+               maps: dict[tuple[int, int], PoolBlocks], layer: int, stats: MigrationStats) -> None:
     """Copy every transfer into `fresh`, with its pool pair's blocks."""
     for t in transfers:
         if t.dst_rank != rank:

@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 from services.topology import KVMigrationPlan
 from services.worker.channel import ShmChannel
 from services.worker.kv_cache import KVCache
-from services.worker.kv_migration import MigrationAborted, MigrationStats, _fill, identity_block_maps, pool_blocks
+from services.worker.kv_migration import (
+    MigrationAborted,
+    MigrationStats,
+    fill_layer,
+    identity_block_maps,
+    pool_blocks,
+)
 
 
 @dataclass(slots=True)
@@ -66,7 +72,7 @@ class StagedKV:
                     received = channel.exchange(layer, [], [t for t in transfers if not t.is_local])
                     if fault is not None:
                         fault(layer)
-                    _fill(self.cache.layer(layer), transfers, self.rank, live, received, maps, layer, stats)
+                    fill_layer(self.cache.layer(layer), transfers, self.rank, live, received, maps, layer, stats)
             finally:
                 channel.close()
         stats.seconds = time.perf_counter() - started

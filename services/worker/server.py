@@ -97,25 +97,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def StageSwitch(self, request, context):  # noqa: N802
         """Build the target layout's shard while steps go on (its own thread); changes nothing live."""
-        try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self.stage_thread, self._with_faults, "StageSwitch", request, self.shard.stage_switch)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except Exception as exc:
-            log.exception("worker.stage_failed", rank=self.rank, operation_id=request.operation_id)
-            await context.abort(grpc.StatusCode.INTERNAL, f"staging failed on rank {self.rank}: {exc}")
+        return await self._beside_steps("StageSwitch", request, context, self.shard.stage_switch,
+                                        grpc.StatusCode.INVALID_ARGUMENT, "staging")
 
     async def PreCopyKV(self, request, context):  # noqa: N802
         """A KV pre-copy round into the staged pool while steps go on (the stage thread); reads the live pools."""
+        return await self._beside_steps("PreCopyKV", request, context, self.shard.precopy_kv,
+                                        grpc.StatusCode.FAILED_PRECONDITION, "KV pre-copy")
+
+    async def _beside_steps(self, method: str, request, context, handler, refused: grpc.StatusCode, what: str):
+        """Run `handler` on the stage thread (low priority, beside the model thread's steps); a ValueError is a
+        refusal (`refused`), anything else INTERNAL."""
         try:
             return await asyncio.get_running_loop().run_in_executor(
-                self.stage_thread, self._with_faults, "PreCopyKV", request, self.shard.precopy_kv)
+                self.stage_thread, self._with_faults, method, request, handler)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            await context.abort(refused, str(exc))
         except Exception as exc:
-            log.exception("worker.precopy_failed", rank=self.rank, operation_id=request.operation_id)
-            await context.abort(grpc.StatusCode.INTERNAL, f"KV pre-copy failed on rank {self.rank}: {exc}")
+            log.exception("worker.stage_thread_failed", method=method, rank=self.rank,
+                          operation_id=request.operation_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{what} failed on rank {self.rank}: {exc}")
 
     async def ApplySwitch(self, request, context):  # noqa: N802
         """Switch layout: groups, KV migration, shard reload. Runs on the model thread, between steps."""

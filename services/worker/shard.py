@@ -54,6 +54,16 @@ class StagedShard:
     model: ShardedCausalLM
     kv: StagedKV | None = None         # the target's KV pool while KV is pre-copied into it (PreCopyKV)
 
+    def is_for(self, operation_id: str, live: ModelRunner | None, generation: int) -> bool:
+        """Staged for this operation, over this live runner, in this world."""
+        return (self.operation_id, self.generation) == (operation_id, generation) and self.live is live
+
+    def free_pool(self) -> None:
+        """Free the staged KV pool (nothing pre-copied into it will be used)."""
+        if self.kv is not None:
+            self.kv.cache.close()
+            self.kv = None
+
 
 def lower_thread_priority(niceness: int = 10) -> None:
     """Give the calling thread (Linux: a task of its own) a lower scheduling priority: background work such as
@@ -231,19 +241,19 @@ class WorkerShard:
     def drop_staged(self) -> None:
         """Forget what was staged, freeing its KV pool."""
         staged, self._staged = self._staged, None
-        if staged is not None and staged.kv is not None:
-            staged.kv.cache.close()
+        if staged is not None:
+            staged.free_pool()
 
     def _take_staged(self, operation_id: str, target: Topology, partition, old: ModelRunner | None
                      ) -> StagedShard | None:
         """What was staged for this switch (its operation, built on the live runner, in this world), once; None
         otherwise (a staged pool of another switch is freed)."""
         staged, self._staged = self._staged, None
-        if (staged is None or staged.operation_id != operation_id
-                or (staged.topology, staged.partition) != (target, partition) or staged.live is not old
-                or staged.generation != self.parallel.generation):
-            if staged is not None and staged.kv is not None:
-                staged.kv.cache.close()
+        if staged is None:
+            return None
+        if not (staged.is_for(operation_id, old, self.parallel.generation)
+                and (staged.topology, staged.partition) == (target, partition)):
+            staged.free_pool()
             return None
         return staged
 
@@ -252,8 +262,7 @@ class WorkerShard:
         staged pool of the target (allocated at the first round). ValueError: nothing is staged for the operation
         on this live runner. supported=False: KV does not travel through shared memory here (GPUs)."""
         staged, rank = self._staged, self.rank
-        if (staged is None or staged.operation_id != request.operation_id or staged.live is not self.runner
-                or staged.generation != self.parallel.generation):
+        if staged is None or not staged.is_for(request.operation_id, self.runner, self.parallel.generation):
             raise ValueError(f"rank {rank} has no shard staged for operation {request.operation_id!r}")
         if self.device.type != "cpu":
             return worker_pb2.PreCopyKVResponse(supported=False)
@@ -356,8 +365,8 @@ class WorkerShard:
         old_ranks = list(request.old_ranks) or active_ranks(self.topology)  # renumbered by a regroup, LOST gaps
         staged = self._take_staged(request.operation_id, target, partition, old)
         precopied = staged.kv if staged is not None and request.precopied else None
-        if staged is not None and staged.kv is not None and precopied is None:
-            staged.kv.cache.close()  # pre-copied into, but the switch moves all the KV in the freeze after all
+        if staged is not None and not request.precopied:
+            staged.free_pool()  # pre-copied into, maybe, but this switch moves all the KV in the freeze
         try:
             FAULTS.check("apply", rank=rank)
             if request.precopied:
