@@ -19,11 +19,10 @@ from services.model.expert_reshard import RESHARD_ENV
 from services.model.spec import ModelSpec
 from services.router.contracts import GenerationRequest
 from services.router.grpc_server import block_maps_to_pb
-from services.rpc.reconfig.v1 import worker_pb2
 from services.topology import Topology
-from services.weightstore.shm import ShmSegment
 from tests.conftest import hf_greedy, make_checkpoint, until
 from tests.reconfigure.conftest import generated_tokens, open_live_stack
+from tests.reconfigure.test_kv_bytes import kv_layer_views
 
 pytestmark = pytest.mark.multiprocess
 
@@ -113,30 +112,17 @@ async def _snapshot(stubs, tables, head_dim: int) -> dict[tuple[str, int, int], 
     """(request, layer, KV head) -> K/V of the request's blocks [2, blocks, block_size, D], read out of the
     workers' shared-memory pools; replicas (TP ranks sharing a KV head) must agree."""
     snapshot: dict[tuple[str, int, int], torch.Tensor] = {}
-    for stub in stubs:
-        info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
-        if info.num_kv_blocks == 0:
-            continue
+    async for info, layer, cache in kv_layer_views(stubs, head_dim):
         pool = info.ep_rank if info.ep_size > 1 else 0
-        pools = await stub.PrepareSwitch(worker_pb2.PrepareSwitchRequest(topology=info.topology), timeout=10)
-        heads = range(info.kv_head_start, info.kv_head_end)
-        for layer, name in pools.kv_segments.items():
-            segment = ShmSegment.attach(name, readonly=True, copy_on_write=True)
-            try:
-                flat = torch.frombuffer(segment.buffer, dtype=torch.float32)
-                cache = flat[: 2 * info.num_kv_blocks * info.block_size * len(heads) * head_dim]
-                cache = cache.view(2, info.num_kv_blocks, info.block_size, len(heads), head_dim)
-                for request_id, (request_pool, ids) in tables.items():
-                    if request_pool != pool:
-                        continue
-                    for i, head in enumerate(heads):
-                        data = cache[:, torch.tensor(ids), :, i].clone()
-                        key = (request_id, layer, head)
-                        if key in snapshot:
-                            assert torch.equal(snapshot[key], data), (key, info.rank)
-                        snapshot[key] = data
-            finally:
-                segment.close()
+        for request_id, (request_pool, ids) in tables.items():
+            if request_pool != pool:
+                continue
+            for i, head in enumerate(range(info.kv_head_start, info.kv_head_end)):
+                data = cache[:, torch.tensor(ids), :, i].clone()
+                key = (request_id, layer, head)
+                if key in snapshot:
+                    assert torch.equal(snapshot[key], data), (key, info.rank)
+                snapshot[key] = data
     return snapshot
 
 

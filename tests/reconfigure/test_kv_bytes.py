@@ -23,29 +23,35 @@ from tests.reconfigure.conftest import generated_tokens
 pytestmark = pytest.mark.multiprocess
 
 
-async def _snapshot(stubs, used: list[int], head_dim: int) -> dict[tuple[int, int], torch.Tensor]:
-    """(layer, global KV head) -> K/V of the used blocks [2, used, block_size, head_dim], from every owner."""
-    used_t = torch.tensor(used)
-    snapshot: dict[tuple[int, int], torch.Tensor] = {}
+async def kv_layer_views(stubs, head_dim: int):
+    """Every active worker's KV layer tensors, read out of its shared-memory pool: yields (info, layer, view
+    [2, blocks, block_size, local KV heads, head_dim]); a view is valid until the next one is yielded."""
     for stub in stubs:
         info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
         if info.num_kv_blocks == 0:
             continue  # standby
         pools = await stub.PrepareSwitch(worker_pb2.PrepareSwitchRequest(topology=info.topology), timeout=10)
-        heads = range(info.kv_head_start, info.kv_head_end)
+        num_heads = info.kv_head_end - info.kv_head_start
         for layer, name in pools.kv_segments.items():
             segment = ShmSegment.attach(name, readonly=True, copy_on_write=True)
             try:
                 flat = torch.frombuffer(segment.buffer, dtype=torch.float32)
-                cache = flat[: 2 * info.num_kv_blocks * info.block_size * len(heads) * head_dim]
-                cache = cache.view(2, info.num_kv_blocks, info.block_size, len(heads), head_dim)
-                for i, head in enumerate(heads):
-                    data = cache[:, used_t, :, i].clone()
-                    if (layer, head) in snapshot:  # a replica must hold the same bytes
-                        assert torch.equal(snapshot[(layer, head)], data), (layer, head, info.rank)
-                    snapshot[(layer, head)] = data
+                cache = flat[: 2 * info.num_kv_blocks * info.block_size * num_heads * head_dim]
+                yield info, layer, cache.view(2, info.num_kv_blocks, info.block_size, num_heads, head_dim)
             finally:
                 segment.close()
+
+
+async def _snapshot(stubs, used: list[int], head_dim: int) -> dict[tuple[int, int], torch.Tensor]:
+    """(layer, global KV head) -> K/V of the used blocks [2, used, block_size, head_dim], from every owner."""
+    used_t = torch.tensor(used)
+    snapshot: dict[tuple[int, int], torch.Tensor] = {}
+    async for info, layer, cache in kv_layer_views(stubs, head_dim):
+        for i, head in enumerate(range(info.kv_head_start, info.kv_head_end)):
+            data = cache[:, used_t, :, i].clone()
+            if (layer, head) in snapshot:  # a replica must hold the same bytes
+                assert torch.equal(snapshot[(layer, head)], data), (layer, head, info.rank)
+            snapshot[(layer, head)] = data
     return snapshot
 
 

@@ -109,14 +109,18 @@ async def test_a_pre_copied_switch_there_and_back_keeps_every_cached_kv_byte(liv
     await engine.freeze()
     after, now = await _snapshot(stubs, used, head_dim), _cached_slots(engine)
     engine.resume()
-    # Decoding went on around the switches: every slot cached before, by a request that holds it still, holds the
-    # same bytes (a request that finished meanwhile may have handed its blocks to another one).
+    _assert_kept_slots_equal(used, cached, now, before, after)
+    assert await asyncio.gather(*tasks) == expected
+    assert engine.stats().num_preemptions == 0
+
+
+def _assert_kept_slots_equal(used, cached, now, before, after) -> None:
+    """Decoding went on between the snapshots: every slot cached before, by a request that holds it still, holds the
+    same bytes (a request that finished meanwhile may have handed its blocks to another one)."""
     kept = {slot for slot, request_id in cached.items() if now.get(slot) == request_id}
     assert len(kept) > len(cached) // 2, "most requests should still be running"
     mask = torch.tensor([[(b, o) in kept for o in range(4)] for b in used])
     assert _equal({k: v[:, mask] for k, v in after.items()}, {k: v[:, mask] for k, v in before.items()})
-    assert await asyncio.gather(*tasks) == expected
-    assert engine.stats().num_preemptions == 0
 
 
 def _copied_layer(model_dir, rank: int, live: str = "tp2pp2", target: str = "tp4pp1") -> int:
@@ -168,10 +172,7 @@ async def test_pre_copy_failures_roll_back_and_the_old_layout_serves_on(precopy_
         await engine.freeze()
         after, now = await _snapshot(stubs, used, head_dim), _cached_slots(engine)
         engine.resume()
-        kept = {slot for slot, request_id in cached.items() if now.get(slot) == request_id}
-        assert len(kept) > len(cached) // 2, "most requests should still be running"
-        mask = torch.tensor([[(b, o) in kept for o in range(4)] for b in used])
-        assert _equal({k: v[:, mask] for k, v in after.items()}, {k: v[:, mask] for k, v in before.items()})
+        _assert_kept_slots_equal(used, cached, now, before, after)
 
         # 3. The faults fired once: the same switch now pre-copies and succeeds.
         _check_precopied(await reconfigurer.reconfigure("tp4pp1"))
