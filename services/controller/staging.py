@@ -96,7 +96,6 @@ class Precopy:
     capacity: int
     rounds: int
     bytes_copied: int
-    blocks_copied: int
 
 
 def precopy_refusal(live: Topology, target: Topology, staged: list[bool]) -> str:
@@ -119,7 +118,7 @@ async def precopy_kv(workers: list[worker_pb2_grpc.WorkerStub], router: router_p
     prepared, capacity = await prepare_workers(workers, target, timeout(), metadata)
     peers = {rank: worker_pb2.PeerPool(kv_segments=p.kv_segments) for rank, p in enumerate(prepared)}
     receivers = workers[: target.topology.num_workers]
-    rounds = copied_bytes = copied_blocks = 0
+    rounds = copied_bytes = 0
     while rounds < PRECOPY_MAX_ROUNDS:
         blocks = await router.PreCopyBlocks(
             router_pb2.PreCopyBlocksRequest(operation_id=operation_id, num_kv_blocks=capacity),
@@ -135,12 +134,11 @@ async def precopy_kv(workers: list[worker_pb2_grpc.WorkerStub], router: router_p
         rounds += 1
         round_bytes = sum(r.kv_bytes_received + r.kv_bytes_local for r in replies)
         copied_bytes += round_bytes
-        copied_blocks += len(blocks.block_ids)
         log.info("controller.precopy_round", operation_id=operation_id, round=rounds, blocks=len(blocks.block_ids),
                  used=blocks.num_used, bytes=round_bytes, seconds=round(max(r.seconds for r in replies), 4))
         if rounds > 1 and len(blocks.block_ids) <= PRECOPY_STOP_BLOCKS:
             break
-    return Precopy(prepared, capacity, rounds, copied_bytes, copied_blocks)
+    return Precopy(prepared, capacity, rounds, copied_bytes)
 
 
 async def prepare_workers(workers: list[worker_pb2_grpc.WorkerStub], target: SwitchTarget, timeout: float,

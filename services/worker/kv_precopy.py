@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.topology import KVMigrationPlan
 from services.worker.channel import ShmChannel
@@ -37,9 +37,6 @@ class StagedKV:
     rank: int
     cache: KVCache             # the target's capacity; its layers: the ones this rank fills (kept ones added last)
     kept_layers: list[int]     # local layers whose live tensor moves over as is at the cutover
-    bytes_received: int = 0    # over every round (peers' pools / this worker's own)
-    bytes_local: int = 0
-    rounds: list[float] = field(default_factory=list)  # seconds of each round
 
     @classmethod
     def allocate(cls, plan: KVMigrationPlan, rank: int, live: KVCache | None, target: KVCache) -> StagedKV:
@@ -76,9 +73,6 @@ class StagedKV:
             finally:
                 channel.close()
         stats.seconds = time.perf_counter() - started
-        self.bytes_received += stats.bytes_received
-        self.bytes_local += stats.bytes_local
-        self.rounds.append(stats.seconds)
         return stats
 
     def commit(self, live: KVCache | None) -> None:
