@@ -1,5 +1,6 @@
-"""`reconfigctl`: the operator's command line for the controller: `status`, `plan`, `reconfigure`, `add-worker` and
-`eplb status|rebalance` (MoE expert load balancing)."""
+"""`reconfigctl`: the operator's command line for the controller: `status`, `plan`, `reconfigure`, `add-worker`,
+`eplb status|rebalance` (MoE expert load balancing), `autopilot status|set`, `calibrate` and `intent check|draft`
+(SLO intents)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import time
 import uuid
 from pathlib import Path
 
+from services.controller.autopilot import cli as autopilot_cli
+from services.controller.autopilot.intent_cli import add_intent_parser, intent_command
 from services.controller.client import (
     EXIT_OK,
     CommandFailed,
@@ -88,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                                             "2 refused); waits until the new map is live")
     for command in (eplb_status, rebalance):
         command.add_argument("--json", action="store_true", help="print the result as JSON")
+    autopilot_cli.add_parsers(commands, common)
+    add_intent_parser(commands)
     return parser
 
 
@@ -298,16 +303,20 @@ def _eplb_command(args: argparse.Namespace, target: Target) -> int:
 
 
 _COMMANDS = {"status": _status_command, "plan": _plan_command, "reconfigure": _reconfigure_command,
-             "add-worker": _add_worker_command, "eplb": _eplb_command}
+             "add-worker": _add_worker_command, "eplb": _eplb_command,
+             "autopilot": autopilot_cli.autopilot_command, "calibrate": autopilot_cli.calibrate_command}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry of the `reconfigctl` console script: 0 ok; 1 unreachable or failed; 2 usage, or a refused request."""
     args = build_parser().parse_args(argv)  # exits 2 on a usage error
+    if args.command == "intent":  # needs no controller
+        return intent_command(args)
     try:
         return _COMMANDS[args.command](args, resolve_target(args.controller, args.token_file))
     except CommandFailed as exc:
-        name = " ".join(filter(None, (args.command, getattr(args, "eplb_command", None))))
+        name = " ".join(filter(None, (args.command, getattr(args, "eplb_command", None),
+                                      getattr(args, "autopilot_command", None))))
         print(f"reconfigctl {name}: {exc}", file=sys.stderr)
         return exc.exit_code
 

@@ -55,7 +55,7 @@ def resolve_target(controller: str | None, token_file: Path | None) -> Target:
         raise Unreachable(f"cannot read the control-plane token: {exc}") from None
 
 
-def _rpc_failure(exc: grpc.RpcError, target: Target) -> CommandFailed:
+def rpc_failure(exc: grpc.RpcError, target: Target) -> CommandFailed:
     """What a failed call means to the operator: unreachable (1), refused (2, the server's message) or failed."""
     code, details = exc.code(), exc.details()
     if code not in _REFUSALS and (details or "").startswith(ROUTER_ERROR_PREFIX):  # a call the controller forwarded
@@ -77,7 +77,7 @@ def fetch_status(target: Target, timeout_s: float) -> StackStatus:
             pb = stub.GetStatus(controller_pb2.GetStatusRequest(), timeout=timeout_s,
                                 metadata=auth_metadata(target.token))
         except grpc.RpcError as exc:
-            raise _rpc_failure(exc, target) from None
+            raise rpc_failure(exc, target) from None
     return StackStatus.from_pb(pb)
 
 
@@ -90,7 +90,7 @@ def fetch_plan(target: Target, topology: str, layer_partition: tuple[int, ...],
             return stub.Plan(controller_pb2.PlanRequest(topology=topology, layer_partition=layer_partition),
                              timeout=timeout_s, metadata=auth_metadata(target.token))
         except grpc.RpcError as exc:
-            raise _rpc_failure(exc, target) from None
+            raise rpc_failure(exc, target) from None
 
 
 def run_reconfigure(target: Target, request: controller_pb2.ReconfigureRequest, timeout_s: float | None,
@@ -114,7 +114,7 @@ def run_reconfigure(target: Target, request: controller_pb2.ReconfigureRequest, 
             if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:  # our --timeout, not the operation's deadline
                 raise CommandFailed(f"no answer within {timeout_s:g} s; operation {request.operation_id} may go "
                                     "on in the controller (`reconfigctl status` follows it)") from None
-            raise _rpc_failure(exc, target) from None
+            raise rpc_failure(exc, target) from None
         finally:
             if watch is not None:
                 watch.cancel()
@@ -131,7 +131,7 @@ def run_add_worker(target: Target, request: controller_pb2.AddWorkerRequest,
         try:
             pb = stub.AddWorker(request, timeout=timeout_s, metadata=auth_metadata(target.token))
         except grpc.RpcError as exc:
-            raise _rpc_failure(exc, target) from None
+            raise rpc_failure(exc, target) from None
     return OperationStatus.from_pb(pb)
 
 
@@ -143,7 +143,7 @@ def fetch_expert_status(target: Target, timeout_s: float) -> router_pb2.ExpertSt
             return stub.ExpertStatus(router_pb2.ExpertStatusRequest(), timeout=timeout_s,
                                      metadata=auth_metadata(target.token))
         except grpc.RpcError as exc:
-            raise _rpc_failure(exc, target) from None
+            raise rpc_failure(exc, target) from None
 
 
 def run_rebalance(target: Target, timeout_s: float | None) -> router_pb2.RebalanceExpertsResponse:
@@ -159,7 +159,7 @@ def run_rebalance(target: Target, timeout_s: float | None) -> router_pb2.Rebalan
                     and not (exc.details() or "").startswith(ROUTER_ERROR_PREFIX)):
                 raise CommandFailed(f"no answer within {timeout_s:g} s; the rebalance may go on in the router "
                                     "(`reconfigctl eplb status` shows its epoch)") from None
-            raise _rpc_failure(exc, target) from None
+            raise rpc_failure(exc, target) from None
 
 
 def _follow(watch, operation_id: str, display: PhaseDisplay) -> None:

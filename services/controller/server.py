@@ -7,13 +7,20 @@ import contextlib
 import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from multiprocessing.connection import Connection
 
 import grpc
 import structlog
 
+from services.controller.autopilot.calibrate import CalibrationPlan
+from services.controller.autopilot.intents import load_intents
+from services.controller.autopilot.loop import Autopilot, AutopilotConfig, default_layouts
+from services.controller.autopilot.metrics import start_metrics_server
+from services.controller.autopilot.profile import Profile, machine_key, profile_path
 from services.controller.servicer import ControllerServicer
 from services.controller.state import ControllerConfig, ControllerState
+from services.controller.status import StackState
 from services.controller.transaction import Reconfigurer
 from services.model.spec import ModelSpec
 
@@ -36,6 +43,43 @@ def make_reconfigurer(state: ControllerState) -> Reconfigurer | None:
     if config.staging_budget_mb is not None:
         reconfigurer.staging_budget_bytes = config.staging_budget_mb << 20
     return reconfigurer
+
+
+def make_autopilot(state: ControllerState, reconfigurer: Reconfigurer | None) -> Autopilot | None:
+    """The autopilot (any mode, `off` included: it can be turned on at runtime), with the cached profile and the
+    intents file when there are; None without a reconfigurer."""
+    if reconfigurer is None:
+        return None
+    config = state.config
+    model = Path(config.model_dir).name or config.model
+    machine = machine_key(num_workers=len(config.worker_addresses))
+    path = Path(config.profile_file) if config.profile_file else profile_path(model, machine)
+    profile = None
+    if path.is_file():
+        try:
+            profile = Profile.load(path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("autopilot.profile_unreadable", path=str(path), error=str(exc))
+    intents = load_intents(Path(config.intents_file)) if config.intents_file else None
+    pilot_config = AutopilotConfig(mode=config.autopilot, interval_s=config.autopilot_interval_s,
+                                   profile_path=str(path), intents_path=config.intents_file)
+    return Autopilot(reconfigurer, pilot_config, profile, intents, model=model, machine=machine)
+
+
+async def _calibrate_at_start(autopilot: Autopilot, state: ControllerState) -> None:
+    """The first start of an autopilot with no profile for this model and machine: measure one (in the background,
+    once the router answers; the stack serves meanwhile)."""
+    try:
+        while (await state.refresh()).state is not StackState.SERVING:  # refresh paces itself by its RPC deadlines
+            await state.wait_for_change(state.version, state.config.refresh_interval_s)
+        plan = CalibrationPlan(layouts=default_layouts(autopilot.reconfigurer))
+        log.info("autopilot.calibrating_at_start", layouts=list(plan.layouts))
+        await autopilot.calibrate(plan)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (the controller serves on; `reconfigctl calibrate` can retry)
+        autopilot.error = f"calibration at start failed: {exc}"
+        log.warning("autopilot.calibration_failed", error=str(exc))
 
 
 async def start_controller_grpc(state: ControllerState, host: str, port: int, token: str,
@@ -77,12 +121,23 @@ async def serve_controller(config: ControllerConfig, on_ready: Callable[[int], N
     server: grpc.aio.Server | None = None
     refresher: asyncio.Task | None = None
     watcher: asyncio.Task | None = None
+    tasks: list[asyncio.Task] = []
+    metrics_server = None
     try:
-        servicer = ControllerServicer(state, make_reconfigurer(state))
+        reconfigurer = make_reconfigurer(state)
+        autopilot = make_autopilot(state, reconfigurer)
+        servicer = ControllerServicer(state, reconfigurer, autopilot=autopilot)
         server, port = await start_controller_grpc(state, config.host, config.port, config.token, servicer)
         refresher = asyncio.create_task(state.run(), name="controller-refresh")
         if servicer.recoverer is not None:  # heartbeats and router stalls trigger a recovery
             watcher = asyncio.create_task(servicer.recoverer.watch(), name="controller-recovery")
+        if autopilot is not None:
+            tasks.append(asyncio.create_task(autopilot.run(), name="autopilot"))
+            if autopilot.profile is None and config.autopilot != "off" and config.calibrate_at_start:
+                tasks.append(asyncio.create_task(_calibrate_at_start(autopilot, state), name="autopilot-calibrate"))
+            if config.metrics_port is not None:
+                metrics_server, _ = start_metrics_server(autopilot, config.host, config.metrics_port)
+                log.info("controller.metrics", port=metrics_server.server_port)
         log.info("controller.ready", port=port, topology=config.topology, workers=len(config.worker_addresses),
                  router=config.router_grpc_address)
         if on_ready is not None:
@@ -91,13 +146,15 @@ async def serve_controller(config: ControllerConfig, on_ready: Callable[[int], N
         log.info("controller.stopping")
     finally:
         remove_handlers()
-        for task in (watcher, refresher):
+        for task in (*tasks, watcher, refresher):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         if server is not None:
             await server.stop(_GRACE_S)
+        if metrics_server is not None:
+            metrics_server.shutdown()
         await state.close()
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
 
+from services.controller.autopilot.loop import Autopilot, calibration_plan
+from services.controller.autopilot.view import status_pb
 from services.controller.experts import ExpertOperations, NoRouter, RouterCallFailed
 from services.controller.state import ControllerState
 from services.controller.status import OperationState, OperationStatus
@@ -14,7 +17,7 @@ from services.controller.recovery import Recoverer
 from services.controller.transaction import OperationBusy, Reconfigurer, check_deadline, status_code_for
 from services.topology import TopologyError
 from services.rpc.errors import check_address
-from services.rpc.reconfig.v1 import controller_pb2_grpc
+from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc
 
 MIN_WATCH_INTERVAL_S = 0.1  # a client cannot make the controller spin
 
@@ -24,9 +27,11 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     over ExpertOperations (forwarded to the router)."""
 
     def __init__(self, state: ControllerState, reconfigurer: Reconfigurer | None = None,
-                 recoverer: Recoverer | None = None, experts: ExpertOperations | None = None) -> None:
+                 recoverer: Recoverer | None = None, experts: ExpertOperations | None = None,
+                 autopilot: Autopilot | None = None) -> None:
         self.state = state
         self.reconfigurer = reconfigurer
+        self.autopilot = autopilot
         self.recoverer = recoverer or (Recoverer(reconfigurer) if reconfigurer is not None else None)
         self.experts = experts or ExpertOperations.for_state(state, reconfigurer)
 
@@ -96,6 +101,57 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             return await self.experts.rebalance()
         except (NoRouter, RouterCallFailed, OperationBusy) as exc:
             await context.abort(_expert_code(exc), str(exc))
+
+    async def GetAutopilot(self, request, context):  # noqa: N802
+        """The autopilot's mode, profile and last decision."""
+        return status_pb(await self._autopilot(context))
+
+    async def SetAutopilot(self, request, context):  # noqa: N802
+        """Change the autopilot's mode."""
+        autopilot = await self._autopilot(context)
+        try:
+            autopilot.set_mode(request.mode)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return status_pb(autopilot)
+
+    async def Calibrate(self, request, context):  # noqa: N802
+        """Measure the layouts, streaming progress; the last message carries the new status."""
+        autopilot = await self._autopilot(context)
+        reconfigurer = autopilot.reconfigurer
+        try:
+            plan = calibration_plan(request, reconfigurer)
+            busy = autopilot.calibrating or reconfigurer.running
+            if busy:
+                raise OperationBusy(f"a calibration or an operation is running ({busy}); retry when it has ended")
+        except (TopologyError, ValueError, OperationBusy) as exc:
+            await context.abort(status_code_for(exc), str(exc))
+        progress: asyncio.Queue[tuple[str, float]] = asyncio.Queue()
+        task = asyncio.ensure_future(autopilot.calibrate(plan, lambda what, done: progress.put_nowait((what, done))))
+        try:
+            while not task.done() or not progress.empty():
+                getter = asyncio.ensure_future(progress.get())
+                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    what, done = getter.result()
+                    yield controller_pb2.CalibrateProgress(message=what, done=done)
+                else:
+                    getter.cancel()
+            task.result()
+        except (TopologyError, ValueError, OperationBusy, RuntimeError) as exc:
+            await context.abort(status_code_for(exc) if not isinstance(exc, RuntimeError)
+                                else grpc.StatusCode.ABORTED, str(exc))
+        finally:
+            if not task.done():  # the client went away: the calibration goes on and is adopted when it ends
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        yield controller_pb2.CalibrateProgress(message="done", done=1.0, status=status_pb(autopilot))
+
+    async def _autopilot(self, context) -> Autopilot:
+        if self.autopilot is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this controller has no autopilot: it was started without a model directory "
+                                "or a router")
+        return self.autopilot
 
     async def _reconfigurer(self, context) -> Reconfigurer:
         if self.reconfigurer is None:

@@ -43,6 +43,12 @@ class ControllerConfig:
     state_file: str = ""                       # where the live layout and the last operation survive a restart
     heartbeat_misses: int = 2                  # refreshes a worker may miss in a row before it counts as lost
     staging_budget_mb: int | None = None       # a switch stages only if each worker's new slices fit (None: any)
+    autopilot: str = "off"                     # the autopilot's mode at start: off, advise or auto
+    autopilot_interval_s: float = 1.0          # between its ticks
+    intents_file: str = ""                     # SLO intents (TOML/JSON) the autopilot follows; "": none
+    profile_file: str = ""                     # the layout profile; "": cached per model and machine
+    calibrate_at_start: bool = True            # advise/auto without a cached profile: measure one at start
+    metrics_port: int | None = None            # the controller's /metrics (autopilot); None: not served, 0: any
 
     def __post_init__(self) -> None:
         if not self.token:

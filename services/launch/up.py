@@ -49,14 +49,19 @@ class UpConfig:
     eplb_window: int = 1000             # steps of per-expert load each worker keeps (EPLB's sliding window)
     eplb_step_interval: int = 3000      # steps between automatic rebalances (vLLM's defaults: 1000 / 3000)
     staging_budget_mb: int | None = None  # a switch stages only if every worker's new slices fit (None: no limit)
+    autopilot: str = "off"              # off, advise (say what it would switch and why) or auto (switch)
+    intents: str = ""                   # SLO intents file (TOML/JSON) the autopilot follows
+    controller_metrics_port: int = 8001  # the controller's /metrics (the autopilot's); 0: any free port
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, not {self.workers}")
-        for name in ("http_port", "grpc_port", "controller_port"):
+        for name in ("http_port", "grpc_port", "controller_port", "controller_metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be a port number, not {getattr(self, name)}")
         parse_gpus(self.gpus)  # a malformed --gpus fails here, with the other settings
+        if self.autopilot not in ("off", "advise", "auto"):
+            raise ValueError(f"autopilot must be off, advise or auto, not {self.autopilot!r}")
         if self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, not {self.num_redundant_experts}")
         for name in ("eplb_window", "eplb_step_interval"):
@@ -77,6 +82,11 @@ class UpConfig:
         return cls(**values)
 
 
+def _metrics_address(config: UpConfig) -> str:
+    port = config.controller_metrics_port
+    return f"http://{config.host}:{port}/metrics" if port else "on a free port, in the controller's log"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="TOML file with any of the settings below")
     parser.add_argument("--model", help="preset name (`reconfig models list`) or checkpoint dir [smollm2-135m]")
@@ -88,6 +98,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, help="OpenAI API [8000]")
     parser.add_argument("--grpc-port", type=int, help="router gRPC [50052]")
     parser.add_argument("--controller-port", type=int, help="controller gRPC [50051]")
+    parser.add_argument("--controller-metrics-port", type=int, help="controller /metrics (autopilot) [8001]")
+    parser.add_argument("--autopilot", choices=("off", "advise", "auto"),
+                        help="switch layouts by measured load: advise says what it would do (`reconfigctl autopilot "
+                             "status`), auto does it; either calibrates the layouts at first start [off]")
+    parser.add_argument("--intents", help="SLO intents file (TOML/JSON) the autopilot follows")
     parser.add_argument("--kv-cache-mb", type=int, help="KV cache per worker, MiB [64]")
     parser.add_argument("--block-size", type=int, help="tokens per KV block [16]")
     parser.add_argument("--api-key", help="require this bearer key on /v1/* (default: none)")
@@ -177,6 +192,7 @@ def up(config: UpConfig) -> int:
             worker_addresses=tuple(cluster.worker_addresses), router_grpc_address=router_grpc,
             topology=config.topology, model=config.model, model_dir=str(cluster.model_dir),
             state_file=str(run_dir() / "controller-state.json"), staging_budget_mb=config.staging_budget_mb,
+            autopilot=config.autopilot, intents_file=config.intents, metrics_port=config.controller_metrics_port,
         )
         controller = cluster.spawn_service("controller", run_controller, controller_config)
         http = f"http://{config.host}:{router['http_port']}"
@@ -191,7 +207,8 @@ def up(config: UpConfig) -> int:
               f"{config.device} workers in {config.topology}\n"
               f"  OpenAI API   {http}/v1   (health {http}/health, ready {http}/ready, metrics {http}/metrics)\n"
               f"  router gRPC  {router_grpc}\n"
-              f"  controller   {config.host}:{controller['port']}   (reconfigctl status)\n"
+              f"  controller   {config.host}:{controller['port']}   (reconfigctl status; autopilot {config.autopilot}: "
+              f"reconfigctl autopilot status; metrics {_metrics_address(config)})\n"
               f"Ctrl-C stops the stack.", flush=True)
         while True:
             for lost in cluster.reap_dead_workers():  # the controller recovers onto the survivors

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.model.tokenizer import Tokenizer
+from services.router.load_window import LoadSnapshot
 from services.worker.step import GREEDY, SamplingParams, TokenLogprob
 
 
@@ -150,6 +151,7 @@ class EngineStats:
     stalled: str = ""                  # why no step can run (a worker failed a step); "" when steps can run
     # EP layouts: blocks in use by data-parallel rank (router-local: RouterStats does not carry it); () otherwise.
     num_kv_blocks_used_per_dp_rank: tuple[int, ...] = ()
+    window: LoadSnapshot = field(default_factory=LoadSnapshot)  # the last minute's arrivals and latencies
 
 
 class EngineProtocol(Protocol):

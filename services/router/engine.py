@@ -30,6 +30,7 @@ from services.router.contracts import (
 )
 from services.router.dp import BlockMaps, DataParallelBlocks
 from services.router.expert_balance import EplbSettings, ExpertBalancer
+from services.router.load_window import LoadWindow, RequestTimer
 from services.router.output import RequestStream
 from services.router.precopy import KVPrecopy, PrecopyUnsupported
 from services.router.scheduler import ScheduledBatch, Scheduler
@@ -90,6 +91,7 @@ class Engine:
         self._expert_commit: tuple[int, asyncio.Future] | None = None  # EPLB: (epoch, done) for the next step
         self.experts = ExpertBalancer(self, eplb)  # MoE: EPLB's trigger, status and commit
         self.precopy: KVPrecopy | None = None  # the KV pre-copy of the switch under way (precopy_blocks)
+        self.load = LoadWindow()  # arrivals and latencies of the last minute (RouterStats.window: the autopilot)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -148,14 +150,18 @@ class Engine:
         self._streams[request.request_id] = stream
         self._no_streams.clear()
         self.num_prompt_tokens += len(request.prompt_token_ids)
+        timer = RequestTimer(time.monotonic())
+        self.load.admitted(timer.start, len(request.prompt_token_ids))
         self._wakeup.set()
         try:
             while True:
                 delta = await stream.get()
+                timer.tokens_out(time.monotonic(), len(delta.token_ids))
                 yield delta
                 if delta.finish_reason is not None:
                     return
         finally:
+            self.load.finished(time.monotonic(), timer.ttft_s, timer.tpot_s, timer.tokens)
             if not stream.finished:  # the consumer went away (client disconnect): free the request's blocks
                 self.scheduler.abort(request.request_id)
                 stream.finish("abort")
@@ -182,6 +188,7 @@ class Engine:
             extra={"num_step_errors": float(self.num_step_errors),
                    "num_full_prefills": float(self.num_full_prefills),
                    "num_inflight_batches": float(len(self._inflight))},
+            window=self.load.snapshot(time.monotonic(), self.scheduler.mean_context_tokens()),
         )
 
     def switch_totals(self) -> SwitchTotals:

@@ -26,6 +26,7 @@ from services.rpc.auth import TokenAuthInterceptor, generate_token, protect_meth
 from services.rpc.errors import ErrorInterceptor, check_address
 from services.router.expert_balance import ExpertBalanceAborted, ExpertBalanceError
 from services.router.precopy import PrecopyUnsupported
+from services.router.load_window import LoadSnapshot
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from services.worker.step import SamplingParams
 
@@ -159,6 +160,7 @@ def stats_to_pb(stats: EngineStats) -> router_pb2.RouterStats:
         num_generation_tokens=stats.num_generation_tokens, topology=stats.topology,
         is_frozen=stats.is_frozen, extra=stats.extra, stalled=stats.stalled,
         num_kv_blocks_used_per_dp_rank=stats.num_kv_blocks_used_per_dp_rank,
+        window=window_to_pb(stats.window),
     )
 
 
@@ -171,6 +173,26 @@ def stats_from_pb(pb: router_pb2.RouterStats) -> EngineStats:
         num_generation_tokens=pb.num_generation_tokens, topology=pb.topology,
         is_frozen=pb.is_frozen, extra=dict(pb.extra), stalled=pb.stalled,
         num_kv_blocks_used_per_dp_rank=tuple(pb.num_kv_blocks_used_per_dp_rank),
+        window=window_from_pb(pb.window),
+    )
+
+
+def window_to_pb(window: LoadSnapshot) -> router_pb2.LoadWindow:
+    return router_pb2.LoadWindow(
+        window_seconds=window.window_s, arrival_rate=window.arrival_rate,
+        mean_prompt_tokens=window.mean_prompt_tokens, mean_output_tokens=window.mean_output_tokens,
+        ttft_p50_seconds=window.ttft_p50_s, ttft_p99_seconds=window.ttft_p99_s,
+        tpot_mean_seconds=window.tpot_mean_s, tpot_p99_seconds=window.tpot_p99_s, num_finished=window.num_finished,
+        mean_context_tokens=window.mean_context_tokens, num_requests=window.num_requests,
+    )
+
+
+def window_from_pb(pb: router_pb2.LoadWindow) -> LoadSnapshot:
+    return LoadSnapshot(
+        window_s=pb.window_seconds, arrival_rate=pb.arrival_rate, mean_prompt_tokens=pb.mean_prompt_tokens,
+        mean_output_tokens=pb.mean_output_tokens, ttft_p50_s=pb.ttft_p50_seconds, ttft_p99_s=pb.ttft_p99_seconds,
+        tpot_mean_s=pb.tpot_mean_seconds, tpot_p99_s=pb.tpot_p99_seconds, num_finished=pb.num_finished,
+        mean_context_tokens=pb.mean_context_tokens, num_requests=pb.num_requests,
     )
 
 

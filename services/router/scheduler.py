@@ -416,6 +416,10 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def mean_context_tokens(self) -> float:
+        """Mean tokens a running request attends over now (prompt and output so far); 0 with none running."""
+        return sum(seq.num_tokens for seq in self.running) / len(self.running) if self.running else 0.0
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)

@@ -45,6 +45,171 @@ OPERATION_STATE_SUCCEEDED: OperationState
 OPERATION_STATE_FAILED: OperationState
 OPERATION_STATE_ROLLED_BACK: OperationState
 
+class GetAutopilotRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SetAutopilotRequest(_message.Message):
+    __slots__ = ("mode",)
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    def __init__(self, mode: _Optional[str] = ...) -> None: ...
+
+class LayoutProfile(_message.Message):
+    __slots__ = ("layout", "step_seconds", "per_request_seconds", "per_position_seconds", "prefill_base_seconds", "prefill_per_token_seconds", "kv_blocks", "block_size", "num_workers", "kv_pools")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PER_REQUEST_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PER_POSITION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_BASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_PER_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    KV_POOLS_FIELD_NUMBER: _ClassVar[int]
+    layout: str
+    step_seconds: float
+    per_request_seconds: float
+    per_position_seconds: float
+    prefill_base_seconds: float
+    prefill_per_token_seconds: float
+    kv_blocks: int
+    block_size: int
+    num_workers: int
+    kv_pools: int
+    def __init__(self, layout: _Optional[str] = ..., step_seconds: _Optional[float] = ..., per_request_seconds: _Optional[float] = ..., per_position_seconds: _Optional[float] = ..., prefill_base_seconds: _Optional[float] = ..., prefill_per_token_seconds: _Optional[float] = ..., kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_workers: _Optional[int] = ..., kv_pools: _Optional[int] = ...) -> None: ...
+
+class SwitchCost(_message.Message):
+    __slots__ = ("from_topology", "to_topology", "downtime_seconds", "staging_seconds")
+    FROM_TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    TO_TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    DOWNTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STAGING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    from_topology: str
+    to_topology: str
+    downtime_seconds: float
+    staging_seconds: float
+    def __init__(self, from_topology: _Optional[str] = ..., to_topology: _Optional[str] = ..., downtime_seconds: _Optional[float] = ..., staging_seconds: _Optional[float] = ...) -> None: ...
+
+class LoadBand(_message.Message):
+    __slots__ = ("low", "high", "layout")
+    LOW_FIELD_NUMBER: _ClassVar[int]
+    HIGH_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    low: float
+    high: float
+    layout: str
+    def __init__(self, low: _Optional[float] = ..., high: _Optional[float] = ..., layout: _Optional[str] = ...) -> None: ...
+
+class AutopilotStatus(_message.Message):
+    __slots__ = ("mode", "live_topology", "profile_path", "profile_machine", "profile_created_unix", "layouts", "switches", "bands", "bands_context_tokens", "action", "target", "reason", "decided_at_unix", "predicted_tpot_seconds", "thresholds", "load", "kv_blocks_used", "context_tokens", "arrival_rate", "ttft_p99_seconds", "tpot_mean_seconds", "has_forecast", "forecast_load", "intent_window", "allowed", "rejected", "num_switches", "last_operation_id", "last_outcome", "error", "calibrating")
+    class PredictedTpotSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class ThresholdsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class RejectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    LIVE_TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_PATH_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_MACHINE_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    SWITCHES_FIELD_NUMBER: _ClassVar[int]
+    BANDS_FIELD_NUMBER: _ClassVar[int]
+    BANDS_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TPOT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLDS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_RATE_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P99_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_MEAN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HAS_FORECAST_FIELD_NUMBER: _ClassVar[int]
+    FORECAST_LOAD_FIELD_NUMBER: _ClassVar[int]
+    INTENT_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWITCHES_FIELD_NUMBER: _ClassVar[int]
+    LAST_OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATING_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    live_topology: str
+    profile_path: str
+    profile_machine: str
+    profile_created_unix: float
+    layouts: _containers.RepeatedCompositeFieldContainer[LayoutProfile]
+    switches: _containers.RepeatedCompositeFieldContainer[SwitchCost]
+    bands: _containers.RepeatedCompositeFieldContainer[LoadBand]
+    bands_context_tokens: float
+    action: str
+    target: str
+    reason: str
+    decided_at_unix: float
+    predicted_tpot_seconds: _containers.ScalarMap[str, float]
+    thresholds: _containers.ScalarMap[str, float]
+    load: int
+    kv_blocks_used: int
+    context_tokens: float
+    arrival_rate: float
+    ttft_p99_seconds: float
+    tpot_mean_seconds: float
+    has_forecast: bool
+    forecast_load: float
+    intent_window: str
+    allowed: _containers.RepeatedScalarFieldContainer[str]
+    rejected: _containers.ScalarMap[str, str]
+    num_switches: int
+    last_operation_id: str
+    last_outcome: str
+    error: str
+    calibrating: str
+    def __init__(self, mode: _Optional[str] = ..., live_topology: _Optional[str] = ..., profile_path: _Optional[str] = ..., profile_machine: _Optional[str] = ..., profile_created_unix: _Optional[float] = ..., layouts: _Optional[_Iterable[_Union[LayoutProfile, _Mapping]]] = ..., switches: _Optional[_Iterable[_Union[SwitchCost, _Mapping]]] = ..., bands: _Optional[_Iterable[_Union[LoadBand, _Mapping]]] = ..., bands_context_tokens: _Optional[float] = ..., action: _Optional[str] = ..., target: _Optional[str] = ..., reason: _Optional[str] = ..., decided_at_unix: _Optional[float] = ..., predicted_tpot_seconds: _Optional[_Mapping[str, float]] = ..., thresholds: _Optional[_Mapping[str, float]] = ..., load: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., context_tokens: _Optional[float] = ..., arrival_rate: _Optional[float] = ..., ttft_p99_seconds: _Optional[float] = ..., tpot_mean_seconds: _Optional[float] = ..., has_forecast: _Optional[bool] = ..., forecast_load: _Optional[float] = ..., intent_window: _Optional[str] = ..., allowed: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Mapping[str, str]] = ..., num_switches: _Optional[int] = ..., last_operation_id: _Optional[str] = ..., last_outcome: _Optional[str] = ..., error: _Optional[str] = ..., calibrating: _Optional[str] = ...) -> None: ...
+
+class CalibrateRequest(_message.Message):
+    __slots__ = ("layouts", "batch_sizes", "prompt_tokens", "output_tokens")
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    layouts: _containers.RepeatedScalarFieldContainer[str]
+    batch_sizes: _containers.RepeatedScalarFieldContainer[int]
+    prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    output_tokens: int
+    def __init__(self, layouts: _Optional[_Iterable[str]] = ..., batch_sizes: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., output_tokens: _Optional[int] = ...) -> None: ...
+
+class CalibrateProgress(_message.Message):
+    __slots__ = ("message", "done", "status")
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    done: float
+    status: AutopilotStatus
+    def __init__(self, message: _Optional[str] = ..., done: _Optional[float] = ..., status: _Optional[_Union[AutopilotStatus, _Mapping]] = ...) -> None: ...
+
 class AddWorkerRequest(_message.Message):
     __slots__ = ("address", "topology", "operation_id")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]

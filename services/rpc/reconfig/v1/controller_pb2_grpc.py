@@ -72,6 +72,21 @@ class ControllerStub:
                 request_serializer=reconfig_dot_v1_dot_router__pb2.RebalanceExpertsRequest.SerializeToString,
                 response_deserializer=reconfig_dot_v1_dot_router__pb2.RebalanceExpertsResponse.FromString,
                 _registered_method=True)
+        self.GetAutopilot = channel.unary_unary(
+                '/reconfig.v1.Controller/GetAutopilot',
+                request_serializer=reconfig_dot_v1_dot_controller__pb2.GetAutopilotRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_controller__pb2.AutopilotStatus.FromString,
+                _registered_method=True)
+        self.SetAutopilot = channel.unary_unary(
+                '/reconfig.v1.Controller/SetAutopilot',
+                request_serializer=reconfig_dot_v1_dot_controller__pb2.SetAutopilotRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_controller__pb2.AutopilotStatus.FromString,
+                _registered_method=True)
+        self.Calibrate = channel.unary_stream(
+                '/reconfig.v1.Controller/Calibrate',
+                request_serializer=reconfig_dot_v1_dot_controller__pb2.CalibrateRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_controller__pb2.CalibrateProgress.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -139,6 +154,32 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetAutopilot(self, request, context):
+        """The autopilot: its mode, the measured profile and thresholds, and its last decision with the reason.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetAutopilot(self, request, context):
+        """Sets the autopilot's mode: "off", "advise" (decide and report, never switch) or "auto".
+        INVALID_ARGUMENT: another mode. FAILED_PRECONDITION: the controller cannot reconfigure.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Calibrate(self, request, context):
+        """Measures each layout on the live stack (switching through them with ordinary Reconfigure operations and
+        sending waves of requests through the router), fits the profile, caches it and hands it to the autopilot.
+        Streams progress; the last message carries the new status. The stack ends in the layout it started in.
+        INVALID_ARGUMENT: a layout the model or the workers cannot run. FAILED_PRECONDITION: an operation or another
+        calibration is running.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -176,6 +217,21 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.RebalanceExperts,
                     request_deserializer=reconfig_dot_v1_dot_router__pb2.RebalanceExpertsRequest.FromString,
                     response_serializer=reconfig_dot_v1_dot_router__pb2.RebalanceExpertsResponse.SerializeToString,
+            ),
+            'GetAutopilot': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAutopilot,
+                    request_deserializer=reconfig_dot_v1_dot_controller__pb2.GetAutopilotRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_controller__pb2.AutopilotStatus.SerializeToString,
+            ),
+            'SetAutopilot': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetAutopilot,
+                    request_deserializer=reconfig_dot_v1_dot_controller__pb2.SetAutopilotRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_controller__pb2.AutopilotStatus.SerializeToString,
+            ),
+            'Calibrate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Calibrate,
+                    request_deserializer=reconfig_dot_v1_dot_controller__pb2.CalibrateRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_controller__pb2.CalibrateProgress.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -369,6 +425,87 @@ class Controller:
             '/reconfig.v1.Controller/RebalanceExperts',
             reconfig_dot_v1_dot_router__pb2.RebalanceExpertsRequest.SerializeToString,
             reconfig_dot_v1_dot_router__pb2.RebalanceExpertsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAutopilot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Controller/GetAutopilot',
+            reconfig_dot_v1_dot_controller__pb2.GetAutopilotRequest.SerializeToString,
+            reconfig_dot_v1_dot_controller__pb2.AutopilotStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetAutopilot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Controller/SetAutopilot',
+            reconfig_dot_v1_dot_controller__pb2.SetAutopilotRequest.SerializeToString,
+            reconfig_dot_v1_dot_controller__pb2.AutopilotStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Calibrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/reconfig.v1.Controller/Calibrate',
+            reconfig_dot_v1_dot_controller__pb2.CalibrateRequest.SerializeToString,
+            reconfig_dot_v1_dot_controller__pb2.CalibrateProgress.FromString,
             options,
             channel_credentials,
             insecure,

@@ -217,7 +217,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RouterStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_total", "num_kv_blocks_used", "num_preemptions", "num_prompt_tokens", "num_generation_tokens", "topology", "is_frozen", "extra", "stalled", "num_kv_blocks_used_per_dp_rank")
+    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_total", "num_kv_blocks_used", "num_preemptions", "num_prompt_tokens", "num_generation_tokens", "topology", "is_frozen", "extra", "stalled", "num_kv_blocks_used_per_dp_rank", "window")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,7 @@ class RouterStats(_message.Message):
     EXTRA_FIELD_NUMBER: _ClassVar[int]
     STALLED_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_USED_PER_DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_kv_blocks_total: int
@@ -249,4 +250,31 @@ class RouterStats(_message.Message):
     extra: _containers.ScalarMap[str, float]
     stalled: str
     num_kv_blocks_used_per_dp_rank: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., topology: _Optional[str] = ..., is_frozen: _Optional[bool] = ..., extra: _Optional[_Mapping[str, float]] = ..., stalled: _Optional[str] = ..., num_kv_blocks_used_per_dp_rank: _Optional[_Iterable[int]] = ...) -> None: ...
+    window: LoadWindow
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., topology: _Optional[str] = ..., is_frozen: _Optional[bool] = ..., extra: _Optional[_Mapping[str, float]] = ..., stalled: _Optional[str] = ..., num_kv_blocks_used_per_dp_rank: _Optional[_Iterable[int]] = ..., window: _Optional[_Union[LoadWindow, _Mapping]] = ...) -> None: ...
+
+class LoadWindow(_message.Message):
+    __slots__ = ("window_seconds", "arrival_rate", "mean_prompt_tokens", "mean_output_tokens", "ttft_p50_seconds", "ttft_p99_seconds", "tpot_mean_seconds", "tpot_p99_seconds", "num_finished", "mean_context_tokens", "num_requests")
+    WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_RATE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P99_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_MEAN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_P99_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    MEAN_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    window_seconds: float
+    arrival_rate: float
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+    ttft_p50_seconds: float
+    ttft_p99_seconds: float
+    tpot_mean_seconds: float
+    tpot_p99_seconds: float
+    num_finished: int
+    mean_context_tokens: float
+    num_requests: int
+    def __init__(self, window_seconds: _Optional[float] = ..., arrival_rate: _Optional[float] = ..., mean_prompt_tokens: _Optional[float] = ..., mean_output_tokens: _Optional[float] = ..., ttft_p50_seconds: _Optional[float] = ..., ttft_p99_seconds: _Optional[float] = ..., tpot_mean_seconds: _Optional[float] = ..., tpot_p99_seconds: _Optional[float] = ..., num_finished: _Optional[int] = ..., mean_context_tokens: _Optional[float] = ..., num_requests: _Optional[int] = ...) -> None: ...

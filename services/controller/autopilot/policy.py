@@ -1,0 +1,221 @@
+"""The switching policy: a pure function from (profile, what the policy remembers, what the router sees now) to keep
+or switch, with the reason.
+
+Moebius switches TP→EP as soon as the requests in flight reach T_h and back once their mean over W steps falls below
+T_l = 0.8·T_h, after a cooldown, if the target's KV holds them. Here the thresholds are measured, not set: between
+the live layout A and a candidate B, the profile's crossover n* (the load above which the layout that scales better
+has the lower TPOT) is T_h, and hysteresis·n* is T_l. The rules, in order:
+- a target must hold the KV blocks in use now (plus headroom) and the requests in flight: never switch into a
+  shortage;
+- toward the layout that is better at higher load ("up"): as soon as the load now, or the forecast load by the time
+  a switch would finish, reaches T_h; only the cooldown since the last switch applies;
+- toward the layout that is better at lower load ("down"): when the mean load over the window falls below T_l, and
+  only after the minimum dwell in the live layout as well as the cooldown (asymmetric: a surge is met at once, a
+  lull must last);
+- a layout better at every load is taken when the cooldown and dwell allow;
+- when the live layout's KV cannot hold the requests in flight (they queue), any layout that can is wanted;
+- and only when the gain over the horizon (the share of each request's time saved, times the horizon) exceeds what
+  the switch costs each request in flight (its measured freeze, plus the slower serving while staging).
+Rollout mode is Moebius's: T_l = T_h and a window of one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from services.controller.autopilot.profile import LayoutModel, Profile, crossover
+
+STAGING_SLOWDOWN = 0.1  # serving is about this much slower while the target stages beside it (the blog's bound)
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What the router reports at one tick."""
+
+    t: float                          # seconds on the caller's clock
+    running: int                      # requests holding KV (prefilling or decoding)
+    waiting: int                      # admitted, waiting for blocks or a batch slot
+    kv_used_blocks: int               # blocks in use (the fullest pool in EP layouts)
+    context: float                    # mean tokens a running request attends over (prompt + half its output)
+    arrival_rate: float = 0.0         # requests/s over the router's window
+    ttft_p99_s: float = 0.0
+    tpot_mean_s: float = 0.0
+    forecast_load: float | None = None  # requests in flight predicted by the time a switch started now would end
+
+    @property
+    def load(self) -> int:
+        return self.running + self.waiting
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    hysteresis: float = 0.8     # T_l = hysteresis·T_h
+    window: int = 8             # observations averaged for a "down" switch (W)
+    cooldown_s: float = 5.0     # between two switches
+    min_dwell_s: float = 30.0   # in a layout before a "down" switch
+    horizon_s: float = 60.0     # how long the gain of a switch is counted
+    kv_headroom: float = 0.1    # a target holds the blocks in use plus this share
+    rollout: bool = False       # Moebius's rollout mode: T_l = T_h, W = 1
+
+    def __post_init__(self) -> None:
+        if not 0 < self.hysteresis <= 1:
+            raise ValueError("hysteresis must be in (0, 1]")
+        if self.window < 1 or self.cooldown_s < 0 or self.min_dwell_s < 0 or self.horizon_s <= 0:
+            raise ValueError("window >= 1, cooldown_s >= 0, min_dwell_s >= 0 and horizon_s > 0")
+        if self.kv_headroom < 0:
+            raise ValueError("kv_headroom must be >= 0")
+
+    @property
+    def effective_window(self) -> int:
+        return 1 if self.rollout else self.window
+
+    @property
+    def effective_hysteresis(self) -> float:
+        return 1.0 if self.rollout else self.hysteresis
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    """What the policy remembers between ticks (the loop owns it; `observe` and `switched` return new ones)."""
+
+    layout: str
+    entered_s: float                  # when the live layout was entered (dwell)
+    last_switch_s: float = -math.inf  # when the last switch ended (cooldown)
+    loads: tuple[int, ...] = ()       # the last `window` loads, newest last
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: str                       # "keep" or "switch"
+    target: str                       # the layout to switch to (the live one for "keep")
+    reason: str
+    predicted_tpot_s: dict[str, float] = field(default_factory=dict)  # per candidate, at the signal load
+    thresholds: dict[str, float] = field(default_factory=dict)        # per candidate: the load that triggers it
+
+    @property
+    def switches(self) -> bool:
+        return self.action == "switch"
+
+
+def observe(state: PolicyState, obs: Observation, config: PolicyConfig) -> PolicyState:
+    """Remember this tick's load (the window of the "down" rule)."""
+    return replace(state, loads=(state.loads + (obs.load,))[-config.effective_window:])
+
+
+def switched(state: PolicyState, target: str, now: float) -> PolicyState:
+    """The live layout changed (by the policy or an operator): dwell and cooldown start now."""
+    return PolicyState(layout=target, entered_s=now, last_switch_s=now, loads=state.loads)
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    layout: str
+    direction: str          # "up", "down", "always" or "capacity" (the live layout's KV is short)
+    threshold: float        # the load that triggers it (inf: never)
+    wanted: bool
+    tpot_s: float
+
+
+def _candidate(live: LayoutModel, other: LayoutModel, obs: Observation, mean_load: float, up_load: float,
+               hysteresis: float) -> _Candidate:
+    up = crossover(live, other, obs.context)       # other is better above it
+    if up is not None:
+        return _Candidate(other.layout, "up", up, up_load >= up and up_load > 0, other.tpot(up_load, obs.context))
+    down = crossover(other, live, obs.context)     # live is better above it: other is the low-load layout
+    if down is not None:
+        low = hysteresis * down
+        return _Candidate(other.layout, "down", low, mean_load < low, other.tpot(mean_load, obs.context))
+    better = other.tpot(1, obs.context) < live.tpot(1, obs.context)
+    return _Candidate(other.layout, "always", 0.0 if better else math.inf, better, other.tpot(mean_load, obs.context))
+
+
+def _for_capacity(live: LayoutModel, other: LayoutModel, obs: Observation, up_load: float) -> _Candidate | None:
+    """When the live layout cannot hold the requests in flight (they wait for KV), a layout that can is wanted
+    whatever the TPOT lines say: waiting is worse than a slower token."""
+    if live.max_requests(obs.context) >= obs.load or other.max_requests(obs.context) < obs.load:
+        return None
+    return _Candidate(other.layout, "capacity", float(live.max_requests(obs.context)), True,
+                      other.tpot(up_load, obs.context))
+
+
+def decide(profile: Profile, state: PolicyState, obs: Observation, config: PolicyConfig,
+           allowed: tuple[str, ...] | None = None) -> Decision:
+    """Keep the live layout or switch to the best wanted candidate, and say why. `state` must already hold `obs`
+    (call `observe` first)."""
+    live_name = state.layout
+    if live_name not in profile.layouts:
+        return Decision("keep", live_name, f"the live layout {live_name} is not in the profile: calibrate it")
+    live = profile.layouts[live_name]
+    names = [n for n in (allowed if allowed is not None else tuple(profile.layouts)) if n in profile.layouts]
+    loads = state.loads or (obs.load,)
+    mean_load = sum(loads) / len(loads)
+    up_load = max(float(obs.load), obs.forecast_load or 0.0)
+    need_blocks = math.ceil(obs.kv_used_blocks * (1 + config.kv_headroom))
+
+    tpots = {live_name: live.effective_tpot(obs.load, obs.context)}
+    thresholds: dict[str, float] = {}
+    wanted: list[_Candidate] = []
+    short: list[str] = []
+    for name in names:
+        if name == live_name:
+            continue
+        other = profile.layouts[name]
+        cand = _for_capacity(live, other, obs, up_load) or \
+            _candidate(live, other, obs, mean_load, up_load, config.effective_hysteresis)
+        tpots[name], thresholds[name] = cand.tpot_s, cand.threshold
+        if not cand.wanted:
+            continue
+        if not other.holds(need_blocks) or other.max_requests(obs.context) < obs.load:
+            short.append(f"{name} (KV holds {other.kv_blocks * other.kv_pools} blocks, "
+                         f"{need_blocks} needed)")
+            continue
+        wanted.append(cand)
+
+    def keep(reason: str) -> Decision:
+        return Decision("keep", live_name, reason, tpots, thresholds)
+
+    since_switch = obs.t - state.last_switch_s
+    if allowed is not None and live_name not in names:  # the intent rules the live layout out: leave it
+        fits = [n for n in names if profile.layouts[n].holds(need_blocks)]
+        if not fits:
+            return keep(f"the live layout {live_name} is outside the intent, but no allowed layout holds the "
+                        f"{need_blocks} KV blocks needed")
+        if since_switch < config.cooldown_s:
+            return keep(f"the live layout is outside the intent; the cooldown has "
+                        f"{config.cooldown_s - since_switch:.1f} s left")
+        target = min(fits, key=lambda n: (tpots.get(n, math.inf), profile.layouts[n].num_workers, n))
+        return Decision("switch", target, f"the live layout {live_name} is outside the intent's layouts "
+                        f"({', '.join(names)}); {target} has the lowest TPOT of them at load {obs.load}",
+                        tpots, thresholds)
+    if not wanted:
+        why = "no candidate is better at this load"
+        if short:
+            why = "the better layouts are short of KV: " + "; ".join(short)
+        return keep(f"load {obs.load} (mean {mean_load:.1f}): {why}")
+    best = min(wanted, key=lambda c: (c.tpot_s, profile.layouts[c.layout].num_workers, c.layout))
+
+    if since_switch < config.cooldown_s:
+        return keep(f"{best.layout} is better, but the cooldown has {config.cooldown_s - since_switch:.1f} s left")
+    dwell = obs.t - state.entered_s
+    if best.direction in ("down", "always") and dwell < config.min_dwell_s:
+        return keep(f"{best.layout} is better at the mean load {mean_load:.1f}, but {live_name} must dwell "
+                    f"{config.min_dwell_s - dwell:.1f} s more")
+
+    signal = up_load if best.direction in ("up", "capacity") else mean_load
+    live_tpot = live.effective_tpot(signal, obs.context)
+    gain_s = config.horizon_s * max(0.0, 1.0 - best.tpot_s / live_tpot)
+    cost = profile.switch_cost(live_name, best.layout)
+    cost_s = cost.downtime_s + STAGING_SLOWDOWN * cost.staging_s
+    if gain_s <= cost_s:
+        return keep(f"{best.layout} saves {gain_s:.2f} s per request over {config.horizon_s:.0f} s, less than the "
+                    f"switch costs ({cost_s:.2f} s)")
+    trigger = {"up": f"load {signal:.0f} >= T_h {best.threshold:.1f}",
+               "down": f"mean load {mean_load:.1f} < T_l {best.threshold:.1f}",
+               "always": "better at every load",
+               "capacity": f"{live_name}'s KV holds {best.threshold:.0f} requests, {obs.load} in flight"}[best.direction]
+    if obs.forecast_load is not None and best.direction == "up" and obs.forecast_load > obs.load:
+        trigger += f" (forecast {obs.forecast_load:.0f} in flight by the time the switch ends)"
+    return Decision("switch", best.layout,
+                    f"{trigger}: TPOT {live_tpot * 1e3:.1f} -> {best.tpot_s * 1e3:.1f} ms, gain {gain_s:.2f} s "
+                    f"> cost {cost_s:.2f} s", tpots, thresholds)

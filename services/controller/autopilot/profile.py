@@ -1,0 +1,241 @@
+"""Measured layout profiles: what each layout costs per decode step and per prompt token, what it holds, and what a
+switch between two layouts costs; fitted from samples that `calibrate` measures on the live stack.
+
+A decode step of a layout that runs `n` requests of mean context `c` takes  a + n·(b + c·g)  seconds (every running
+request gets one token per step, so that is also each request's TPOT): a fixed cost per step (launches, collectives,
+pipeline hand-offs, the router's turn), a cost per request (its row of every matmul) and a cost per cached position
+it attends over. A prefill of `p` prompt tokens takes  p0 + p·p1.  Both are fitted by non-negative least squares, so
+a noisy sample cannot make a cost negative. Because TPOT is linear in `n` for a given context, two layouts cross at
+most once: the crossover is the load at which the better layout changes, which is where the policy's thresholds
+come from (no hand-set T_h).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import nnls
+
+from services.model.cache import default_cache_dir
+
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSample:
+    """`batch` requests decoding together at a mean context of `context` tokens took `tpot_s` per token each."""
+
+    layout: str
+    batch: int
+    context: float
+    tpot_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSample:
+    """A prefill of `tokens` prompt tokens (all requests of one admission wave) took `seconds` to the first token."""
+
+    layout: str
+    tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchSample:
+    """A measured switch: the freeze (what requests in flight wait) and the staging before it (served slower)."""
+
+    source: str
+    target: str
+    downtime_s: float
+    staging_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutModel:
+    """One layout's fitted costs and capacity."""
+
+    layout: str
+    step_s: float            # a: fixed cost of a decode step
+    per_request_s: float     # b: each running request's share of a step
+    per_position_s: float    # g: each cached position a request attends over
+    prefill_base_s: float    # p0
+    prefill_per_token_s: float  # p1
+    kv_blocks: int           # KV capacity in blocks (per data-parallel rank for EP layouts)
+    block_size: int          # tokens per block
+    num_workers: int         # active workers (the "cost" of the layout)
+    kv_pools: int = 1        # data-parallel attention ranks, each with its own pool of kv_blocks
+
+    def tpot(self, batch: float, context: float) -> float:
+        """Seconds per token of each of `batch` requests decoding at mean context `context`."""
+        return self.step_s + max(batch, 1.0) * self.slope(context)
+
+    def slope(self, context: float) -> float:
+        """How much TPOT grows per extra running request at this context."""
+        return self.per_request_s + max(context, 0.0) * self.per_position_s
+
+    def effective_tpot(self, load: float, context: float) -> float:
+        """Seconds per token each of `load` requests in flight sees over time: past what the KV holds, requests
+        take turns (the ones waiting get no tokens), so the layout's token rate is shared among all of them."""
+        held = max(1, self.max_requests(context))
+        if load <= held:
+            return self.tpot(load, context)
+        return self.tpot(held, context) * load / held
+
+    def throughput(self, batch: float, context: float) -> float:
+        """Tokens per second the layout generates with `batch` requests running."""
+        return max(batch, 1.0) / self.tpot(batch, context)
+
+    def prefill(self, tokens: float) -> float:
+        return self.prefill_base_s + max(tokens, 0.0) * self.prefill_per_token_s
+
+    def max_requests(self, context: float) -> int:
+        """How many requests of `context` tokens its KV cache holds at once."""
+        blocks_each = max(1, math.ceil(max(context, 1.0) / self.block_size))
+        return (self.kv_blocks // blocks_each) * self.kv_pools
+
+    def holds(self, used_blocks: int) -> bool:
+        """Whether the blocks in use now fit (the KV capacity check of a target)."""
+        return used_blocks <= self.kv_blocks * self.kv_pools
+
+
+def crossover(a: LayoutModel, b: LayoutModel, context: float) -> float | None:
+    """The load (running requests) above which `b` has the lower TPOT than `a` at this context; None when `b` does
+    not get better with load relative to `a` (it is better everywhere or nowhere: see `better_everywhere`)."""
+    slope_gap = a.slope(context) - b.slope(context)
+    if slope_gap <= 0:
+        return None
+    return max((b.step_s - a.step_s) / slope_gap, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Band:
+    """Loads [low, high) (running requests) where `layout` has the lowest TPOT of the candidates."""
+
+    low: float
+    high: float
+    layout: str
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Every calibrated layout of one model on one machine, and the measured switches between them."""
+
+    model: str
+    machine: str
+    layouts: dict[str, LayoutModel]
+    switches: dict[tuple[str, str], SwitchSample] = field(default_factory=dict)
+    decode_samples: tuple[DecodeSample, ...] = ()
+    prefill_samples: tuple[PrefillSample, ...] = ()
+    created_unix_s: float = 0.0
+
+    def best(self, load: float, context: float, allowed: Iterable[str] | None = None) -> str:
+        """The layout with the lowest TPOT at this load among `allowed` that hold it (ties: fewer workers)."""
+        names = list(allowed) if allowed is not None else list(self.layouts)
+        fitting = [n for n in names if self.layouts[n].max_requests(context) >= load] or names
+        return min(fitting, key=lambda n: (self.layouts[n].tpot(load, context), self.layouts[n].num_workers, n))
+
+    def bands(self, context: float, max_load: int, allowed: Iterable[str] | None = None) -> list[Band]:
+        """Where each layout is best, from 1 to max_load running requests: the measured thresholds."""
+        names = list(allowed) if allowed is not None else list(self.layouts)
+        bands: list[Band] = []
+        for load in range(1, max_load + 1):
+            best = self.best(load, context, names)
+            if bands and bands[-1].layout == best:
+                bands[-1] = Band(bands[-1].low, load + 1, best)
+            else:
+                bands.append(Band(load, load + 1, best))
+        return bands
+
+    def switch_cost(self, source: str, target: str) -> SwitchSample:
+        """The measured switch, else the slowest measured one into `target`, else the slowest of all (a switch
+        never measured is not assumed cheap)."""
+        if (source, target) in self.switches:
+            return self.switches[(source, target)]
+        into = [s for (_, t), s in self.switches.items() if t == target] or list(self.switches.values())
+        if not into:
+            return SwitchSample(source, target, downtime_s=1.0, staging_s=10.0)
+        return SwitchSample(source, target, max(s.downtime_s for s in into), max(s.staging_s for s in into))
+
+    # ---- persistence ---------------------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "version": PROFILE_VERSION, "model": self.model, "machine": self.machine,
+            "created_unix_s": self.created_unix_s,
+            "layouts": {name: dataclasses.asdict(m) for name, m in self.layouts.items()},
+            "switches": [dataclasses.asdict(s) for s in self.switches.values()],
+            "decode_samples": [dataclasses.asdict(s) for s in self.decode_samples],
+            "prefill_samples": [dataclasses.asdict(s) for s in self.prefill_samples],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Profile:
+        if data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile version {data.get('version')!r} is not {PROFILE_VERSION}: recalibrate")
+        switches = [SwitchSample(**s) for s in data.get("switches", [])]
+        return cls(
+            model=data["model"], machine=data["machine"], created_unix_s=float(data.get("created_unix_s", 0.0)),
+            layouts={name: LayoutModel(**m) for name, m in data["layouts"].items()},
+            switches={(s.source, s.target): s for s in switches},
+            decode_samples=tuple(DecodeSample(**s) for s in data.get("decode_samples", [])),
+            prefill_samples=tuple(PrefillSample(**s) for s in data.get("prefill_samples", [])),
+        )
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> Profile:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def fit_layout(layout: str, decode: Sequence[DecodeSample], prefill: Sequence[PrefillSample], kv_blocks: int,
+               block_size: int, num_workers: int, kv_pools: int = 1) -> LayoutModel:
+    """Non-negative least squares of the step model over one layout's samples (ValueError without decode ones)."""
+    rows = [s for s in decode if s.layout == layout]
+    if not rows:
+        raise ValueError(f"no decode samples for {layout}")
+    features = np.array([[1.0, s.batch, s.batch * s.context] for s in rows])
+    (step, per_request, per_position), _ = nnls(features, np.array([s.tpot_s for s in rows]))
+    fills = [s for s in prefill if s.layout == layout]
+    if len(fills) >= 2:
+        (base, per_token), _ = nnls(np.array([[1.0, s.tokens] for s in fills]), np.array([s.seconds for s in fills]))
+    elif fills:
+        base, per_token = 0.0, fills[0].seconds / max(fills[0].tokens, 1)
+    else:
+        base, per_token = 0.0, 0.0
+    return LayoutModel(layout, float(step), float(per_request), float(per_position), float(base), float(per_token),
+                       kv_blocks, block_size, num_workers, kv_pools)
+
+
+def machine_key(device: str = "cpu", num_workers: int = 0, threads_per_worker: int = 0) -> str:
+    """What makes a profile valid only on this kind of machine: CPU model and count (or the GPU), and how many
+    workers with how many threads share it."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    text = f"{cpu}|{os.cpu_count()}|{device}|{num_workers}|{threads_per_worker}"
+    return f"{platform.machine()}-{os.cpu_count()}c-{hashlib.sha1(text.encode()).hexdigest()[:10]}"
+
+
+def profile_path(model: str, machine: str, root: Path | None = None) -> Path:
+    """Where the profile of this model on this machine is cached (beside the models: $RECONFIG_CACHE_DIR, ...)."""
+    base = root or default_cache_dir()
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in model)
+    return base / "profiles" / f"{safe}__{machine}.json"

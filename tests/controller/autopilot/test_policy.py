@@ -1,0 +1,178 @@
+"""The switching policy: measured thresholds, asymmetric hysteresis, cooldown and dwell, the KV capacity check, cost
+against gain, rollout mode and intents; properties over random load traces."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.controller.autopilot.policy import (
+    Observation,
+    PolicyConfig,
+    PolicyState,
+    decide,
+    observe,
+    switched,
+)
+from services.controller.autopilot.profile import LayoutModel, Profile, SwitchSample, crossover
+
+CONTEXT = 200.0
+
+
+def layout(name: str, step_s: float, per_request_s: float, kv_blocks: int = 4096, workers: int = 4) -> LayoutModel:
+    return LayoutModel(name, step_s, per_request_s, 0.0, 0.01, 1e-4, kv_blocks, 16, workers)
+
+
+# "tp" is fast at low load (small fixed cost, steep slope); "pp" scales better (large fixed cost, flat slope).
+TP, PP = layout("tp4pp1", 0.020, 0.004), layout("tp1pp4", 0.060, 0.001)
+SWITCH = {(a, b): SwitchSample(a, b, downtime_s=0.2, staging_s=5.0) for a, b in (("tp4pp1", "tp1pp4"),
+                                                                              ("tp1pp4", "tp4pp1"))}
+PROFILE = Profile("m", "x", {"tp4pp1": TP, "tp1pp4": PP}, SWITCH)
+T_H = crossover(TP, PP, CONTEXT)  # 13.33 requests
+CONFIG = PolicyConfig(hysteresis=0.8, window=4, cooldown_s=5.0, min_dwell_s=20.0, horizon_s=60.0)
+
+
+def obs(t: float, load: int, used_blocks: int = 0, forecast: float | None = None) -> Observation:
+    return Observation(t=t, running=load, waiting=0, kv_used_blocks=used_blocks, context=CONTEXT,
+                       forecast_load=forecast)
+
+
+def step(state: PolicyState, o: Observation, config: PolicyConfig = CONFIG, profile: Profile = PROFILE,
+         allowed=None):
+    state = observe(state, o, config)
+    decision = decide(profile, state, o, config, allowed)
+    if decision.switches:
+        state = switched(state, decision.target, o.t)
+    return state, decision
+
+
+def test_the_threshold_is_the_measured_crossover():
+    assert T_H == pytest.approx((0.060 - 0.020) / (0.004 - 0.001))
+    bands = PROFILE.bands(CONTEXT, 30)
+    assert [b.layout for b in bands] == ["tp4pp1", "tp1pp4"]
+    assert bands[0].high == math.ceil(T_H)
+
+
+def test_up_at_once_down_only_after_the_window_falls_below_t_low():
+    state = PolicyState("tp4pp1", entered_s=0.0)
+    state, d = step(state, obs(100.0, 13))
+    assert not d.switches and "no candidate" in d.reason
+    state, d = step(state, obs(101.0, 14))             # crosses T_H: up at once, no dwell needed
+    assert d.switches and d.target == "tp1pp4" and "T_h" in d.reason
+    # Load drops just under T_H but above T_L = 0.8·T_H: no way back.
+    for t in range(110, 200, 5):
+        state, d = step(state, obs(float(t), 12))
+        assert not d.switches
+    low = 7  # (3·12 + 7) / 4 = 10.75 is still above T_l = 10.67
+    state, d = step(state, obs(200.0, low))            # one low tick: the window's mean is still above T_L
+    assert not d.switches
+    state, d = step(state, obs(201.0, low))            # (2·12 + 2·7) / 4 = 9.5
+    assert d.switches and d.target == "tp4pp1" and "T_l" in d.reason
+
+
+def test_cooldown_and_dwell():
+    state = PolicyState("tp4pp1", entered_s=0.0)
+    state, d = step(state, obs(100.0, 20))
+    assert d.switches
+    state, d = step(state, obs(101.0, 0))
+    for t in (102.0, 103.0, 104.0):
+        state, d = step(state, obs(t, 0))
+    assert not d.switches and "cooldown" in d.reason
+    state, d = step(state, obs(110.0, 0))
+    assert not d.switches and "dwell" in d.reason       # the down switch waits for the dwell
+    state, d = step(state, obs(121.0, 0))
+    assert d.switches and d.target == "tp4pp1"
+
+
+def test_never_into_a_kv_shortage():
+    short = Profile("m", "x", {"tp4pp1": TP, "tp1pp4": layout("tp1pp4", 0.060, 0.001, kv_blocks=100)}, SWITCH)
+    state = PolicyState("tp4pp1", entered_s=0.0)
+    state, d = step(state, obs(100.0, 40, used_blocks=500), profile=short)
+    assert not d.switches and "short of KV" in d.reason
+
+
+def test_a_live_layout_short_of_kv_moves_to_one_that_holds_the_load():
+    # At 30 in flight tp1pp4 has the lower TPOT per running request, but its KV holds 10 requests of 200 tokens:
+    # the other 20 queue, and each request in flight gets a token every (60 + 10) ms x 3.
+    small = Profile("m", "x", {"tp4pp1": TP, "tp1pp4": layout("tp1pp4", 0.060, 0.001, kv_blocks=130)}, SWITCH)
+    state = PolicyState("tp1pp4", entered_s=0.0)
+    state, d = step(state, obs(101.0, 30, used_blocks=130), profile=small)
+    assert d.switches and d.target == "tp4pp1" and "KV holds 10 requests" in d.reason
+    assert d.predicted_tpot_s["tp1pp4"] == pytest.approx(0.21)
+    # With room for 20 the queued layout is still the faster one (0.12 s against 0.14 s): no switch.
+    roomy = Profile("m", "x", {"tp4pp1": TP, "tp1pp4": layout("tp1pp4", 0.060, 0.001, kv_blocks=260)}, SWITCH)
+    _, d = step(PolicyState("tp1pp4", entered_s=0.0), obs(101.0, 30, used_blocks=250), profile=roomy)
+    assert not d.switches
+
+
+def test_a_switch_that_costs_more_than_it_gains_is_not_taken():
+    costly = Profile("m", "x", PROFILE.layouts,
+                     {k: SwitchSample(*k, downtime_s=30.0, staging_s=0.0) for k in SWITCH})
+    state = PolicyState("tp4pp1", entered_s=0.0)
+    state, d = step(state, obs(100.0, 14), profile=costly)
+    assert not d.switches and "less than the switch costs" in d.reason
+    state, d = step(state, obs(101.0, 200), profile=costly)   # a large gain pays for it
+    assert d.switches
+
+
+def test_forecast_switches_ahead_of_the_peak():
+    state = PolicyState("tp4pp1", entered_s=0.0)
+    state, d = step(state, obs(100.0, 5, forecast=30.0))
+    assert d.switches and d.target == "tp1pp4" and "forecast" in d.reason
+
+
+def test_rollout_mode_has_no_hysteresis():
+    rollout = PolicyConfig(cooldown_s=0.0, min_dwell_s=0.0, rollout=True)
+    state = PolicyState("tp1pp4", entered_s=0.0)
+    state, d = step(state, obs(100.0, 12), config=rollout)     # T_l = T_h and a window of one
+    assert d.switches and d.target == "tp4pp1"
+
+
+def test_intent_outside_the_live_layout_moves_into_it():
+    state = PolicyState("tp4pp1", entered_s=0.0)
+    state, d = step(state, obs(100.0, 1), allowed=("tp1pp4",))
+    assert d.switches and d.target == "tp1pp4" and "intent" in d.reason
+
+
+def test_an_uncalibrated_live_layout_is_kept():
+    d = decide(PROFILE, PolicyState("tp2pp2", 0.0), obs(1.0, 50), CONFIG)
+    assert not d.switches and "calibrate" in d.reason
+
+
+# ---- properties ------------------------------------------------------------------------------------------------
+loads_between = st.lists(st.integers(min_value=math.ceil(0.8 * T_H) + 1, max_value=math.ceil(T_H) - 1),
+                         min_size=1, max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(loads=loads_between, start=st.sampled_from(["tp4pp1", "tp1pp4"]))
+def test_no_oscillation_while_the_load_hovers_between_the_thresholds(loads, start):
+    state = PolicyState(start, entered_s=0.0)
+    for i, load in enumerate(loads):
+        state, d = step(state, obs(1000.0 + i, load))
+        assert not d.switches, (i, load, d.reason)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ticks=st.lists(st.tuples(st.floats(min_value=0.1, max_value=10.0), st.integers(0, 60),
+                                st.integers(0, 2000)), min_size=1, max_size=80))
+def test_switches_respect_cooldown_dwell_and_kv_capacity(ticks):
+    small = Profile("m", "x", {"tp4pp1": layout("tp4pp1", 0.020, 0.004, kv_blocks=1500),
+                               "tp1pp4": layout("tp1pp4", 0.060, 0.001, kv_blocks=900)}, SWITCH)
+    state, t, switches = PolicyState("tp4pp1", entered_s=0.0), 0.0, []
+    for gap, load, used in ticks:
+        t += gap
+        before = state
+        state, d = step(state, obs(t, load, used_blocks=used), profile=small)
+        if d.switches:
+            assert t - before.last_switch_s >= CONFIG.cooldown_s
+            target = small.layouts[d.target]
+            assert target.holds(math.ceil(used * 1.1)) and target.max_requests(CONTEXT) >= load
+            if d.target == "tp4pp1":   # a "down" switch: dwell and a window mean under T_l
+                assert t - before.entered_s >= CONFIG.min_dwell_s
+                assert sum(state.loads) / len(state.loads) < 0.8 * T_H
+            switches.append(t)
+    assert all(b - a >= CONFIG.cooldown_s for a, b in zip(switches, switches[1:]))
