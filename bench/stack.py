@@ -26,7 +26,7 @@ class Stack:
         self._run_dir = tempfile.TemporaryDirectory(prefix="reconfig-bench-")
         self._log = open(Path(self._run_dir.name) / "up.log", "w+")
         command = [sys.executable, "-m", "services.cli", "up", "--model", model, "--http-port", "0",
-                   "--grpc-port", "0", "--controller-port", "0"]
+                   "--grpc-port", "0", "--controller-port", "0", "--controller-metrics-port", "0"]
         for flag, value in (("--topology", topology), ("--workers", num_workers), ("--kv-cache-mb", kv_cache_mb)):
             if value is not None:
                 command += [flag, str(value)]

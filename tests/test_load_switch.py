@@ -38,7 +38,7 @@ def stack(tmp_path_factory):
     env = {**os.environ, "RECONFIG_RUN_DIR": str(run_dir), "RECONFIG_FAULTS": FAULTS}
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--workers", "4", "--topology", "tp2pp2",
-         "--http-port", "0", "--grpc-port", "0", "--controller-port", "0", "--kv-cache-mb", "8", "--block-size", "4"],
+         "--http-port", "0", "--grpc-port", "0", "--controller-port", "0", "--controller-metrics-port", "0", "--kv-cache-mb", "8", "--block-size", "4"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     stack_file = run_dir / "stack.json"
     deadline = time.monotonic() + 120

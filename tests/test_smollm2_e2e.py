@@ -45,7 +45,7 @@ def test_default_stack_answers_the_chat_as_transformers(smollm2, tmp_path):
     model_dir = smollm2  # in the default cache, where `reconfig up` finds it
     env = {**os.environ, "RECONFIG_RUN_DIR": str(tmp_path / "run")}
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--http-port", "0", "--grpc-port", "0", "--controller-port", "0"],
+        [sys.executable, "-m", "services.cli", "up", "--http-port", "0", "--grpc-port", "0", "--controller-port", "0", "--controller-metrics-port", "0"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         info = _wait_ready(process, tmp_path / "run" / "stack.json", time.monotonic() + 180)

@@ -32,7 +32,7 @@ def stack(checkpoint, tmp_path_factory):
     env = {**os.environ, "RECONFIG_RUN_DIR": str(run_dir)}
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--model", str(checkpoint), "--workers", "4",
-         "--topology", "tp2pp2", "--http-port", "0", "--grpc-port", "0", "--controller-port", "0",
+         "--topology", "tp2pp2", "--http-port", "0", "--grpc-port", "0", "--controller-port", "0", "--controller-metrics-port", "0",
          "--kv-cache-mb", "4", "--block-size", "4"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

@@ -34,6 +34,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port-file", type=Path, help="write the bound port here once ready")
     parser.add_argument("--interval", type=float, default=1.0, help="refresh interval in seconds")
     parser.add_argument("--rpc-timeout", type=float, default=2.0, help="deadline of each worker/router call (s)")
+    parser.add_argument("--model-dir", default="",
+                        help="checkpoint directory (the router's --model): without it the controller cannot switch")
+    parser.add_argument("--state-file", default="", help="where the live layout survives a controller restart")
+    parser.add_argument("--autopilot", choices=("off", "advise", "auto"), default="off",
+                        help="switch layouts by measured load (advise: only say what it would do) [off]")
+    parser.add_argument("--intents", default="", help="SLO intents file (TOML/JSON) the autopilot follows")
+    parser.add_argument("--autopilot-policy", default="", metavar="K=V,...",
+                        help="policy settings (cooldown_s, min_dwell_s, window, hysteresis, horizon_s, ...)")
+    parser.add_argument("--profile", default="", help="layout profile file [cached per model and machine]")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve the controller's /metrics (the autopilot's) on this port (0: any free port)")
     return parser
 
 
@@ -54,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         config = ControllerConfig(
             token=read_token_file(args.token_file), worker_addresses=args.workers, topology=args.topology,
             router_grpc_address=args.router_grpc, model=args.model, host=args.host, port=args.port,
-            refresh_interval_s=args.interval, rpc_timeout_s=args.rpc_timeout,
+            refresh_interval_s=args.interval, rpc_timeout_s=args.rpc_timeout, model_dir=args.model_dir,
+            state_file=args.state_file, autopilot=args.autopilot, intents_file=args.intents,
+            autopilot_policy=args.autopilot_policy, profile_file=args.profile, metrics_port=args.metrics_port,
         )
     except (OSError, ValueError) as exc:
         parser.error(str(exc))

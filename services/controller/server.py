@@ -17,6 +17,7 @@ from services.controller.autopilot.calibrate import CalibrationPlan
 from services.controller.autopilot.intents import load_intents
 from services.controller.autopilot.loop import Autopilot, AutopilotConfig, default_layouts
 from services.controller.autopilot.metrics import start_metrics_server
+from services.controller.autopilot.policy import parse_policy
 from services.controller.autopilot.profile import Profile, machine_key, profile_path
 from services.controller.servicer import ControllerServicer
 from services.controller.state import ControllerConfig, ControllerState
@@ -62,7 +63,8 @@ def make_autopilot(state: ControllerState, reconfigurer: Reconfigurer | None) ->
             log.warning("autopilot.profile_unreadable", path=str(path), error=str(exc))
     intents = load_intents(Path(config.intents_file)) if config.intents_file else None
     pilot_config = AutopilotConfig(mode=config.autopilot, interval_s=config.autopilot_interval_s,
-                                   profile_path=str(path), intents_path=config.intents_file)
+                                   policy=parse_policy(config.autopilot_policy), profile_path=str(path),
+                                   intents_path=config.intents_file)
     return Autopilot(reconfigurer, pilot_config, profile, intents, model=model, machine=machine)
 
 

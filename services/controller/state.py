@@ -45,6 +45,7 @@ class ControllerConfig:
     staging_budget_mb: int | None = None       # a switch stages only if each worker's new slices fit (None: any)
     autopilot: str = "off"                     # the autopilot's mode at start: off, advise or auto
     autopilot_interval_s: float = 1.0          # between its ticks
+    autopilot_policy: str = ""                 # policy settings, "cooldown_s=5,min_dwell_s=30,..." ("": defaults)
     intents_file: str = ""                     # SLO intents (TOML/JSON) the autopilot follows; "": none
     profile_file: str = ""                     # the layout profile; "": cached per model and machine
     calibrate_at_start: bool = True            # advise/auto without a cached profile: measure one at start

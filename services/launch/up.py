@@ -52,6 +52,8 @@ class UpConfig:
     autopilot: str = "off"              # off, advise (say what it would switch and why) or auto (switch)
     intents: str = ""                   # SLO intents file (TOML/JSON) the autopilot follows
     controller_metrics_port: int = 8001  # the controller's /metrics (the autopilot's); 0: any free port
+    autopilot_policy: str = ""          # "cooldown_s=5,min_dwell_s=30,window=8,hysteresis=0.8,horizon_s=60,..."
+    profile: str = ""                   # the layout profile file (default: cached per model and machine)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -62,6 +64,12 @@ class UpConfig:
         parse_gpus(self.gpus)  # a malformed --gpus fails here, with the other settings
         if self.autopilot not in ("off", "advise", "auto"):
             raise ValueError(f"autopilot must be off, advise or auto, not {self.autopilot!r}")
+        from services.controller.autopilot.intents import load_intents
+        from services.controller.autopilot.policy import parse_policy
+
+        parse_policy(self.autopilot_policy)  # a bad setting or intents file fails here, before anything starts
+        if self.intents:
+            load_intents(self.intents)
         if self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, not {self.num_redundant_experts}")
         for name in ("eplb_window", "eplb_step_interval"):
@@ -103,6 +111,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="switch layouts by measured load: advise says what it would do (`reconfigctl autopilot "
                              "status`), auto does it; either calibrates the layouts at first start [off]")
     parser.add_argument("--intents", help="SLO intents file (TOML/JSON) the autopilot follows")
+    parser.add_argument("--autopilot-policy", metavar="K=V,...",
+                        help="policy settings: cooldown_s, min_dwell_s, window, hysteresis, horizon_s, kv_headroom, "
+                             "rollout [5, 30, 8, 0.8, 60, 0.1, false]")
+    parser.add_argument("--profile", help="layout profile file (`reconfigctl calibrate` writes it) [cached per "
+                                          "model and machine]")
     parser.add_argument("--kv-cache-mb", type=int, help="KV cache per worker, MiB [64]")
     parser.add_argument("--block-size", type=int, help="tokens per KV block [16]")
     parser.add_argument("--api-key", help="require this bearer key on /v1/* (default: none)")
@@ -193,6 +206,7 @@ def up(config: UpConfig) -> int:
             topology=config.topology, model=config.model, model_dir=str(cluster.model_dir),
             state_file=str(run_dir() / "controller-state.json"), staging_budget_mb=config.staging_budget_mb,
             autopilot=config.autopilot, intents_file=config.intents, metrics_port=config.controller_metrics_port,
+            autopilot_policy=config.autopilot_policy, profile_file=config.profile,
         )
         controller = cluster.spawn_service("controller", run_controller, controller_config)
         http = f"http://{config.host}:{router['http_port']}"

@@ -63,7 +63,12 @@ def test_compose_file_is_valid_and_complete():
         assert [s["source"] for s in service["secrets"]] == ["control_token"]
         assert service["command"][service["command"].index("--token-file") + 1] == "/run/secrets/control_token"
     assert {p["target"] for p in router["ports"]} == {8000}
-    assert {p["target"] for p in controller["ports"]} == {50051}
+    assert {p["target"] for p in controller["ports"]} == {50051, 8001}   # reconfigctl; the autopilot's /metrics
+    # The controller can switch: it reads the checkpoint the router serves, and its metrics port is the one exposed.
+    command = controller["command"]
+    assert command[command.index("--model-dir") + 1] == router["command"][router["command"].index("--model") + 1]
+    assert command[command.index("--metrics-port") + 1] == "8001"
+    assert command[command.index("--autopilot") + 1] == "off"
     assert all(p["host_ip"] == "127.0.0.1" for p in router["ports"] + controller["ports"])
     assert set(router["depends_on"]) == set(WORKERS)
 

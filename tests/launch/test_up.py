@@ -23,7 +23,7 @@ def _start_up(tmp_path, *flags: str):
     env = {**os.environ, "RECONFIG_RUN_DIR": str(tmp_path / "run")}
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--http-port", "0", "--grpc-port", "0",
-         "--controller-port", "0", "--kv-cache-mb", "2", *flags],
+         "--controller-port", "0", "--controller-metrics-port", "0", "--kv-cache-mb", "2", *flags],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stack_file = tmp_path / "run" / "stack.json"
     deadline = time.monotonic() + 120

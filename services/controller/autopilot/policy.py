@@ -21,6 +21,7 @@ Rollout mode is Moebius's: T_l = T_h and a window of one.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field, replace
 
@@ -73,6 +74,28 @@ class PolicyConfig:
     @property
     def effective_hysteresis(self) -> float:
         return 1.0 if self.rollout else self.hysteresis
+
+
+def parse_policy(text: str) -> PolicyConfig:
+    """`"cooldown_s=5,min_dwell_s=30,rollout=true"` -> PolicyConfig (ValueError naming a bad key or value)."""
+    fields = {f.name: f.type for f in dataclasses.fields(PolicyConfig)}
+    values: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or key not in fields:
+            raise ValueError(f"autopilot policy: {item!r} is not KEY=VALUE with KEY one of {', '.join(fields)}")
+        raw = raw.strip()
+        try:
+            if fields[key] == "bool":
+                if raw.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(raw)
+                values[key] = raw.lower() in ("true", "1")
+            else:
+                values[key] = int(raw) if fields[key] == "int" else float(raw)
+        except ValueError:
+            raise ValueError(f"autopilot policy: {key}={raw!r} is not a {fields[key]}") from None
+    return PolicyConfig(**values)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from services.controller.autopilot.policy import (
     PolicyState,
     decide,
     observe,
+    parse_policy,
     switched,
 )
 from services.controller.autopilot.profile import LayoutModel, Profile, SwitchSample, crossover
@@ -140,6 +141,16 @@ def test_intent_outside_the_live_layout_moves_into_it():
 def test_an_uncalibrated_live_layout_is_kept():
     d = decide(PROFILE, PolicyState("tp2pp2", 0.0), obs(1.0, 50), CONFIG)
     assert not d.switches and "calibrate" in d.reason
+
+
+def test_policy_flags_parse_and_refuse_precisely():
+    config = parse_policy("cooldown_s=2.5, window=3,rollout=true")
+    assert (config.cooldown_s, config.window, config.rollout) == (2.5, 3, True)
+    assert parse_policy("") == PolicyConfig()
+    for bad, why in (("cooldown=1", "KEY=VALUE"), ("window=2.5", "not a int"), ("rollout=maybe", "not a bool"),
+                     ("hysteresis=1.5", "hysteresis")):
+        with pytest.raises(ValueError, match=why):
+            parse_policy(bad)
 
 
 # ---- properties ------------------------------------------------------------------------------------------------
