@@ -20,6 +20,7 @@ import structlog
 
 from services.controller.autopilot.arrivals import ArrivalHistory
 from services.controller.autopilot.calibrate import CalibrationPlan, Progress, calibrate
+from services.controller.autopilot.intents import Demand, select_layouts
 from services.controller.autopilot.policy import (
     Decision,
     Observation,
@@ -170,7 +171,8 @@ class Autopilot:
         context = window.mean_context_tokens or (window.mean_prompt_tokens + window.mean_output_tokens / 2)
         return Observation(
             t=now, running=stats.num_running, waiting=stats.num_waiting, kv_used_blocks=stats.num_kv_blocks_used,
-            context=context, arrival_rate=window.arrival_rate, ttft_p99_s=window.ttft_p99_s,
+            context=context, arrival_rate=window.arrival_rate, prompt_tokens=window.mean_prompt_tokens,
+            ttft_p99_s=window.ttft_p99_s,
             tpot_mean_s=window.tpot_mean_s, forecast_load=self.forecast_load(window, str(self.live)),
         )
 
@@ -223,13 +225,13 @@ class Autopilot:
         """The intent window now, the layouts it allows at this load, and why it rules the others out."""
         if self.intents is None:
             return "", None, {}
-        from services.controller.autopilot.intents import Demand, select_layouts
-
-        prompt = max(obs.context, 1.0)
         demand = Demand(load=float(max(obs.load, obs.forecast_load or 0.0)), context=obs.context,
-                        prompt_tokens=prompt, arrival_rate=obs.arrival_rate)
+                        prompt_tokens=obs.prompt_tokens, arrival_rate=obs.arrival_rate)
         selection = select_layouts(self.intents, self.profile, datetime.now(), demand, live)
-        return selection.window, tuple(selection.allowed), dict(selection.rejected)
+        # Latency and throughput: the policy picks by TPOT among the layouts that meet the window; cost: the
+        # cheapest that meets it is the only one allowed.
+        allowed = selection.allowed[:1] if selection.priority == "cost" else selection.allowed
+        return selection.window, tuple(allowed), dict(selection.rejected)
 
     async def _switch(self, tick: Tick) -> Tick:
         target = tick.decision.target

@@ -40,6 +40,7 @@ class Observation:
     kv_used_blocks: int               # blocks in use (the fullest pool in EP layouts)
     context: float                    # mean tokens a running request attends over (prompt + half its output)
     arrival_rate: float = 0.0         # requests/s over the router's window
+    prompt_tokens: float = 0.0        # mean prompt of the requests admitted in the window
     ttft_p99_s: float = 0.0
     tpot_mean_s: float = 0.0
     forecast_load: float | None = None  # requests in flight predicted by the time a switch started now would end
