@@ -144,9 +144,10 @@ class _Stack:
     workers: list[_RecordingWorker]
 
 
-async def start_stack(config: BenchConfig, topology: str, max_num_seqs: int = 128) -> tuple[_Stack, float, float]:
-    """The stack of tests/reconfigure in-process (the router runs up to max_num_seqs requests at once); returns it,
-    seconds to workers ready, seconds to router ready."""
+async def start_stack(config: BenchConfig, topology: str, max_num_seqs: int = 128,
+                      faults: str = "") -> tuple[_Stack, float, float]:
+    """The stack of tests/reconfigure in-process (the router runs up to max_num_seqs requests at once; `faults`:
+    the workers' fault rules, e.g. a slower worker); returns it, seconds to workers ready, seconds to router ready."""
     from services.controller.state import ControllerConfig, ControllerState
     from services.controller.transaction import Reconfigurer
     from services.launch.cluster import ClusterConfig, LocalCluster
@@ -157,7 +158,7 @@ async def start_stack(config: BenchConfig, topology: str, max_num_seqs: int = 12
     started = time.perf_counter()
     cluster = LocalCluster(ClusterConfig(
         model=config.model, num_workers=config.num_workers, topology=topology, block_size=config.block_size,
-        kv_cache_bytes=config.kv_cache_mb * MIB, env={"RECONFIG_LOG_LEVEL": "WARNING"}))
+        kv_cache_bytes=config.kv_cache_mb * MIB, env={"RECONFIG_LOG_LEVEL": "WARNING"}, faults=faults))
     cluster.start()
     workers_ready = time.perf_counter()
     addresses = tuple(cluster.worker_addresses)

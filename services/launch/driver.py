@@ -10,7 +10,7 @@ import grpc
 from services.rpc.auth import auth_metadata
 from services.rpc.errors import describe_error
 from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
-from services.worker.step import StepBatch, StepOutput
+from services.worker.step import StepBatch, StepOutput, WorkerTime
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
@@ -86,6 +86,7 @@ class Driver:
         self.infos: list[worker_pb2.WorkerInfo] = []
         self._streams: list[_WorkerStream] = []
         self._step_ids = itertools.count(1)
+        self._work: dict[int, WorkerTime] = {}  # by rank: how long each worker's part of the steps took
 
     async def __aenter__(self) -> Driver:
         await self.connect()
@@ -157,9 +158,18 @@ class Driver:
         errors = [f"rank {o.rank}: {o.error}" for o in outputs if o.error]
         if errors:
             raise StepError(f"step {step_id} failed: " + "; ".join(errors))
+        for o in outputs:
+            if o.forward_seconds > 0:
+                was = self._work.get(o.rank) or WorkerTime(o.rank)
+                self._work[o.rank] = WorkerTime(o.rank, was.forward_seconds + o.forward_seconds,
+                                                was.head_seconds + o.head_seconds, was.steps + 1)
         # The last stage's TP rank 0 carries the tokens; in an EP layout every last-stage rank carries its own.
         return StepOutput(step_id, outputs[0].rank, tuple(o for output in outputs for o in output.outputs),
                           compute_seconds=max(o.compute_seconds for o in outputs))
+
+    def worker_times(self) -> tuple[WorkerTime, ...]:
+        """Each active worker's model work since this driver connected, by rank."""
+        return tuple(self._work[rank] for rank in sorted(self._work))
 
     async def close(self) -> None:
         streams, self._streams = self._streams, []

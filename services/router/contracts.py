@@ -8,7 +8,7 @@ from typing import Protocol
 
 from services.model.tokenizer import Tokenizer
 from services.router.load_window import LoadSnapshot
-from services.worker.step import GREEDY, SamplingParams, TokenLogprob
+from services.worker.step import GREEDY, SamplingParams, TokenLogprob, WorkerTime
 
 
 class QueueFullError(RuntimeError):
@@ -152,6 +152,7 @@ class EngineStats:
     # EP layouts: blocks in use by data-parallel rank (router-local: RouterStats does not carry it); () otherwise.
     num_kv_blocks_used_per_dp_rank: tuple[int, ...] = ()
     window: LoadSnapshot = field(default_factory=LoadSnapshot)  # the last minute's arrivals and latencies
+    worker_time: tuple[WorkerTime, ...] = ()  # each active worker's model work since the driver connected
 
 
 class EngineProtocol(Protocol):

@@ -189,6 +189,7 @@ class Engine:
                    "num_full_prefills": float(self.num_full_prefills),
                    "num_inflight_batches": float(len(self._inflight))},
             window=self.load.snapshot(time.monotonic(), self.scheduler.mean_context_tokens()),
+            worker_time=self.driver.worker_times(),
         )
 
     def switch_totals(self) -> SwitchTotals:

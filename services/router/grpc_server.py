@@ -28,7 +28,7 @@ from services.router.expert_balance import ExpertBalanceAborted, ExpertBalanceEr
 from services.router.precopy import PrecopyUnsupported
 from services.router.load_window import LoadSnapshot
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2
-from services.worker.step import SamplingParams
+from services.worker.step import SamplingParams, WorkerTime
 
 log = structlog.get_logger(__name__)
 
@@ -161,6 +161,8 @@ def stats_to_pb(stats: EngineStats) -> router_pb2.RouterStats:
         is_frozen=stats.is_frozen, extra=stats.extra, stalled=stats.stalled,
         num_kv_blocks_used_per_dp_rank=stats.num_kv_blocks_used_per_dp_rank,
         window=window_to_pb(stats.window),
+        worker_time=[router_pb2.WorkerTime(rank=w.rank, forward_seconds=w.forward_seconds,
+                                           head_seconds=w.head_seconds, steps=w.steps) for w in stats.worker_time],
     )
 
 
@@ -174,6 +176,7 @@ def stats_from_pb(pb: router_pb2.RouterStats) -> EngineStats:
         is_frozen=pb.is_frozen, extra=dict(pb.extra), stalled=pb.stalled,
         num_kv_blocks_used_per_dp_rank=tuple(pb.num_kv_blocks_used_per_dp_rank),
         window=window_from_pb(pb.window),
+        worker_time=tuple(WorkerTime(w.rank, w.forward_seconds, w.head_seconds, w.steps) for w in pb.worker_time),
     )
 
 

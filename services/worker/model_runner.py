@@ -10,6 +10,7 @@ from services.model.attention import AttentionMetadata
 from services.model.llama import ShardedCausalLM
 from services.topology import Placement, WorkerPlacement
 from services.worker.decode_graphs import DecodeGraphs
+from services.worker.faults import FAULTS
 from services.worker.kv_cache import KVCache
 from services.worker.logits_processor import needs_processing
 from services.worker.parallel import ParallelState
@@ -84,10 +85,14 @@ class ModelRunner:
         else:
             shape = (batch.num_tokens, self.model.spec.hidden_size)
             inputs = self.parallel.recv(shape, self.model.dtype, self.device, self.prev_rank)
+        forward_started = time.perf_counter()
         hidden = self.model.forward(inputs, positions, self.kv_cache.layers, meta)  # [T, hidden]
+        forward_s = self._measured("forward", forward_started, rank)
         if self.next_rank is not None:
             self.parallel.send(hidden, self.next_rank)
-            return StepOutput(batch.step_id, rank, compute_seconds=time.perf_counter() - started)
+            return StepOutput(batch.step_id, rank, compute_seconds=time.perf_counter() - started,
+                              forward_seconds=forward_s)
+        head_started = time.perf_counter()
         wanted = [i for i, s in enumerate(seqs) if s.sample or s.return_logits]
         prompt_rows = self._prompt_logprob_rows(batch, meta)
         outputs: list[SequenceOutput] = []
@@ -97,7 +102,16 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [R, vocab]; a TP collective
             if self.wp.tp_rank == 0:
                 outputs = sample_outputs(list(seqs), wanted, logits.cpu(), len(prompt_rows))
-        return StepOutput(batch.step_id, rank, tuple(outputs), compute_seconds=time.perf_counter() - started)
+        head_s = self._measured("forward", head_started, rank)
+        return StepOutput(batch.step_id, rank, tuple(outputs), compute_seconds=time.perf_counter() - started,
+                          forward_seconds=forward_s, head_seconds=head_s)
+
+    @staticmethod
+    def _measured(point: str, started: float, rank: int) -> float:
+        """Seconds since `started`, stretched by a `slow` fault rule (a slower device in tests). Host time: on CPU
+        the work itself; on a GPU only its launch (the split by speed uses CPU measurements only)."""
+        seconds = time.perf_counter() - started
+        return seconds + FAULTS.slowdown(point, seconds, rank=rank)
 
     def _execute_graph(self, batch: StepBatch, seqs, rank: int, started: float) -> StepOutput:
         """A decode step through its CUDA graph: one host synchronisation, for the tokens (or the logits when a

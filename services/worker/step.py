@@ -183,6 +183,16 @@ class SequenceOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerTime:
+    """A worker's model work over the steps one driver sent it (cumulative; steps that ran its layers)."""
+
+    rank: int
+    forward_seconds: float = 0.0
+    head_seconds: float = 0.0
+    steps: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class StepOutput:
     """A worker's answer to one step."""
 
@@ -191,6 +201,8 @@ class StepOutput:
     outputs: tuple[SequenceOutput, ...] = field(default_factory=tuple)
     error: str = ""
     compute_seconds: float = 0.0
+    forward_seconds: float = 0.0       # this worker's layers (and embedding), without waiting for its inputs
+    head_seconds: float = 0.0          # final norm, lm_head and sampling (last stage)
 
     def to_pb(self) -> worker_pb2.StepResult:
         return worker_pb2.StepResult(
@@ -199,6 +211,8 @@ class StepOutput:
             results=[o.to_pb() for o in self.outputs],
             error=self.error,
             compute_seconds=self.compute_seconds,
+            forward_seconds=self.forward_seconds,
+            head_seconds=self.head_seconds,
         )
 
     @classmethod
@@ -209,4 +223,6 @@ class StepOutput:
             outputs=tuple(SequenceOutput.from_pb(r) for r in pb.results),
             error=pb.error,
             compute_seconds=pb.compute_seconds,
+            forward_seconds=pb.forward_seconds,
+            head_seconds=pb.head_seconds,
         )

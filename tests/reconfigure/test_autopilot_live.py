@@ -12,6 +12,7 @@ import json
 import grpc
 import pytest
 
+from services.controller.autopilot.calibrate import CalibrationPlan
 from services.controller.autopilot.loop import Autopilot, AutopilotConfig
 from services.controller.autopilot.policy import PolicyConfig
 from services.controller.autopilot.profile import Profile
@@ -21,7 +22,8 @@ from services.controller.servicer import ControllerServicer
 from services.router.contracts import GenerationRequest
 from services.rpc.auth import auth_metadata, write_token_file
 from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc
-from tests.reconfigure.conftest import TOKEN, generated_tokens
+from services.launch.cluster import ClusterConfig, LocalCluster
+from tests.reconfigure.conftest import TOKEN, generated_tokens, open_live_stack
 from tests.reconfigure.test_visibility import _output
 
 live = pytest.mark.multiprocess
@@ -115,3 +117,37 @@ async def test_auto_switches_up_under_load_and_back_down_with_exact_outputs(live
     assert [d.decision.action for d in decisions].count("switch") == 1, [d.decision.reason for d in decisions]
     assert str(live_stack.state.topology) == "tp2pp2" and autopilot.num_switches == 2
     assert "T_l" in next(d for d in decisions if d.decision.switches).decision.reason
+
+
+@pytest.fixture(scope="module")
+def uneven_cluster(switch_checkpoint):
+    """Two workers, rank 0's model work 4x slower than rank 1's (a slower device)."""
+    config = ClusterConfig(model=str(switch_checkpoint), num_workers=2, topology="tp1pp2", kv_cache_bytes=1 << 20,
+                           block_size=4, faults="forward:rank=0:slow=4")
+    with LocalCluster(config) as cluster:
+        yield cluster
+
+
+@live
+async def test_calibration_measures_each_worker_and_the_autopilot_splits_layers_by_speed(uneven_cluster):
+    async with open_live_stack(uneven_cluster, leave_in=None) as stack:
+        engine, reconfigurer = stack.engine, stack.reconfigurer
+        request = GenerationRequest("uneven", tuple(range(7, 19)), 12)
+        expected = await generated_tokens(engine, request)
+        autopilot = Autopilot(reconfigurer, AutopilotConfig(
+            mode="auto", policy=PolicyConfig(cooldown_s=0.0, min_dwell_s=0.0)), model="switch", machine="test")
+        profile = await autopilot.calibrate(CalibrationPlan(layouts=("tp1pp2", "tp2pp1"), batch_sizes=(1, 3),
+                                                            prompt_tokens=(8,), output_tokens=4))
+        speeds = {w.rank: w for w in profile.worker_speeds}
+        assert set(speeds) == {0, 1} and profile.num_layers == 3
+        assert speeds[0].layer_s > 2 * speeds[1].layer_s          # the slow rank, measured through the router
+        assert speeds[1].head_ratio > 0 and speeds[0].head_ratio == 0  # rank 1 is the last stage
+        # The even split of 3 layers gives stage 0 two; by speed it gets one.
+        assert profile.layer_partition("tp1pp2") == (1, 2)
+        tick = await autopilot.tick()
+        assert tick.decision.switches and tick.decision.target == "tp1pp2", tick.decision.reason
+        assert tick.decision.layer_partition == (1, 2) and "measured speed" in tick.decision.reason
+        assert tick.outcome == "SUCCEEDED" and stack.state.layer_partition == (1, 2)
+        assert not (await autopilot.tick()).decision.switches   # balanced now: nothing more to do
+        assert await generated_tokens(engine, dataclasses.replace(request, request_id="again")) == expected
+        await reconfigurer.reconfigure("tp1pp2")                   # back to the even split for the next test

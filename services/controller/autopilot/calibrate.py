@@ -25,13 +25,18 @@ from services.controller.autopilot.profile import (
     PrefillSample,
     Profile,
     SwitchSample,
+    balanced_split,
     fit_layout,
+    worker_speeds,
 )
 from services.controller.staging import prepare_workers
 from services.controller.status import OperationState
 from services.model.tokenizer import Tokenizer
+from services.router.grpc_server import stats_from_pb
 from services.rpc.reconfig.v1 import router_pb2
-from services.topology import Topology
+from services.topology import Topology, place
+from services.topology.balance import BALANCE_MIN_GAIN
+from services.worker.step import WorkerTime
 
 log = structlog.get_logger(__name__)
 Progress = Callable[[str, float], None]  # (what is happening, share done in [0, 1])
@@ -99,45 +104,124 @@ async def calibrate(reconfigurer, plan: CalibrationPlan, model: str, machine: st
                     progress: Progress | None = None) -> Profile:
     """Measure each layout of `plan` on the live stack (switching through them) and fit a Profile; the stack ends
     in the layout it started in. Raises RuntimeError when a switch fails (the stack stays in a working layout)."""
-    report = progress or (lambda what, done: None)
-    router, metadata = reconfigurer.router, reconfigurer.metadata
-    vocab = prompt_vocabulary(reconfigurer)
-    rng = random.Random(plan.seed)
-    start_layout = str(reconfigurer.state.topology)
     for layout in plan.layouts:
         reconfigurer.target(layout)  # TopologyError before anything moves
-    decode: list[DecodeSample] = []
-    prefill: list[PrefillSample] = []
-    switches: dict[tuple[str, str], SwitchSample] = {}
-    capacity: dict[str, tuple[int, int, int, int]] = {}
-    done = 0
+    return await _Calibration(reconfigurer, plan, progress).run(model, machine)
 
-    async def switch_to(layout: str) -> None:
-        live = str(reconfigurer.state.topology)
-        if Topology.parse(layout) == Topology.parse(live):
+
+class _Calibration:
+    """One calibration's measurements (owned by `calibrate`)."""
+
+    def __init__(self, reconfigurer, plan: CalibrationPlan, progress: Progress | None) -> None:
+        self.reconfigurer, self.plan = reconfigurer, plan
+        self.report = progress or (lambda what, done: None)
+        self.vocab = prompt_vocabulary(reconfigurer)
+        self.switches: dict[tuple[str, str], SwitchSample] = {}
+        self.timed: dict[str, list[tuple[int, int, float, float, int]]] = {}  # pipeline layouts: workers' own time
+        self.partitions: dict[str, tuple[int, ...]] = {}
+        self.done = 0
+
+    async def run(self, model: str, machine: str) -> Profile:
+        reconfigurer, plan = self.reconfigurer, self.plan
+        start = (str(reconfigurer.state.topology), reconfigurer.state.layer_partition)
+        # Workers are timed one by one on CPU only: on a GPU the host sees only the kernel launches.
+        devices = [w.device for w in (await reconfigurer.state.refresh()).workers]
+        cpu_workers = bool(devices) and all(d.startswith("cpu") for d in devices)
+        decode: list[DecodeSample] = []
+        prefill: list[PrefillSample] = []
+        capacity: dict[str, tuple[int, int, int, int]] = {}
+        for layout in plan.layouts:
+            await self.switch_to(layout)
+            topology = Topology.parse(layout)
+            before = await worker_times(reconfigurer)
+            d, p = await self.waves(layout)
+            if cpu_workers and measures_speed(topology):
+                self.timed[layout] = self.worker_rows(topology, before, await worker_times(reconfigurer))
+                d, p = await self.try_balanced(layout, d, p)
+            decode += d
+            prefill += p
+            target = reconfigurer.target(layout)
+            prepared, blocks = await prepare_workers(reconfigurer.workers, target, reconfigurer.rpc_timeout_s,
+                                                     reconfigurer.metadata)
+            capacity[layout] = (blocks, prepared[0].block_size, topology.num_workers, topology.num_kv_pools)
+        await self.switch_to(*start)
+        self.report("fitting", 1.0)
+        layouts = {name: fit_layout(name, decode, prefill, *capacity[name]) for name in plan.layouts}
+        return Profile(model=model, machine=machine, layouts=layouts, switches=self.switches,
+                       decode_samples=tuple(decode), prefill_samples=tuple(prefill), created_unix_s=time.time(),
+                       num_layers=reconfigurer.spec.shape.num_layers, worker_speeds=worker_speeds(self.timed),
+                       partitions=self.partitions)
+
+    async def switch_to(self, layout: str, partition: tuple[int, ...] | None = None) -> None:
+        state = self.reconfigurer.state
+        live = str(state.topology)
+        if Topology.parse(layout) == state.topology and partition == state.layer_partition:
             return
-        report(f"switching {live} -> {layout}", done / plan.num_waves)
-        op = await reconfigurer.reconfigure(layout, operation_id=f"calibrate-{uuid.uuid4().hex[:8]}")
+        self.report(f"switching {live} -> {layout}", self.share_done)
+        op = await self.reconfigurer.reconfigure(layout, operation_id=f"calibrate-{uuid.uuid4().hex[:8]}",
+                                                 layer_partition=partition or ())
         if op.state is not OperationState.SUCCEEDED:
             raise RuntimeError(f"calibration switch {live} -> {layout} failed: {op.error}")
-        switches[(live, layout)] = SwitchSample(live, layout, op.downtime_seconds, op.staging_seconds)
+        if Topology.parse(live) != Topology.parse(layout):
+            self.switches[(live, layout)] = SwitchSample(live, layout, op.downtime_seconds, op.staging_seconds)
 
-    for layout in plan.layouts:
-        await switch_to(layout)
-        for prompt in plan.prompt_tokens:
-            for batch in plan.batch_sizes:
-                report(f"{layout}: {batch} requests of {prompt} tokens", done / plan.num_waves)
-                d, p = await measure_wave(router, metadata, layout, batch, prompt, plan.output_tokens, vocab, rng)
+    @property
+    def share_done(self) -> float:
+        return min(1.0, self.done / self.plan.num_waves)
+
+    async def waves(self, layout: str) -> tuple[list[DecodeSample], list[PrefillSample]]:
+        """Every wave of the plan in the live layout; the same prompts for a layout every time (seeded by it)."""
+        rng = random.Random(f"{self.plan.seed}:{layout}")
+        decode, prefill = [], []
+        for prompt in self.plan.prompt_tokens:
+            for batch in self.plan.batch_sizes:
+                self.report(f"{layout}: {batch} requests of {prompt} tokens", self.share_done)
+                d, p = await measure_wave(self.reconfigurer.router, self.reconfigurer.metadata, layout, batch, prompt,
+                                          self.plan.output_tokens, self.vocab, rng)
                 decode.append(d)
                 prefill.append(p)
-                done += 1
+                self.done += 1
                 log.info("autopilot.calibrate_wave", layout=layout, batch=batch, prompt=prompt,
                          tpot_ms=round(d.tpot_s * 1e3, 2), ttft_ms=round(p.seconds * 1e3, 1))
-        target = reconfigurer.target(layout)
-        prepared, blocks = await prepare_workers(reconfigurer.workers, target, reconfigurer.rpc_timeout_s, metadata)
-        capacity[layout] = (blocks, prepared[0].block_size, target.topology.num_workers, target.topology.num_kv_pools)
-    await switch_to(start_layout)
-    report("fitting", 1.0)
-    layouts = {name: fit_layout(name, decode, prefill, *capacity[name]) for name in plan.layouts}
-    return Profile(model=model, machine=machine, layouts=layouts, switches=switches, decode_samples=tuple(decode),
-                   prefill_samples=tuple(prefill), created_unix_s=time.time())
+        return decode, prefill
+
+    def worker_rows(self, topology: Topology, before: dict[int, WorkerTime],
+                    after: dict[int, WorkerTime]) -> list[tuple[int, int, float, float, int]]:
+        """(rank, layers held, forward s, head s, steps) of each worker over the waves just run."""
+        placement = place(topology, self.reconfigurer.spec.shape)
+        return [(w.rank, len(placement.workers[w.rank].layers), w.forward_seconds - was.forward_seconds,
+                 w.head_seconds - was.head_seconds, w.steps - was.steps)
+                for w in after.values() if (was := before.get(w.rank, WorkerTime(w.rank)))]
+
+    async def try_balanced(self, layout: str, decode: list[DecodeSample], prefill: list[PrefillSample]
+                           ) -> tuple[list[DecodeSample], list[PrefillSample]]:
+        """A pipeline layout whose workers' speeds call for another split: measure it with the same waves and keep
+        it (and its samples) only if it is really faster; the model assumes stages run side by side, which workers
+        sharing cores do not."""
+        split = balanced_split(worker_speeds(self.timed), self.reconfigurer.spec.shape.num_layers, layout)
+        if split is None:
+            return decode, prefill
+        await self.switch_to(layout, split)
+        split_decode, split_prefill = await self.waves(layout)
+        even_s, split_s = sum(d.tpot_s for d in decode), sum(d.tpot_s for d in split_decode)
+        kept = split_s < (1 - BALANCE_MIN_GAIN) * even_s
+        log.info("autopilot.calibrate_split", layout=layout, split=list(split), kept=kept,
+                 tpot_even_ms=round(even_s * 1e3, 1), tpot_split_ms=round(split_s * 1e3, 1))
+        await self.switch_to(layout)
+        if not kept:
+            return decode, prefill
+        self.partitions[layout] = split
+        return split_decode, split_prefill
+
+
+async def worker_times(reconfigurer) -> dict[int, WorkerTime]:
+    """The router's per-worker model time now (cumulative since it connected to the live layout's workers)."""
+    stats = await reconfigurer.router.Stats(router_pb2.StatsRequest(), timeout=reconfigurer.rpc_timeout_s,
+                                            metadata=reconfigurer.metadata)
+    return {w.rank: w for w in stats_from_pb(stats).worker_time}
+
+
+def measures_speed(topology: Topology) -> bool:
+    """Whether a layout's steps time each worker on its own: one worker per stage (no TP collective waits on the
+    slowest peer), two stages or more."""
+    return topology.pp >= 2 and topology.num_workers == topology.pp

@@ -203,9 +203,11 @@ class Autopilot:
         if stats.is_frozen or self.reconfigurer.running is not None:
             return None  # an operation is under way: its outcome shows in the next tick
         live = str(self.live)
-        if self.state is None or Topology.parse(self.state.layout) != self.live:
+        partition = self.reconfigurer.state.layer_partition
+        if self.state is None or Topology.parse(self.state.layout) != self.live or self.state.partition != partition:
             # First tick, or an operator (or a recovery) changed the layout: its dwell starts now.
-            self.state = PolicyState(layout=live, entered_s=now, last_switch_s=now if self.state else -math.inf)
+            self.state = PolicyState(layout=live, entered_s=now, partition=partition,
+                                     last_switch_s=now if self.state else -math.inf)
         obs = self.observation(stats, now)
         self.state = observe(self.state, obs, self.config.policy)
         window_name, allowed, rejected = self.intent_selection(obs, live)
@@ -238,14 +240,17 @@ class Autopilot:
         operation_id = f"autopilot-{uuid.uuid4().hex[:10]}"
         try:
             op = await self.reconfigurer.reconfigure(target, operation_id=operation_id,
-                                                     deadline_s=self.config.switch_deadline_s)
+                                                     deadline_s=self.config.switch_deadline_s,
+                                                     layer_partition=tick.decision.layer_partition or ())
             outcome = op.state.name if op.state is OperationState.SUCCEEDED else f"{op.state.name}: {op.error}"
         except Exception as exc:  # noqa: BLE001 (OperationBusy, a refused target: reported, the loop goes on)
             outcome = f"not started: {exc}"
         now = self.clock()
-        if Topology.parse(target) == self.live:
+        if Topology.parse(target) == self.live and self.reconfigurer.state.layer_partition == \
+                (tick.decision.layer_partition or None):
             self.num_switches += 1
-        self.state = switched(self.state, str(self.live), now)  # a failed switch also starts the cooldown
+        # A failed switch also starts the cooldown.
+        self.state = switched(self.state, str(self.live), now, self.reconfigurer.state.layer_partition)
         log.info("autopilot.switched", operation_id=operation_id, target=target, outcome=outcome)
         return Tick(tick.at_unix_s, tick.observation, tick.decision, tick.intent_window, tick.allowed,
                     tick.rejected, operation_id, outcome)

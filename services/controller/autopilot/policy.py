@@ -105,6 +105,7 @@ class PolicyState:
 
     layout: str
     entered_s: float                  # when the live layout was entered (dwell)
+    partition: tuple[int, ...] | None = None  # its layers per stage (None: the even split)
     last_switch_s: float = -math.inf  # when the last switch ended (cooldown)
     loads: tuple[int, ...] = ()       # the last `window` loads, newest last
 
@@ -116,6 +117,7 @@ class Decision:
     reason: str
     predicted_tpot_s: dict[str, float] = field(default_factory=dict)  # per candidate, at the signal load
     thresholds: dict[str, float] = field(default_factory=dict)        # per candidate: the load that triggers it
+    layer_partition: tuple[int, ...] | None = None  # of the target: layers per stage by measured speed
 
     @property
     def switches(self) -> bool:
@@ -127,9 +129,9 @@ def observe(state: PolicyState, obs: Observation, config: PolicyConfig) -> Polic
     return replace(state, loads=(state.loads + (obs.load,))[-config.effective_window:])
 
 
-def switched(state: PolicyState, target: str, now: float) -> PolicyState:
+def switched(state: PolicyState, target: str, now: float, partition: tuple[int, ...] | None = None) -> PolicyState:
     """The live layout changed (by the policy or an operator): dwell and cooldown start now."""
-    return PolicyState(layout=target, entered_s=now, last_switch_s=now, loads=state.loads)
+    return PolicyState(layout=target, entered_s=now, partition=partition, last_switch_s=now, loads=state.loads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,11 +213,16 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
         target = min(fits, key=lambda n: (tpots.get(n, math.inf), profile.layouts[n].num_workers, n))
         return Decision("switch", target, f"the live layout {live_name} is outside the intent's layouts "
                         f"({', '.join(names)}); {target} has the lowest TPOT of them at load {obs.load}",
-                        tpots, thresholds)
+                        tpots, thresholds, profile.layer_partition(target))
     if not wanted:
         why = "no candidate is better at this load"
         if short:
             why = "the better layouts are short of KV: " + "; ".join(short)
+        balanced = profile.layer_partition(live_name)
+        if balanced is not None and balanced != state.partition and since_switch >= config.cooldown_s \
+                and obs.t - state.entered_s >= config.min_dwell_s:
+            return Decision("switch", live_name, f"{why}; split {live_name}'s layers by the workers' measured speed: "
+                            f"{'/'.join(map(str, balanced))} per stage", tpots, thresholds, balanced)
         return keep(f"load {obs.load} (mean {mean_load:.1f}): {why}")
     best = min(wanted, key=lambda c: (c.tpot_s, profile.layouts[c.layout].num_workers, c.layout))
 
@@ -242,4 +249,4 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
         trigger += f" (forecast {obs.forecast_load:.0f} in flight by the time the switch ends)"
     return Decision("switch", best.layout,
                     f"{trigger}: TPOT {live_tpot * 1e3:.1f} -> {best.tpot_s * 1e3:.1f} ms, gain {gain_s:.2f} s "
-                    f"> cost {cost_s:.2f} s", tpots, thresholds)
+                    f"> cost {cost_s:.2f} s", tpots, thresholds, profile.layer_partition(best.layout))

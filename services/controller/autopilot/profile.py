@@ -18,7 +18,7 @@ import json
 import math
 import os
 import platform
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +26,9 @@ import numpy as np
 from scipy.optimize import nnls
 
 from services.model.cache import default_cache_dir
+from services.topology import Topology
+from services.topology.balance import BALANCE_MIN_GAIN, balanced_partition, slowest_stage_s
+from services.topology.placement import layer_partition
 
 PROFILE_VERSION = 1
 
@@ -57,6 +60,15 @@ class SwitchSample:
     target: str
     downtime_s: float
     staging_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpeed:
+    """How fast one worker ran its part of the calibration's steps (CPU workers; measured in pipeline layouts)."""
+
+    rank: int
+    layer_s: float           # seconds per layer per step
+    head_ratio: float = 0.0  # a last stage's head (norm, lm_head, sampling) per step, in layers' worth
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +148,14 @@ class Profile:
     decode_samples: tuple[DecodeSample, ...] = ()
     prefill_samples: tuple[PrefillSample, ...] = ()
     created_unix_s: float = 0.0
+    num_layers: int = 0
+    worker_speeds: tuple[WorkerSpeed, ...] = ()  # empty: not measured (GPU workers, or no pipeline layout)
+
+    partitions: dict[str, tuple[int, ...]] = field(default_factory=dict)  # verified splits by measured speed
+
+    def layer_partition(self, layout: str) -> tuple[int, ...] | None:
+        """The layers per stage the calibration measured faster than the even split for this layout, or None."""
+        return self.partitions.get(layout)
 
     def best(self, load: float, context: float, allowed: Iterable[str] | None = None) -> str:
         """The layout with the lowest TPOT at this load among `allowed` that hold it (ties: fewer workers)."""
@@ -174,6 +194,9 @@ class Profile:
             "switches": [dataclasses.asdict(s) for s in self.switches.values()],
             "decode_samples": [dataclasses.asdict(s) for s in self.decode_samples],
             "prefill_samples": [dataclasses.asdict(s) for s in self.prefill_samples],
+            "num_layers": self.num_layers,
+            "worker_speeds": [dataclasses.asdict(w) for w in self.worker_speeds],
+            "partitions": {layout: list(split) for layout, split in self.partitions.items()},
         }
 
     @classmethod
@@ -187,6 +210,9 @@ class Profile:
             switches={(s.source, s.target): s for s in switches},
             decode_samples=tuple(DecodeSample(**s) for s in data.get("decode_samples", [])),
             prefill_samples=tuple(PrefillSample(**s) for s in data.get("prefill_samples", [])),
+            num_layers=int(data.get("num_layers", 0)),
+            worker_speeds=tuple(WorkerSpeed(**w) for w in data.get("worker_speeds", [])),
+            partitions={layout: tuple(split) for layout, split in data.get("partitions", {}).items()},
         )
 
     def save(self, path: Path) -> None:
@@ -217,6 +243,47 @@ def fit_layout(layout: str, decode: Sequence[DecodeSample], prefill: Sequence[Pr
         base, per_token = 0.0, 0.0
     return LayoutModel(layout, float(step), float(per_request), float(per_position), float(base), float(per_token),
                        kv_blocks, block_size, num_workers, kv_pools)
+
+
+def worker_speeds(samples: Mapping[str, Sequence[tuple[int, int, float, float, int]]]) -> tuple[WorkerSpeed, ...]:
+    """Per worker, from the pipeline layouts' measurements {layout: [(rank, layers held, forward s, head s,
+    steps)]}: seconds per layer from the layout with the most stages that ran it, and a last stage's head cost in
+    layers' worth (the mean over the layouts where it was last)."""
+    finest: dict[int, tuple[int, float]] = {}     # rank -> (stages of the layout it came from, s per layer)
+    heads: dict[int, list[float]] = {}
+    for layout, rows in samples.items():
+        stages = Topology.parse(layout).pp
+        for rank, layers, forward_s, head_s, steps in rows:
+            if steps <= 0 or layers <= 0 or forward_s <= 0:
+                continue
+            per_layer = forward_s / steps / layers
+            if rank not in finest or stages > finest[rank][0]:
+                finest[rank] = (stages, per_layer)
+            if head_s > 0:
+                heads.setdefault(rank, []).append(head_s / steps / per_layer)
+    return tuple(WorkerSpeed(rank, finest[rank][1], sum(heads.get(rank, [0.0])) / len(heads.get(rank, [0.0])))
+                 for rank in sorted(finest))
+
+
+def balanced_split(speeds: Sequence[WorkerSpeed], num_layers: int, layout: str) -> tuple[int, ...] | None:
+    """Layers per stage in proportion to the workers' measured speed (a stage runs at its slowest worker's pace, the
+    last one also pays the head), when the model says the slowest stage gets at least BALANCE_MIN_GAIN faster than
+    with the even split; None otherwise, or without a speed for every worker of the layout. A proposal: the
+    calibration measures it before the profile adopts it (stages that share cores do not run side by side)."""
+    topology = Topology.parse(layout)
+    by_rank = {w.rank: w for w in speeds}
+    width = topology.num_workers // topology.pp
+    ranks = [[stage * width + i for i in range(width)] for stage in range(topology.pp)]
+    if topology.pp < 2 or num_layers < topology.pp or not all(r in by_rank for stage in ranks for r in stage):
+        return None
+    per_layer = [max(by_rank[r].layer_s for r in stage) for stage in ranks]
+    head = max((w.head_ratio for w in speeds), default=0.0)
+    fixed = [0.0] * (topology.pp - 1) + [head * per_layer[-1]]
+    split = balanced_partition(per_layer, num_layers, fixed)
+    even = tuple(len(r) for r in layer_partition(num_layers, topology.pp))
+    if slowest_stage_s(split, per_layer, fixed) > (1 - BALANCE_MIN_GAIN) * slowest_stage_s(even, per_layer, fixed):
+        return None
+    return split
 
 
 def machine_key(device: str = "cpu", num_workers: int = 0, threads_per_worker: int = 0) -> str:

@@ -25,7 +25,10 @@ def status_pb(autopilot) -> controller_pb2.AutopilotStatus:
             pb.layouts.add(layout=m.layout, step_seconds=m.step_s, per_request_seconds=m.per_request_s,
                            per_position_seconds=m.per_position_s, prefill_base_seconds=m.prefill_base_s,
                            prefill_per_token_seconds=m.prefill_per_token_s, kv_blocks=m.kv_blocks,
-                           block_size=m.block_size, num_workers=m.num_workers, kv_pools=m.kv_pools)
+                           block_size=m.block_size, num_workers=m.num_workers, kv_pools=m.kv_pools,
+                           balanced_layers=profile.layer_partition(m.layout) or ())
+        pb.worker_layer_seconds.update({w.rank: w.layer_s for w in profile.worker_speeds})
+        pb.head_layers = max((w.head_ratio for w in profile.worker_speeds), default=0.0)
         for s in profile.switches.values():
             pb.switches.add(from_topology=s.source, to_topology=s.target, downtime_seconds=s.downtime_s,
                             staging_seconds=s.staging_s)
@@ -71,6 +74,12 @@ def format_profile(pb: controller_pb2.AutopilotStatus) -> str:
     for s in sorted(pb.switches, key=lambda s: (s.from_topology, s.to_topology)):
         lines.append(f"  switch {s.from_topology} -> {s.to_topology}: freeze {s.downtime_seconds * 1e3:.0f} ms, "
                      f"staging {s.staging_seconds:.1f} s")
+    if pb.worker_layer_seconds:
+        speeds = ", ".join(f"rank {r} {s * 1e3:.2f} ms" for r, s in sorted(pb.worker_layer_seconds.items()))
+        lines.append(f"  per layer and step: {speeds}; a last stage's head costs {pb.head_layers:.1f} layers")
+    for m in sorted(pb.layouts, key=lambda m: m.layout):
+        if m.balanced_layers:
+            lines.append(f"  {m.layout}: layers split {'/'.join(map(str, m.balanced_layers))} by measured speed")
     bands = ", ".join(f"{b.layout} for {b.low:.0f}-{b.high - 1:.0f}" for b in pb.bands)
     lines.append(f"  best layout by requests in flight (context {pb.bands_context_tokens:.0f} tokens): {bands}")
     return "\n".join(lines)

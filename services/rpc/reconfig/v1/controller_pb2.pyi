@@ -56,7 +56,7 @@ class SetAutopilotRequest(_message.Message):
     def __init__(self, mode: _Optional[str] = ...) -> None: ...
 
 class LayoutProfile(_message.Message):
-    __slots__ = ("layout", "step_seconds", "per_request_seconds", "per_position_seconds", "prefill_base_seconds", "prefill_per_token_seconds", "kv_blocks", "block_size", "num_workers", "kv_pools")
+    __slots__ = ("layout", "step_seconds", "per_request_seconds", "per_position_seconds", "prefill_base_seconds", "prefill_per_token_seconds", "kv_blocks", "block_size", "num_workers", "kv_pools", "balanced_layers")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PER_REQUEST_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class LayoutProfile(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     KV_POOLS_FIELD_NUMBER: _ClassVar[int]
+    BALANCED_LAYERS_FIELD_NUMBER: _ClassVar[int]
     layout: str
     step_seconds: float
     per_request_seconds: float
@@ -77,7 +78,8 @@ class LayoutProfile(_message.Message):
     block_size: int
     num_workers: int
     kv_pools: int
-    def __init__(self, layout: _Optional[str] = ..., step_seconds: _Optional[float] = ..., per_request_seconds: _Optional[float] = ..., per_position_seconds: _Optional[float] = ..., prefill_base_seconds: _Optional[float] = ..., prefill_per_token_seconds: _Optional[float] = ..., kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_workers: _Optional[int] = ..., kv_pools: _Optional[int] = ...) -> None: ...
+    balanced_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layout: _Optional[str] = ..., step_seconds: _Optional[float] = ..., per_request_seconds: _Optional[float] = ..., per_position_seconds: _Optional[float] = ..., prefill_base_seconds: _Optional[float] = ..., prefill_per_token_seconds: _Optional[float] = ..., kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_workers: _Optional[int] = ..., kv_pools: _Optional[int] = ..., balanced_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SwitchCost(_message.Message):
     __slots__ = ("from_topology", "to_topology", "downtime_seconds", "staging_seconds")
@@ -102,7 +104,7 @@ class LoadBand(_message.Message):
     def __init__(self, low: _Optional[float] = ..., high: _Optional[float] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class AutopilotStatus(_message.Message):
-    __slots__ = ("mode", "live_topology", "profile_path", "profile_machine", "profile_created_unix", "layouts", "switches", "bands", "bands_context_tokens", "action", "target", "reason", "decided_at_unix", "predicted_tpot_seconds", "thresholds", "load", "kv_blocks_used", "context_tokens", "arrival_rate", "ttft_p99_seconds", "tpot_mean_seconds", "has_forecast", "forecast_load", "intent_window", "allowed", "rejected", "num_switches", "last_operation_id", "last_outcome", "error", "calibrating")
+    __slots__ = ("mode", "live_topology", "profile_path", "profile_machine", "profile_created_unix", "layouts", "switches", "bands", "bands_context_tokens", "action", "target", "reason", "decided_at_unix", "predicted_tpot_seconds", "thresholds", "load", "kv_blocks_used", "context_tokens", "arrival_rate", "ttft_p99_seconds", "tpot_mean_seconds", "has_forecast", "forecast_load", "intent_window", "allowed", "rejected", "num_switches", "last_operation_id", "last_outcome", "error", "calibrating", "worker_layer_seconds", "head_layers")
     class PredictedTpotSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +126,13 @@ class AutopilotStatus(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class WorkerLayerSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MODE_FIELD_NUMBER: _ClassVar[int]
     LIVE_TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     PROFILE_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +164,8 @@ class AutopilotStatus(_message.Message):
     LAST_OUTCOME_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CALIBRATING_FIELD_NUMBER: _ClassVar[int]
+    WORKER_LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_LAYERS_FIELD_NUMBER: _ClassVar[int]
     mode: str
     live_topology: str
     profile_path: str
@@ -186,7 +197,9 @@ class AutopilotStatus(_message.Message):
     last_outcome: str
     error: str
     calibrating: str
-    def __init__(self, mode: _Optional[str] = ..., live_topology: _Optional[str] = ..., profile_path: _Optional[str] = ..., profile_machine: _Optional[str] = ..., profile_created_unix: _Optional[float] = ..., layouts: _Optional[_Iterable[_Union[LayoutProfile, _Mapping]]] = ..., switches: _Optional[_Iterable[_Union[SwitchCost, _Mapping]]] = ..., bands: _Optional[_Iterable[_Union[LoadBand, _Mapping]]] = ..., bands_context_tokens: _Optional[float] = ..., action: _Optional[str] = ..., target: _Optional[str] = ..., reason: _Optional[str] = ..., decided_at_unix: _Optional[float] = ..., predicted_tpot_seconds: _Optional[_Mapping[str, float]] = ..., thresholds: _Optional[_Mapping[str, float]] = ..., load: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., context_tokens: _Optional[float] = ..., arrival_rate: _Optional[float] = ..., ttft_p99_seconds: _Optional[float] = ..., tpot_mean_seconds: _Optional[float] = ..., has_forecast: _Optional[bool] = ..., forecast_load: _Optional[float] = ..., intent_window: _Optional[str] = ..., allowed: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Mapping[str, str]] = ..., num_switches: _Optional[int] = ..., last_operation_id: _Optional[str] = ..., last_outcome: _Optional[str] = ..., error: _Optional[str] = ..., calibrating: _Optional[str] = ...) -> None: ...
+    worker_layer_seconds: _containers.ScalarMap[int, float]
+    head_layers: float
+    def __init__(self, mode: _Optional[str] = ..., live_topology: _Optional[str] = ..., profile_path: _Optional[str] = ..., profile_machine: _Optional[str] = ..., profile_created_unix: _Optional[float] = ..., layouts: _Optional[_Iterable[_Union[LayoutProfile, _Mapping]]] = ..., switches: _Optional[_Iterable[_Union[SwitchCost, _Mapping]]] = ..., bands: _Optional[_Iterable[_Union[LoadBand, _Mapping]]] = ..., bands_context_tokens: _Optional[float] = ..., action: _Optional[str] = ..., target: _Optional[str] = ..., reason: _Optional[str] = ..., decided_at_unix: _Optional[float] = ..., predicted_tpot_seconds: _Optional[_Mapping[str, float]] = ..., thresholds: _Optional[_Mapping[str, float]] = ..., load: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., context_tokens: _Optional[float] = ..., arrival_rate: _Optional[float] = ..., ttft_p99_seconds: _Optional[float] = ..., tpot_mean_seconds: _Optional[float] = ..., has_forecast: _Optional[bool] = ..., forecast_load: _Optional[float] = ..., intent_window: _Optional[str] = ..., allowed: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Mapping[str, str]] = ..., num_switches: _Optional[int] = ..., last_operation_id: _Optional[str] = ..., last_outcome: _Optional[str] = ..., error: _Optional[str] = ..., calibrating: _Optional[str] = ..., worker_layer_seconds: _Optional[_Mapping[int, float]] = ..., head_layers: _Optional[float] = ...) -> None: ...
 
 class CalibrateRequest(_message.Message):
     __slots__ = ("layouts", "batch_sizes", "prompt_tokens", "output_tokens")

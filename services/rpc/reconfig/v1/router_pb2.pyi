@@ -217,7 +217,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RouterStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_total", "num_kv_blocks_used", "num_preemptions", "num_prompt_tokens", "num_generation_tokens", "topology", "is_frozen", "extra", "stalled", "num_kv_blocks_used_per_dp_rank", "window")
+    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_total", "num_kv_blocks_used", "num_preemptions", "num_prompt_tokens", "num_generation_tokens", "topology", "is_frozen", "extra", "stalled", "num_kv_blocks_used_per_dp_rank", "window", "worker_time")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,7 @@ class RouterStats(_message.Message):
     STALLED_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_USED_PER_DP_RANK_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
+    WORKER_TIME_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_kv_blocks_total: int
@@ -251,7 +252,20 @@ class RouterStats(_message.Message):
     stalled: str
     num_kv_blocks_used_per_dp_rank: _containers.RepeatedScalarFieldContainer[int]
     window: LoadWindow
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., topology: _Optional[str] = ..., is_frozen: _Optional[bool] = ..., extra: _Optional[_Mapping[str, float]] = ..., stalled: _Optional[str] = ..., num_kv_blocks_used_per_dp_rank: _Optional[_Iterable[int]] = ..., window: _Optional[_Union[LoadWindow, _Mapping]] = ...) -> None: ...
+    worker_time: _containers.RepeatedCompositeFieldContainer[WorkerTime]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., topology: _Optional[str] = ..., is_frozen: _Optional[bool] = ..., extra: _Optional[_Mapping[str, float]] = ..., stalled: _Optional[str] = ..., num_kv_blocks_used_per_dp_rank: _Optional[_Iterable[int]] = ..., window: _Optional[_Union[LoadWindow, _Mapping]] = ..., worker_time: _Optional[_Iterable[_Union[WorkerTime, _Mapping]]] = ...) -> None: ...
+
+class WorkerTime(_message.Message):
+    __slots__ = ("rank", "forward_seconds", "head_seconds", "steps")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    forward_seconds: float
+    head_seconds: float
+    steps: int
+    def __init__(self, rank: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., head_seconds: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class LoadWindow(_message.Message):
     __slots__ = ("window_seconds", "arrival_rate", "mean_prompt_tokens", "mean_output_tokens", "ttft_p50_seconds", "ttft_p99_seconds", "tpot_mean_seconds", "tpot_p99_seconds", "num_finished", "mean_context_tokens", "num_requests")

@@ -364,18 +364,22 @@ class SequenceResult(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logits: _Optional[bytes] = ..., sampled_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "rank", "results", "error", "compute_seconds")
+    __slots__ = ("step_id", "rank", "results", "error", "compute_seconds", "forward_seconds", "head_seconds")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     rank: int
     results: _containers.RepeatedCompositeFieldContainer[SequenceResult]
     error: str
     compute_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., rank: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
+    forward_seconds: float
+    head_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., rank: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., head_seconds: _Optional[float] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
