@@ -23,6 +23,7 @@ from services.router.contracts import GenerationRequest
 from services.rpc.auth import auth_metadata, write_token_file
 from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc
 from services.launch.cluster import ClusterConfig, LocalCluster
+from tests.conftest import make_checkpoint
 from tests.reconfigure.conftest import TOKEN, generated_tokens, open_live_stack
 from tests.reconfigure.test_visibility import _output
 
@@ -48,11 +49,15 @@ async def test_calibrate_measures_each_layout_and_the_switches(live_stack, tmp_p
     try:
         assert await _reconfigctl("autopilot", "status", *flags) == 0
         assert "profile: none" in capsys.readouterr().out
+        assert await _reconfigctl("autopilot", "status", "--plot", str(tmp_path / "none.png"), *flags) == 1
+        assert "no profile to plot yet" in capsys.readouterr().err
         assert await _reconfigctl("calibrate", "--layouts", "tp2pp3", *flags) == 2  # not a layout of 4 workers
         code = await _reconfigctl("calibrate", "--layouts", ",".join(LAYOUTS), "--batch-sizes", "1,3",
                                   "--prompt-tokens", "8,24", "--output-tokens", "5", "--json", *flags)
         assert code == 0
         status = json.loads("\n".join(_output(capsys.readouterr().out)))
+        assert await _reconfigctl("autopilot", "status", "--plot", str(tmp_path / "profile.png"), *flags) == 0
+        assert (tmp_path / "profile.png").stat().st_size > 0
         assert await _reconfigctl("autopilot", "set", "advise", *flags) == 0
         assert autopilot.mode == "advise"
         with pytest.raises(SystemExit):  # argparse knows the modes
@@ -151,3 +156,29 @@ async def test_calibration_measures_each_worker_and_the_autopilot_splits_layers_
         assert not (await autopilot.tick()).decision.switches   # balanced now: nothing more to do
         assert await generated_tokens(engine, dataclasses.replace(request, request_id="again")) == expected
         await reconfigurer.reconfigure("tp1pp2")                   # back to the even split for the next test
+
+
+@live
+async def test_moe_calibration_and_an_autopilot_switch_between_tp_and_ep(tmp_path):
+    checkpoint = make_checkpoint(tmp_path / "qwen3-moe", "qwen3_moe", seed=7)
+    config = ClusterConfig(model=str(checkpoint), num_workers=2, topology="tp2pp1", kv_cache_bytes=1 << 20,
+                           block_size=4)
+    with LocalCluster(config) as cluster:
+        async with open_live_stack(cluster, leave_in=None) as stack:
+            autopilot = Autopilot(stack.reconfigurer, AutopilotConfig(mode="auto"), model="moe", machine="test")
+            profile = await autopilot.calibrate(CalibrationPlan(layouts=("tp2pp1", "ep2pp1"), batch_sizes=(1, 3),
+                                                                prompt_tokens=(8,), output_tokens=4))
+            assert set(profile.layouts) == {"tp2pp1", "ep2pp1"} and str(stack.state.topology) == "tp2pp1"
+            tp, ep = profile.layouts["tp2pp1"], profile.layouts["ep2pp1"]
+            assert (tp.kv_pools, ep.kv_pools) == (1, 2)          # EP: one KV pool per data-parallel rank
+            assert ep.max_requests(16) == 2 * (ep.kv_blocks // 4)
+            # Make EP the better layout at every load (TP's slope, a quarter of its fixed cost): the autopilot moves
+            # there through the same transaction.
+            faster = dataclasses.replace(ep, step_s=tp.step_s / 4, per_request_s=tp.per_request_s,
+                                         per_position_s=tp.per_position_s)
+            autopilot.profile = dataclasses.replace(profile, layouts={"tp2pp1": tp, "ep2pp1": faster})
+            autopilot.config = dataclasses.replace(autopilot.config, policy=PolicyConfig(min_dwell_s=0.0))
+            tick = await autopilot.tick()
+            assert tick.decision.target == "ep2pp1" and "every load" in tick.decision.reason
+            assert tick.outcome == "SUCCEEDED", tick.outcome
+            assert str(stack.state.topology) == "ep2pp1"

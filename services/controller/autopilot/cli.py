@@ -10,7 +10,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from services.controller.autopilot.loop import MODES
-from services.controller.autopilot.view import format_profile, format_status
+from services.controller.autopilot.view import format_profile, format_status, plot_profile
 from services.controller.client import EXIT_OK, CommandFailed, Target, rpc_failure
 from services.rpc.auth import auth_metadata
 from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc
@@ -31,6 +31,7 @@ def add_parsers(commands: argparse._SubParsersAction, common: argparse.ArgumentP
     sub = autopilot.add_subparsers(dest="autopilot_command", required=True)
     status = sub.add_parser("status", parents=[common], help="mode, profile, thresholds and the last decision")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
+    status.add_argument("--plot", metavar="FILE.png", help="also plot the profile (needs matplotlib)")
     mode = sub.add_parser("set", parents=[common], help="set the mode: off, advise (report only) or auto (switch)")
     mode.add_argument("mode", choices=MODES)
     mode.add_argument("--json", action="store_true", help="print the status as JSON")
@@ -46,14 +47,23 @@ def add_parsers(commands: argparse._SubParsersAction, common: argparse.ArgumentP
     calibrate.add_argument("--output-tokens", type=int, default=0, metavar="N",
                            help="tokens each measuring request generates [16]")
     calibrate.add_argument("--json", action="store_true", help="print the resulting status as JSON")
+    calibrate.add_argument("--plot", metavar="FILE.png", help="also plot the profile (needs matplotlib)")
 
 
 def _stub(channel: grpc.Channel) -> controller_pb2_grpc.ControllerStub:
     return controller_pb2_grpc.ControllerStub(channel)
 
 
-def _print(pb: controller_pb2.AutopilotStatus, as_json: bool, text: str) -> None:
-    print(json.dumps(MessageToDict(pb, preserving_proto_field_name=True), indent=2) if as_json else text)
+def _print(pb: controller_pb2.AutopilotStatus, args: argparse.Namespace, text: str) -> None:
+    print(json.dumps(MessageToDict(pb, preserving_proto_field_name=True), indent=2) if args.json else text)
+    if getattr(args, "plot", None):
+        if not pb.layouts:
+            raise CommandFailed("no profile to plot yet: run `reconfigctl calibrate`")
+        try:
+            plot_profile(pb, args.plot)
+        except ImportError:
+            raise CommandFailed("--plot needs matplotlib (pip install matplotlib)") from None
+        print(f"profile plotted to {args.plot}", file=sys.stderr)
 
 
 def autopilot_command(args: argparse.Namespace, target: Target) -> int:
@@ -67,7 +77,7 @@ def autopilot_command(args: argparse.Namespace, target: Target) -> int:
                                                  timeout=args.timeout or 10.0, metadata=auth_metadata(target.token))
         except grpc.RpcError as exc:
             raise rpc_failure(exc, target) from None
-    _print(pb, args.json, format_status(pb))
+    _print(pb, args, format_status(pb))
     return EXIT_OK
 
 
@@ -88,5 +98,5 @@ def calibrate_command(args: argparse.Namespace, target: Target) -> int:
             raise rpc_failure(exc, target) from None
     if final is None:
         raise CommandFailed("the calibration ended without a result")
-    _print(final, args.json, format_profile(final))
+    _print(final, args, format_profile(final))
     return EXIT_OK

@@ -113,3 +113,34 @@ def format_status(pb: controller_pb2.AutopilotStatus) -> str:
             lines.append(f"last switch {pb.last_operation_id}: {pb.last_outcome}")
     lines.append(format_profile(pb))
     return "\n".join(lines)
+
+
+def plot_profile(pb: controller_pb2.AutopilotStatus, path: str, max_load: int = 64) -> None:
+    """Predicted TPOT by requests in flight for each profiled layout (where its KV holds them), at the bands'
+    context, with the band where each is best shaded. Needs matplotlib (ImportError otherwise)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    context = pb.bands_context_tokens or 256.0
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    colors = {}
+    for m in sorted(pb.layouts, key=lambda m: m.layout):
+        blocks_each = max(1, math.ceil(context / max(m.block_size, 1)))
+        held = (m.kv_blocks // blocks_each) * max(m.kv_pools, 1)
+        loads = [n for n in range(1, max_load + 1) if n <= held]
+        slope = m.per_request_seconds + context * m.per_position_seconds
+        (line,) = axis.plot(loads, [(m.step_seconds + n * slope) * 1e3 for n in loads], label=m.layout)
+        colors[m.layout] = line.get_color()
+    for band in pb.bands:
+        if band.low <= max_load:
+            axis.axvspan(band.low - 0.5, min(band.high, max_load + 1) - 0.5, color=colors.get(band.layout, "grey"),
+                         alpha=0.08)
+    axis.set_xlabel("requests in flight")
+    axis.set_ylabel("predicted TPOT (ms)")
+    axis.set_title(f"layout profile ({pb.profile_machine}), context {context:.0f} tokens; shaded: best layout")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
