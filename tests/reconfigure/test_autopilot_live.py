@@ -126,9 +126,10 @@ async def test_auto_switches_up_under_load_and_back_down_with_exact_outputs(live
 
 @pytest.fixture(scope="module")
 def uneven_cluster(switch_checkpoint):
-    """Two workers, rank 0's model work 4x slower than rank 1's (a slower device)."""
+    """Two workers, rank 0's model work 30x slower than rank 1's (a slower device: tens of ms a step, well above the
+    noise of a busy machine)."""
     config = ClusterConfig(model=str(switch_checkpoint), num_workers=2, topology="tp1pp2", kv_cache_bytes=1 << 20,
-                           block_size=4, faults="forward:rank=0:slow=4")
+                           block_size=4, faults="forward:rank=0:slow=30")
     with LocalCluster(config) as cluster:
         yield cluster
 
@@ -147,8 +148,12 @@ async def test_calibration_measures_each_worker_and_the_autopilot_splits_layers_
         assert set(speeds) == {0, 1} and profile.num_layers == 3
         assert speeds[0].layer_s > 2 * speeds[1].layer_s          # the slow rank, measured through the router
         assert speeds[1].head_ratio > 0 and speeds[0].head_ratio == 0  # rank 1 is the last stage
-        # The even split of 3 layers gives stage 0 two; by speed it gets one.
-        assert profile.layer_partition("tp1pp2") == (1, 2)
+        # The even split of 3 layers gives stage 0 two; by speed it gets one. The calibration ran the same waves
+        # with that split (whether it keeps it is a timing verdict: bench/balance.py measures it, not this test).
+        ((layout, split, even_s, split_s, kept),) = profile.split_trials
+        assert (layout, split) == ("tp1pp2", (1, 2)) and even_s > 0 and split_s > 0
+        assert profile.layer_partition("tp1pp2") == ((1, 2) if kept else None)
+        autopilot.profile = dataclasses.replace(profile, partitions={"tp1pp2": (1, 2)})
         tick = await autopilot.tick()
         assert tick.decision.switches and tick.decision.target == "tp1pp2", tick.decision.reason
         assert tick.decision.layer_partition == (1, 2) and "measured speed" in tick.decision.reason
@@ -176,7 +181,9 @@ async def test_moe_calibration_and_an_autopilot_switch_between_tp_and_ep(tmp_pat
             # there through the same transaction.
             faster = dataclasses.replace(ep, step_s=tp.step_s / 4, per_request_s=tp.per_request_s,
                                          per_position_s=tp.per_position_s)
-            autopilot.profile = dataclasses.replace(profile, layouts={"tp2pp1": tp, "ep2pp1": faster})
+            cheap = {k: dataclasses.replace(v, downtime_s=1e-3, staging_s=0.0) for k, v in profile.switches.items()}
+            autopilot.profile = dataclasses.replace(profile, layouts={"tp2pp1": tp, "ep2pp1": faster},
+                                                    switches=cheap)
             autopilot.config = dataclasses.replace(autopilot.config, policy=PolicyConfig(min_dwell_s=0.0))
             tick = await autopilot.tick()
             assert tick.decision.target == "ep2pp1" and "every load" in tick.decision.reason

@@ -119,6 +119,7 @@ class _Calibration:
         self.switches: dict[tuple[str, str], SwitchSample] = {}
         self.timed: dict[str, list[tuple[int, int, float, float, int]]] = {}  # pipeline layouts: workers' own time
         self.partitions: dict[str, tuple[int, ...]] = {}
+        self.trials: list[tuple[str, tuple[int, ...], float, float, bool]] = []
         self.done = 0
 
     async def run(self, model: str, machine: str) -> Profile:
@@ -150,7 +151,7 @@ class _Calibration:
         return Profile(model=model, machine=machine, layouts=layouts, switches=self.switches,
                        decode_samples=tuple(decode), prefill_samples=tuple(prefill), created_unix_s=time.time(),
                        num_layers=reconfigurer.spec.shape.num_layers, worker_speeds=worker_speeds(self.timed),
-                       partitions=self.partitions)
+                       partitions=self.partitions, split_trials=tuple(self.trials))
 
     async def switch_to(self, layout: str, partition: tuple[int, ...] | None = None) -> None:
         state = self.reconfigurer.state
@@ -205,6 +206,7 @@ class _Calibration:
         split_decode, split_prefill = await self.waves(layout)
         even_s, split_s = sum(d.tpot_s for d in decode), sum(d.tpot_s for d in split_decode)
         kept = split_s < (1 - BALANCE_MIN_GAIN) * even_s
+        self.trials.append((layout, split, even_s, split_s, kept))
         log.info("autopilot.calibrate_split", layout=layout, split=list(split), kept=kept,
                  tpot_even_ms=round(even_s * 1e3, 1), tpot_split_ms=round(split_s * 1e3, 1))
         await self.switch_to(layout)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 import uuid
@@ -34,6 +35,7 @@ from services.controller.autopilot.profile import Profile
 from services.controller.status import OperationState
 from services.router.contracts import EngineStats
 from services.router.grpc_server import stats_from_pb
+from services.router.load_window import LoadSnapshot
 from services.rpc.reconfig.v1 import router_pb2
 from services.topology import Topology, candidate_topologies
 
@@ -150,7 +152,6 @@ class Autopilot:
             if self.mode != "off" and not self.calibrating:
                 try:
                     await self.tick()
-                    self.error = ""
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # noqa: BLE001 (the loop must outlive a bad tick)
@@ -173,14 +174,14 @@ class Autopilot:
             t=now, running=stats.num_running, waiting=stats.num_waiting, kv_used_blocks=stats.num_kv_blocks_used,
             context=context, arrival_rate=window.arrival_rate, prompt_tokens=window.mean_prompt_tokens,
             ttft_p99_s=window.ttft_p99_s,
-            tpot_mean_s=window.tpot_mean_s, forecast_load=self.forecast_load(window, str(self.live)),
+            tpot_mean_s=window.tpot_mean_s, forecast_load=self.forecast_load(window),
         )
 
     @property
     def live(self) -> Topology:
         return self.reconfigurer.state.topology
 
-    def forecast_load(self, window, live: str) -> float | None:
+    def forecast_load(self, window: LoadSnapshot) -> float | None:
         """Requests in flight predicted by the time a switch started now would end (Little's law on the forecast
         arrival rate), or None without enough history or a profile."""
         if self.profile is None:
@@ -195,6 +196,7 @@ class Autopilot:
     async def tick(self) -> Tick | None:
         """Read, decide, and (auto) act; None when it cannot decide now (frozen router, an operation running)."""
         now = self.clock()
+        self.error = ""
         stats = await self.read_router()
         self.history.record(time.time(), stats.window.num_requests)
         if self.profile is None:
@@ -252,5 +254,4 @@ class Autopilot:
         # A failed switch also starts the cooldown.
         self.state = switched(self.state, str(self.live), now, self.reconfigurer.state.layer_partition)
         log.info("autopilot.switched", operation_id=operation_id, target=target, outcome=outcome)
-        return Tick(tick.at_unix_s, tick.observation, tick.decision, tick.intent_window, tick.allowed,
-                    tick.rejected, operation_id, outcome)
+        return dataclasses.replace(tick, operation_id=operation_id, outcome=outcome)

@@ -145,13 +145,18 @@ class _Candidate:
 
 def _candidate(live: LayoutModel, other: LayoutModel, obs: Observation, mean_load: float, up_load: float,
                hysteresis: float) -> _Candidate:
+    def faster(load: float) -> bool:  # at the load that triggers it (a crossover under one request is no trigger)
+        return other.tpot(load, obs.context) < live.effective_tpot(load, obs.context)
+
     up = crossover(live, other, obs.context)       # other is better above it
     if up is not None:
-        return _Candidate(other.layout, "up", up, up_load >= up and up_load > 0, other.tpot(up_load, obs.context))
+        return _Candidate(other.layout, "up", up, up_load >= up and up_load > 0 and faster(up_load),
+                          other.tpot(up_load, obs.context))
     down = crossover(other, live, obs.context)     # live is better above it: other is the low-load layout
     if down is not None:
         low = hysteresis * down
-        return _Candidate(other.layout, "down", low, mean_load < low, other.tpot(mean_load, obs.context))
+        return _Candidate(other.layout, "down", low, mean_load < low and faster(mean_load),
+                          other.tpot(mean_load, obs.context))
     better = other.tpot(1, obs.context) < live.tpot(1, obs.context)
     return _Candidate(other.layout, "always", 0.0 if better else math.inf, better, other.tpot(mean_load, obs.context))
 
@@ -202,6 +207,16 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
         return Decision("keep", live_name, reason, tpots, thresholds)
 
     since_switch = obs.t - state.last_switch_s
+
+    def keep_or_resplit(reason: str) -> Decision:
+        """Keep the layout, unless the calibration measured a faster split of its layers than the live one."""
+        split = profile.layer_partition(live_name)
+        if split is None or split == state.partition or since_switch < config.cooldown_s \
+                or obs.t - state.entered_s < config.min_dwell_s:
+            return keep(reason)
+        return Decision("switch", live_name, f"{reason}; split {live_name}'s layers by the workers' measured speed: "
+                        f"{'/'.join(map(str, split))} per stage", tpots, thresholds, split)
+
     if allowed is not None and live_name not in names:  # the intent rules the live layout out: leave it
         fits = [n for n in names if profile.layouts[n].holds(need_blocks)]
         if not fits:
@@ -218,12 +233,7 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
         why = "no candidate is better at this load"
         if short:
             why = "the better layouts are short of KV: " + "; ".join(short)
-        balanced = profile.layer_partition(live_name)
-        if balanced is not None and balanced != state.partition and since_switch >= config.cooldown_s \
-                and obs.t - state.entered_s >= config.min_dwell_s:
-            return Decision("switch", live_name, f"{why}; split {live_name}'s layers by the workers' measured speed: "
-                            f"{'/'.join(map(str, balanced))} per stage", tpots, thresholds, balanced)
-        return keep(f"load {obs.load} (mean {mean_load:.1f}): {why}")
+        return keep_or_resplit(f"load {obs.load} (mean {mean_load:.1f}): {why}")
     best = min(wanted, key=lambda c: (c.tpot_s, profile.layouts[c.layout].num_workers, c.layout))
 
     if since_switch < config.cooldown_s:
@@ -239,8 +249,8 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
     cost = profile.switch_cost(live_name, best.layout)
     cost_s = cost.downtime_s + STAGING_SLOWDOWN * cost.staging_s
     if gain_s <= cost_s:
-        return keep(f"{best.layout} saves {gain_s:.2f} s per request over {config.horizon_s:.0f} s, less than the "
-                    f"switch costs ({cost_s:.2f} s)")
+        return keep_or_resplit(f"{best.layout} saves {gain_s:.2f} s per request over {config.horizon_s:.0f} s, "
+                               f"less than the switch costs ({cost_s:.2f} s)")
     trigger = {"up": f"load {signal:.0f} >= T_h {best.threshold:.1f}",
                "down": f"mean load {mean_load:.1f} < T_l {best.threshold:.1f}",
                "always": "better at every load",

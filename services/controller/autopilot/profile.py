@@ -152,6 +152,8 @@ class Profile:
     worker_speeds: tuple[WorkerSpeed, ...] = ()  # empty: not measured (GPU workers, or no pipeline layout)
 
     partitions: dict[str, tuple[int, ...]] = field(default_factory=dict)  # verified splits by measured speed
+    # Each split the calibration tried: (layout, split, sum of the waves' TPOT even, with the split, kept).
+    split_trials: tuple[tuple[str, tuple[int, ...], float, float, bool], ...] = ()
 
     def layer_partition(self, layout: str) -> tuple[int, ...] | None:
         """The layers per stage the calibration measured faster than the even split for this layout, or None."""
@@ -197,6 +199,8 @@ class Profile:
             "num_layers": self.num_layers,
             "worker_speeds": [dataclasses.asdict(w) for w in self.worker_speeds],
             "partitions": {layout: list(split) for layout, split in self.partitions.items()},
+            "split_trials": [[layout, list(split), even, trial, kept]
+                             for layout, split, even, trial, kept in self.split_trials],
         }
 
     @classmethod
@@ -213,6 +217,8 @@ class Profile:
             num_layers=int(data.get("num_layers", 0)),
             worker_speeds=tuple(WorkerSpeed(**w) for w in data.get("worker_speeds", [])),
             partitions={layout: tuple(split) for layout, split in data.get("partitions", {}).items()},
+            split_trials=tuple((layout, tuple(split), even, trial, kept)
+                               for layout, split, even, trial, kept in data.get("split_trials", [])),
         )
 
     def save(self, path: Path) -> None:

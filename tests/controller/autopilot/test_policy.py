@@ -143,6 +143,26 @@ def test_an_uncalibrated_live_layout_is_kept():
     assert not d.switches and "calibrate" in d.reason
 
 
+def test_a_crossover_under_one_request_triggers_nothing():
+    # The layouts cross at 0.25 requests: below one request there is nothing to serve faster.
+    near = Profile("m", "x", {"a": layout("a", 0.010, 0.004), "b": layout("b", 0.011, 0.000)}, SWITCH)
+    _, d = step(PolicyState("b", entered_s=0.0), obs(100.0, 0), profile=near)
+    assert not d.switches, d.reason
+
+
+def test_the_measured_split_of_the_live_layout_is_taken_when_nothing_else_is():
+    split = Profile("m", "x", PROFILE.layouts, SWITCH, partitions={"tp1pp4": (9, 9, 8, 4)})
+    state = PolicyState("tp1pp4", entered_s=0.0)
+    state, d = step(state, obs(100.0, 12), profile=split)       # between the thresholds: no layout change
+    assert d.switches and d.target == "tp1pp4" and d.layer_partition == (9, 9, 8, 4), d.reason
+    state = switched(state, "tp1pp4", 100.0, (9, 9, 8, 4))
+    for t in (200.0, 300.0):
+        state, d = step(state, obs(t, 12), profile=split)
+        assert not d.switches                                   # already split so
+    state, d = step(state, obs(301.0, 40), profile=split)       # a layout change carries the target's split
+    assert not d.switches or d.layer_partition == split.layer_partition(d.target)
+
+
 def test_policy_flags_parse_and_refuse_precisely():
     config = parse_policy("cooldown_s=2.5, window=3,rollout=true")
     assert (config.cooldown_s, config.window, config.rollout) == (2.5, 3, True)

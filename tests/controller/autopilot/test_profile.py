@@ -43,7 +43,8 @@ def test_crossover_bands_and_persistence(tmp_path):
     profile = Profile("m", "box", {"tp1pp1": fast, "tp1pp4": wide},
                       {("tp1pp1", "tp1pp4"): SwitchSample("tp1pp1", "tp1pp4", 0.05, 2.0)},
                       num_layers=30, worker_speeds=(WorkerSpeed(0, 1e-3), WorkerSpeed(1, 1e-3, 2.0)),
-                      partitions={"tp1pp4": (8, 8, 8, 6)})
+                      partitions={"tp1pp4": (8, 8, 8, 6)},
+                      split_trials=(("tp1pp4", (8, 8, 8, 6), 1.0, 0.8, True),))
     assert [(b.layout, b.low, b.high) for b in profile.bands(100, 10)] == [("tp1pp1", 1, 4), ("tp1pp4", 4, 11)]
     assert profile.switch_cost("tp1pp4", "tp1pp1").downtime_s == 0.05   # never measured: the slowest known
     path = tmp_path / "p.json"
