@@ -29,9 +29,9 @@ from switch import BenchConfig, machine_info, start_stack, stop_stack  # noqa: E
 
 
 async def _tpot(reconfigurer, batch: int, prompt: int, output: int, vocab: int, rng: random.Random) -> float:
-    from services.controller.autopilot.calibrate import measure_wave
+    from services.controller.autopilot.calibrate import measure_load
 
-    decode, _ = await measure_wave(reconfigurer.router, reconfigurer.metadata, "-", batch, prompt, output, vocab, rng)
+    decode, _ = await measure_load(reconfigurer.router, reconfigurer.metadata, "-", batch, prompt, output, vocab, rng)
     return decode.tpot_s
 
 

@@ -143,7 +143,7 @@ async def test_calibration_measures_each_worker_and_the_autopilot_splits_layers_
         autopilot = Autopilot(reconfigurer, AutopilotConfig(
             mode="auto", policy=PolicyConfig(cooldown_s=0.0, min_dwell_s=0.0)), model="switch", machine="test")
         profile = await autopilot.calibrate(CalibrationPlan(layouts=("tp1pp2", "tp2pp1"), batch_sizes=(1, 3),
-                                                            prompt_tokens=(8,), output_tokens=4))
+                                                            prompt_tokens=(8,), output_tokens=4, rounds=2))
         speeds = {w.rank: w for w in profile.worker_speeds}
         assert set(speeds) == {0, 1} and profile.num_layers == 3
         assert speeds[0].layer_s > 2 * speeds[1].layer_s          # the slow rank, measured through the router
@@ -172,17 +172,18 @@ async def test_moe_calibration_and_an_autopilot_switch_between_tp_and_ep(tmp_pat
         async with open_live_stack(cluster, leave_in=None) as stack:
             autopilot = Autopilot(stack.reconfigurer, AutopilotConfig(mode="auto"), model="moe", machine="test")
             profile = await autopilot.calibrate(CalibrationPlan(layouts=("tp2pp1", "ep2pp1"), batch_sizes=(1, 3),
-                                                                prompt_tokens=(8,), output_tokens=4))
+                                                                prompt_tokens=(8,), output_tokens=4, rounds=2))
             assert set(profile.layouts) == {"tp2pp1", "ep2pp1"} and str(stack.state.topology) == "tp2pp1"
             tp, ep = profile.layouts["tp2pp1"], profile.layouts["ep2pp1"]
             assert (tp.kv_pools, ep.kv_pools) == (1, 2)          # EP: one KV pool per data-parallel rank
             assert ep.max_requests(16) == 2 * (ep.kv_blocks // 4)
-            # Make EP the better layout at every load (TP's slope, a quarter of its fixed cost): the autopilot moves
-            # there through the same transaction.
-            faster = dataclasses.replace(ep, step_s=tp.step_s / 4, per_request_s=tp.per_request_s,
-                                         per_position_s=tp.per_position_s)
+            # Make EP the better layout at every load (flat lines, a quarter of TP's step): the autopilot moves there
+            # through the same transaction.
+            step_s = max(tp.tpot(1, 16), 1e-3)
+            flat = dataclasses.replace(tp, step_s=step_s, per_request_s=0.0, per_position_s=0.0)
+            faster = dataclasses.replace(ep, step_s=step_s / 4, per_request_s=0.0, per_position_s=0.0)
             cheap = {k: dataclasses.replace(v, downtime_s=1e-3, staging_s=0.0) for k, v in profile.switches.items()}
-            autopilot.profile = dataclasses.replace(profile, layouts={"tp2pp1": tp, "ep2pp1": faster},
+            autopilot.profile = dataclasses.replace(profile, layouts={"tp2pp1": flat, "ep2pp1": faster},
                                                     switches=cheap)
             autopilot.config = dataclasses.replace(autopilot.config, policy=PolicyConfig(min_dwell_s=0.0))
             tick = await autopilot.tick()

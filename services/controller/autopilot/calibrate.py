@@ -1,10 +1,13 @@
 """Calibration: measure every candidate layout on the live stack, and the switches between them, then fit a Profile.
 
 For each layout the controller switches the stack into it (the ordinary Reconfigure, so the switch itself is a
-measured sample), then sends waves of `batch` concurrent requests of `prompt` random token ids that each generate
-`output` tokens (ignore_eos) through the router, exactly as clients would: TTFT of the wave is a prefill sample, the
-median time between a request's tokens a decode sample at that batch and mean context. It ends by switching back
-to the layout it found. Requests from real clients during a calibration share the steps, which shows as noise in
+measured sample), then keeps n requests in flight (n in the plan's batch sizes) through the router, exactly as
+clients would: n clients each send requests of random token ids back to back (ignore_eos), with prompt and output
+lengths varied so that they drift apart and new prompts are prefilled between the others' decode steps, as in
+serving. An earlier version sent each wave all at once, which ranked a one-worker layout below the pipelines when a
+replay of real traffic found it the best: it missed how prefills interleave with decoding. The mean time between a
+request's tokens is a decode sample at n in flight, the median TTFT a prefill sample. It ends by switching back to
+the layout it found. Requests from real clients during a calibration share the steps, which shows as noise in
 the samples (and slows those clients): calibrate at a quiet time, or at first start.
 """
 
@@ -40,6 +43,7 @@ from services.worker.step import WorkerTime
 
 log = structlog.get_logger(__name__)
 Progress = Callable[[str, float], None]  # (what is happening, share done in [0, 1])
+LOAD_ROUNDS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +53,15 @@ class CalibrationPlan:
     prompt_tokens: tuple[int, ...] = (32, 160)
     output_tokens: int = 16
     seed: int = 0
+    rounds: int = LOAD_ROUNDS       # requests each client sends back to back (the first warms up)
 
     def __post_init__(self) -> None:
         if not self.layouts:
             raise ValueError("calibration needs at least one layout")
         if not self.batch_sizes or min(self.batch_sizes) < 1 or not self.prompt_tokens or min(self.prompt_tokens) < 1:
             raise ValueError("batch sizes and prompt lengths must be >= 1")
+        if self.rounds < 1:
+            raise ValueError("rounds must be >= 1")
         if self.output_tokens < 3:
             raise ValueError("output_tokens must be >= 3 (TPOT needs tokens after the first)")
         if len(set(self.batch_sizes)) < 2 and len(self.layouts) > 1:
@@ -65,32 +72,49 @@ class CalibrationPlan:
         return len(self.layouts) * len(self.batch_sizes) * len(self.prompt_tokens)
 
 
-async def _one_request(router, metadata, prompt: list[int], output_tokens: int, timeout_s: float) -> list[float]:
-    """Times (monotonic) at which each token arrived."""
+async def _one_request(router, metadata, prompt: list[int], output_tokens: int, timeout_s: float
+                       ) -> tuple[float, list[float]]:
+    """When it was sent and the times (monotonic) at which each of its tokens arrived."""
     request = router_pb2.GenerateRequest(request_id=f"calibrate-{uuid.uuid4().hex[:12]}", prompt_token_ids=prompt,
                                          max_tokens=output_tokens, ignore_eos=True)
-    times: list[float] = []
+    sent, times = time.monotonic(), []
     async for response in router.Generate(request, timeout=timeout_s, metadata=metadata):
         if response.finish_reason == "error":
             raise RuntimeError(f"a calibration request failed: {response.error}")
         times.extend([time.monotonic()] * len(response.token_ids))
-    return times
+    return sent, times
 
 
-async def measure_wave(router, metadata, layout: str, batch: int, prompt_tokens: int, output_tokens: int,
-                       vocab_size: int, rng: random.Random, timeout_s: float = 300.0
+async def measure_load(router, metadata, layout: str, concurrency: int, prompt_tokens: int, output_tokens: int,
+                       vocab_size: int, rng: random.Random, rounds: int = LOAD_ROUNDS, timeout_s: float = 300.0
                        ) -> tuple[DecodeSample, PrefillSample]:
-    """`batch` requests at once; their median TPOT and the wave's slowest TTFT."""
-    prompts = [[rng.randrange(vocab_size) for _ in range(prompt_tokens)] for _ in range(batch)]
-    start = time.monotonic()
-    waves = await asyncio.gather(*(_one_request(router, metadata, p, output_tokens, timeout_s) for p in prompts))
-    tpots = [(t[-1] - t[0]) / (len(t) - 1) for t in waves if len(t) >= 2]
+    """`concurrency` clients each send `rounds` requests back to back, as serving sees them: prompt and output
+    lengths vary by half around the given ones, so the clients drift apart and prefills land between the others'
+    decode steps. The first round warms up and spreads them; the later ones are the samples: their mean TPOT at this
+    many requests in flight, and their median TTFT (prefill under this load)."""
+    def lengths(mean: int, floor: int) -> int:
+        return rng.randint(max(floor, mean // 2), max(floor, mean * 3 // 2))
+
+    plans = [[([rng.randrange(vocab_size) for _ in range(lengths(prompt_tokens, 1))], lengths(output_tokens, 3))
+              for _ in range(rounds)] for _ in range(concurrency)]
+
+    async def client(plan) -> list[tuple[int, float, list[float], int]]:  # (round, sent, token times, prompt)
+        done = []
+        for round_, (prompt, output) in enumerate(plan):
+            sent, times = await _one_request(router, metadata, prompt, output, timeout_s)
+            done.append((round_, sent, times, len(prompt)))
+        return done
+
+    finished = [r for c in await asyncio.gather(*(client(p) for p in plans)) for r in c]
+    steady = [(sent, times, prompt) for round_, sent, times, prompt in finished if round_ >= min(1, rounds - 1)]
+    tpots = [(t[-1] - t[0]) / (len(t) - 1) for _, t, _ in steady if len(t) >= 2]
     if not tpots:
         raise RuntimeError("calibration requests produced fewer than two tokens")
-    ttft = max(t[0] for t in waves if t) - start
-    context = prompt_tokens + output_tokens / 2
-    return (DecodeSample(layout, batch, context, statistics.median(tpots)),
-            PrefillSample(layout, batch * prompt_tokens, ttft))
+    mean_prompt = sum(p for _, _, p in steady) / len(steady)
+    context = mean_prompt + sum(len(t) for _, t, _ in steady) / len(steady) / 2
+    ttft = statistics.median(t[0] - sent for sent, t, _ in steady if t)
+    return (DecodeSample(layout, concurrency, context, sum(tpots) / len(tpots)),
+            PrefillSample(layout, round(mean_prompt), ttft))
 
 
 def prompt_vocabulary(reconfigurer) -> int:
@@ -177,8 +201,8 @@ class _Calibration:
         for prompt in self.plan.prompt_tokens:
             for batch in self.plan.batch_sizes:
                 self.report(f"{layout}: {batch} requests of {prompt} tokens", self.share_done)
-                d, p = await measure_wave(self.reconfigurer.router, self.reconfigurer.metadata, layout, batch, prompt,
-                                          self.plan.output_tokens, self.vocab, rng)
+                d, p = await measure_load(self.reconfigurer.router, self.reconfigurer.metadata, layout, batch, prompt,
+                                          self.plan.output_tokens, self.vocab, rng, self.plan.rounds)
                 decode.append(d)
                 prefill.append(p)
                 self.done += 1

@@ -3,8 +3,10 @@ or switch, with the reason.
 
 Moebius switches TP→EP as soon as the requests in flight reach T_h and back once their mean over W steps falls below
 T_l = 0.8·T_h, after a cooldown, if the target's KV holds them. Here the thresholds are measured, not set: between
-the live layout A and a candidate B, the profile's crossover n* (the load above which the layout that scales better
-has the lower TPOT) is T_h, and hysteresis·n* is T_l. The rules, in order:
+the live layout A and a candidate B, the profile's crossover n* is T_h — the load above which the layout that scales
+better has a TPOT at least `min_gain` (10 %) lower: the profile is a fit of noisy samples, and two layouts within a
+few per cent of each other are not worth a switch — and for a layout better at low load, hysteresis times the load
+below which it is that much better is T_l. The rules, in order:
 - a target must hold the KV blocks in use now (plus headroom) and the requests in flight: never switch into a
   shortage;
 - toward the layout that is better at higher load ("up"): as soon as the load now, or the forecast load by the time
@@ -25,7 +27,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field, replace
 
-from services.controller.autopilot.profile import LayoutModel, Profile, crossover
+from services.controller.autopilot.profile import LayoutModel, Profile, crossover, crossunder
 
 STAGING_SLOWDOWN = 0.1  # serving is about this much slower while the target stages beside it (the blog's bound)
 
@@ -58,6 +60,7 @@ class PolicyConfig:
     min_dwell_s: float = 30.0   # in a layout before a "down" switch
     horizon_s: float = 60.0     # how long the gain of a switch is counted
     kv_headroom: float = 0.1    # a target holds the blocks in use plus this share
+    min_gain: float = 0.1       # a target's predicted TPOT must be at least this share lower (the profile is noisy)
     rollout: bool = False       # Moebius's rollout mode: T_l = T_h, W = 1
 
     def __post_init__(self) -> None:
@@ -65,8 +68,8 @@ class PolicyConfig:
             raise ValueError("hysteresis must be in (0, 1]")
         if self.window < 1 or self.cooldown_s < 0 or self.min_dwell_s < 0 or self.horizon_s <= 0:
             raise ValueError("window >= 1, cooldown_s >= 0, min_dwell_s >= 0 and horizon_s > 0")
-        if self.kv_headroom < 0:
-            raise ValueError("kv_headroom must be >= 0")
+        if self.kv_headroom < 0 or not 0 <= self.min_gain < 1:
+            raise ValueError("kv_headroom must be >= 0 and min_gain in [0, 1)")
 
     @property
     def effective_window(self) -> int:
@@ -144,20 +147,20 @@ class _Candidate:
 
 
 def _candidate(live: LayoutModel, other: LayoutModel, obs: Observation, mean_load: float, up_load: float,
-               hysteresis: float) -> _Candidate:
-    def faster(load: float) -> bool:  # at the load that triggers it (a crossover under one request is no trigger)
-        return other.tpot(load, obs.context) < live.effective_tpot(load, obs.context)
+               hysteresis: float, margin: float) -> _Candidate:
+    def faster(load: float) -> bool:  # by the margin, at the load that triggers it (loads count from one request)
+        return other.tpot(load, obs.context) <= (1 - margin) * live.effective_tpot(load, obs.context)
 
-    up = crossover(live, other, obs.context)       # other is better above it
+    up = crossover(live, other, obs.context, margin)       # other is better by the margin above it
     if up is not None:
         return _Candidate(other.layout, "up", up, up_load >= up and up_load > 0 and faster(up_load),
                           other.tpot(up_load, obs.context))
-    down = crossover(other, live, obs.context)     # live is better above it: other is the low-load layout
+    down = crossunder(live, other, obs.context, margin)    # other is better by the margin below it
     if down is not None:
         low = hysteresis * down
         return _Candidate(other.layout, "down", low, mean_load < low and faster(mean_load),
                           other.tpot(mean_load, obs.context))
-    better = other.tpot(1, obs.context) < live.tpot(1, obs.context)
+    better = faster(1)
     return _Candidate(other.layout, "always", 0.0 if better else math.inf, better, other.tpot(mean_load, obs.context))
 
 
@@ -193,7 +196,7 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
             continue
         other = profile.layouts[name]
         cand = _for_capacity(live, other, obs, up_load) or \
-            _candidate(live, other, obs, mean_load, up_load, config.effective_hysteresis)
+            _candidate(live, other, obs, mean_load, up_load, config.effective_hysteresis, config.min_gain)
         tpots[name], thresholds[name] = cand.tpot_s, cand.threshold
         if not cand.wanted:
             continue
@@ -245,7 +248,7 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
 
     signal = up_load if best.direction in ("up", "capacity") else mean_load
     live_tpot = live.effective_tpot(signal, obs.context)
-    gain_s = config.horizon_s * max(0.0, 1.0 - best.tpot_s / live_tpot)
+    gain_s = config.horizon_s * max(0.0, 1.0 - best.tpot_s / live_tpot) if live_tpot > 0 else 0.0
     cost = profile.switch_cost(live_name, best.layout)
     cost_s = cost.downtime_s + STAGING_SLOWDOWN * cost.staging_s
     if gain_s <= cost_s:

@@ -119,13 +119,25 @@ class LayoutModel:
         return used_blocks <= self.kv_blocks * self.kv_pools
 
 
-def crossover(a: LayoutModel, b: LayoutModel, context: float) -> float | None:
-    """The load (running requests) above which `b` has the lower TPOT than `a` at this context; None when `b` does
-    not get better with load relative to `a` (it is better everywhere or nowhere: see `better_everywhere`)."""
-    slope_gap = a.slope(context) - b.slope(context)
+def crossover(a: LayoutModel, b: LayoutModel, context: float, margin: float = 0.0) -> float | None:
+    """The load (running requests) above which `b`'s TPOT is at most (1 - margin) of `a`'s at this context; None
+    when `b` does not gain on `a` as the load grows (then see `crossunder`)."""
+    keep = 1.0 - margin
+    slope_gap = keep * a.slope(context) - b.slope(context)
     if slope_gap <= 0:
         return None
-    return max((b.step_s - a.step_s) / slope_gap, 0.0)
+    return max((b.step_s - keep * a.step_s) / slope_gap, 0.0)
+
+
+def crossunder(a: LayoutModel, b: LayoutModel, context: float, margin: float = 0.0) -> float | None:
+    """The load below which `b`'s TPOT is at most (1 - margin) of `a`'s (b is the low-load layout); None when `b`
+    does not lose ground to `a` as the load grows, or is never that much better."""
+    keep = 1.0 - margin
+    slope_gap = b.slope(context) - keep * a.slope(context)
+    if slope_gap <= 0:
+        return None
+    below = (keep * a.step_s - b.step_s) / slope_gap
+    return below if below > 0 else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from services.controller.autopilot.policy import (
     parse_policy,
     switched,
 )
-from services.controller.autopilot.profile import LayoutModel, Profile, SwitchSample, crossover
+from services.controller.autopilot.profile import LayoutModel, Profile, SwitchSample, crossover, crossunder
 
 CONTEXT = 200.0
 
@@ -32,8 +32,11 @@ TP, PP = layout("tp4pp1", 0.020, 0.004), layout("tp1pp4", 0.060, 0.001)
 SWITCH = {(a, b): SwitchSample(a, b, downtime_s=0.2, staging_s=5.0) for a, b in (("tp4pp1", "tp1pp4"),
                                                                               ("tp1pp4", "tp4pp1"))}
 PROFILE = Profile("m", "x", {"tp4pp1": TP, "tp1pp4": PP}, SWITCH)
-T_H = crossover(TP, PP, CONTEXT)  # 13.33 requests
-CONFIG = PolicyConfig(hysteresis=0.8, window=4, cooldown_s=5.0, min_dwell_s=20.0, horizon_s=60.0)
+T_H = crossover(TP, PP, CONTEXT)  # 13.33 requests: where the TPOT lines cross
+CONFIG = PolicyConfig(hysteresis=0.8, window=4, cooldown_s=5.0, min_dwell_s=20.0, horizon_s=60.0, min_gain=0.1)
+T_UP = crossover(TP, PP, CONTEXT, CONFIG.min_gain)      # 16.15: tp1pp4 is 10 % better above it
+T_DOWN = crossunder(PP, TP, CONTEXT, CONFIG.min_gain)   # 10.97: tp4pp1 is 10 % better below it
+T_LOW = CONFIG.hysteresis * T_DOWN                      # 8.77
 
 
 def obs(t: float, load: int, used_blocks: int = 0, forecast: float | None = None) -> Observation:
@@ -50,8 +53,10 @@ def step(state: PolicyState, o: Observation, config: PolicyConfig = CONFIG, prof
     return state, decision
 
 
-def test_the_threshold_is_the_measured_crossover():
+def test_the_thresholds_are_the_measured_crossovers_with_a_margin():
     assert T_H == pytest.approx((0.060 - 0.020) / (0.004 - 0.001))
+    assert T_UP == pytest.approx((0.060 - 0.9 * 0.020) / (0.9 * 0.004 - 0.001))
+    assert T_DOWN == pytest.approx((0.9 * 0.060 - 0.020) / (0.004 - 0.9 * 0.001))
     bands = PROFILE.bands(CONTEXT, 30)
     assert [b.layout for b in bands] == ["tp4pp1", "tp1pp4"]
     assert bands[0].high == math.ceil(T_H)
@@ -59,18 +64,18 @@ def test_the_threshold_is_the_measured_crossover():
 
 def test_up_at_once_down_only_after_the_window_falls_below_t_low():
     state = PolicyState("tp4pp1", entered_s=0.0)
-    state, d = step(state, obs(100.0, 13))
+    state, d = step(state, obs(100.0, 16))                # past the crossing, but not 10 % better yet
     assert not d.switches and "no candidate" in d.reason
-    state, d = step(state, obs(101.0, 14))             # crosses T_H: up at once, no dwell needed
+    state, d = step(state, obs(101.0, 17))                # >= T_up: up at once, no dwell needed
     assert d.switches and d.target == "tp1pp4" and "T_h" in d.reason
-    # Load drops just under T_H but above T_L = 0.8·T_H: no way back.
+    # Load drops under the crossing but stays above T_low: no way back.
     for t in range(110, 200, 5):
         state, d = step(state, obs(float(t), 12))
         assert not d.switches
-    low = 7  # (3·12 + 7) / 4 = 10.75 is still above T_l = 10.67
-    state, d = step(state, obs(200.0, low))            # one low tick: the window's mean is still above T_L
+    low = 2  # (3·12 + 2) / 4 = 9.5 is still above T_low = 8.77
+    state, d = step(state, obs(200.0, low))
     assert not d.switches
-    state, d = step(state, obs(201.0, low))            # (2·12 + 2·7) / 4 = 9.5
+    state, d = step(state, obs(201.0, low))               # (2·12 + 2·2) / 4 = 7
     assert d.switches and d.target == "tp4pp1" and "T_l" in d.reason
 
 
@@ -113,7 +118,7 @@ def test_a_switch_that_costs_more_than_it_gains_is_not_taken():
     costly = Profile("m", "x", PROFILE.layouts,
                      {k: SwitchSample(*k, downtime_s=30.0, staging_s=0.0) for k in SWITCH})
     state = PolicyState("tp4pp1", entered_s=0.0)
-    state, d = step(state, obs(100.0, 14), profile=costly)
+    state, d = step(state, obs(100.0, 20), profile=costly)
     assert not d.switches and "less than the switch costs" in d.reason
     state, d = step(state, obs(101.0, 200), profile=costly)   # a large gain pays for it
     assert d.switches
@@ -128,7 +133,7 @@ def test_forecast_switches_ahead_of_the_peak():
 def test_rollout_mode_has_no_hysteresis():
     rollout = PolicyConfig(cooldown_s=0.0, min_dwell_s=0.0, rollout=True)
     state = PolicyState("tp1pp4", entered_s=0.0)
-    state, d = step(state, obs(100.0, 12), config=rollout)     # T_l = T_h and a window of one
+    state, d = step(state, obs(100.0, 10), config=rollout)     # T_l = T_down and a window of one
     assert d.switches and d.target == "tp4pp1"
 
 
@@ -174,7 +179,7 @@ def test_policy_flags_parse_and_refuse_precisely():
 
 
 # ---- properties ------------------------------------------------------------------------------------------------
-loads_between = st.lists(st.integers(min_value=math.ceil(0.8 * T_H) + 1, max_value=math.ceil(T_H) - 1),
+loads_between = st.lists(st.integers(min_value=math.ceil(T_LOW), max_value=math.ceil(T_UP) - 1),
                          min_size=1, max_size=60)
 
 
@@ -204,6 +209,6 @@ def test_switches_respect_cooldown_dwell_and_kv_capacity(ticks):
             assert target.holds(math.ceil(used * 1.1)) and target.max_requests(CONTEXT) >= load
             if d.target == "tp4pp1":   # a "down" switch: dwell and a window mean under T_l
                 assert t - before.entered_s >= CONFIG.min_dwell_s
-                assert sum(state.loads) / len(state.loads) < 0.8 * T_H
+                assert sum(state.loads) / len(state.loads) < T_LOW
             switches.append(t)
     assert all(b - a >= CONFIG.cooldown_s for a, b in zip(switches, switches[1:]))
