@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -22,7 +23,9 @@ class Stack:
     """A `reconfig up` subprocess with ephemeral ports and its own run directory; stopped with SIGTERM on exit."""
 
     def __init__(self, model: str, topology: str | None = None, num_workers: int | None = None,
-                 kv_cache_mb: int | None = None, startup_timeout: float = 180.0) -> None:
+                 kv_cache_mb: int | None = None, startup_timeout: float = 180.0, extra_args: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> None:
+        """`extra_args` are appended to the `reconfig up` command; `env` overrides variables of its environment."""
         self._run_dir = tempfile.TemporaryDirectory(prefix="reconfig-bench-")
         self._log = open(Path(self._run_dir.name) / "up.log", "w+")
         command = [sys.executable, "-m", "services.cli", "up", "--model", model, "--http-port", "0",
@@ -30,8 +33,9 @@ class Stack:
         for flag, value in (("--topology", topology), ("--workers", num_workers), ("--kv-cache-mb", kv_cache_mb)):
             if value is not None:
                 command += [flag, str(value)]
-        env = {**os.environ, "RECONFIG_RUN_DIR": self._run_dir.name}
-        self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=self._log,
+        command += list(extra_args)
+        environment = {**os.environ, "RECONFIG_RUN_DIR": self._run_dir.name, **(env or {})}
+        self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=environment, stdout=self._log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
         self.base_url = self._wait_ready(startup_timeout)
         self.info = json.loads((Path(self._run_dir.name) / "stack.json").read_text())
