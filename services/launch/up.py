@@ -113,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intents", help="SLO intents file (TOML/JSON) the autopilot follows")
     parser.add_argument("--autopilot-policy", metavar="K=V,...",
                         help="policy settings: cooldown_s, min_dwell_s, window, hysteresis, horizon_s, kv_headroom, "
-                             "rollout [5, 30, 8, 0.8, 60, 0.1, false]")
+                             "min_gain, rollout [5, 30, 8, 0.8, 60, 0.1, 0.1, false]")
     parser.add_argument("--profile", help="layout profile file (`reconfigctl calibrate` writes it) [cached per "
                                           "model and machine]")
     parser.add_argument("--kv-cache-mb", type=int, help="KV cache per worker, MiB [64]")

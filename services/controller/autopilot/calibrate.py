@@ -158,17 +158,18 @@ class _Calibration:
         for layout in plan.layouts:
             await self.switch_to(layout)
             topology = Topology.parse(layout)
-            before = await worker_times(reconfigurer)
-            d, p = await self.waves(layout)
-            if cpu_workers and measures_speed(topology):
-                self.timed[layout] = self.worker_rows(topology, before, await worker_times(reconfigurer))
-                d, p = await self.try_balanced(layout, d, p)
-            decode += d
-            prefill += p
             target = reconfigurer.target(layout)
             prepared, blocks = await prepare_workers(reconfigurer.workers, target, reconfigurer.rpc_timeout_s,
                                                      reconfigurer.metadata)
             capacity[layout] = (blocks, prepared[0].block_size, topology.num_workers, topology.num_kv_pools)
+            before = await worker_times(reconfigurer)
+            d, p = await self.waves(layout, blocks * topology.num_kv_pools, prepared[0].block_size)
+            if cpu_workers and measures_speed(topology):
+                self.timed[layout] = self.worker_rows(topology, before, await worker_times(reconfigurer))
+                d, p = await self.try_balanced(layout, d, p, blocks * topology.num_kv_pools,
+                                               prepared[0].block_size)
+            decode += d
+            prefill += p
         await self.switch_to(*start)
         self.report("fitting", 1.0)
         layouts = {name: fit_layout(name, decode, prefill, *capacity[name]) for name in plan.layouts}
@@ -194,12 +195,17 @@ class _Calibration:
     def share_done(self) -> float:
         return min(1.0, self.done / self.plan.num_waves)
 
-    async def waves(self, layout: str) -> tuple[list[DecodeSample], list[PrefillSample]]:
-        """Every wave of the plan in the live layout; the same prompts for a layout every time (seeded by it)."""
+    async def waves(self, layout: str, kv_blocks: int, block_size: int
+                    ) -> tuple[list[DecodeSample], list[PrefillSample]]:
+        """Every load of the plan in the live layout, the same prompts for a layout every time (seeded by it). A
+        load past what the layout's KV holds is measured at what it holds: past it requests queue or are preempted,
+        which the profile counts apart (LayoutModel.effective_tpot), not in the step model."""
         rng = random.Random(f"{self.plan.seed}:{layout}")
         decode, prefill = [], []
         for prompt in self.plan.prompt_tokens:
-            for batch in self.plan.batch_sizes:
+            longest = (prompt + self.plan.output_tokens) * 3 // 2          # lengths vary up to 1.5x
+            held = max(1, kv_blocks // max(1, -(-longest // block_size)))
+            for batch in sorted({min(b, held) for b in self.plan.batch_sizes}):
                 self.report(f"{layout}: {batch} requests of {prompt} tokens", self.share_done)
                 d, p = await measure_load(self.reconfigurer.router, self.reconfigurer.metadata, layout, batch, prompt,
                                           self.plan.output_tokens, self.vocab, rng, self.plan.rounds)
@@ -218,8 +224,8 @@ class _Calibration:
                  w.head_seconds - was.head_seconds, w.steps - was.steps)
                 for w in after.values() if (was := before.get(w.rank, WorkerTime(w.rank)))]
 
-    async def try_balanced(self, layout: str, decode: list[DecodeSample], prefill: list[PrefillSample]
-                           ) -> tuple[list[DecodeSample], list[PrefillSample]]:
+    async def try_balanced(self, layout: str, decode: list[DecodeSample], prefill: list[PrefillSample],
+                           kv_blocks: int, block_size: int) -> tuple[list[DecodeSample], list[PrefillSample]]:
         """A pipeline layout whose workers' speeds call for another split: measure it with the same waves and keep
         it (and its samples) only if it is really faster; the model assumes stages run side by side, which workers
         sharing cores do not."""
@@ -227,7 +233,7 @@ class _Calibration:
         if split is None:
             return decode, prefill
         await self.switch_to(layout, split)
-        split_decode, split_prefill = await self.waves(layout)
+        split_decode, split_prefill = await self.waves(layout, kv_blocks, block_size)
         even_s, split_s = sum(d.tpot_s for d in decode), sum(d.tpot_s for d in split_decode)
         kept = split_s < (1 - BALANCE_MIN_GAIN) * even_s
         self.trials.append((layout, split, even_s, split_s, kept))
