@@ -469,8 +469,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--profile", type=Path,
                         help="reuse this profile if it exists, else calibrate into it [calibrate into "
                              "bench/results/autopilot-profile.json, quick: autopilot-quick-profile.json]")
-    parser.add_argument("--calibrate-batches", default="1,4,12", help="requests per calibration wave [quick: 1,8]")
-    parser.add_argument("--calibrate-prompts", default="32,160", help="prompt tokens of the calibration waves")
+    parser.add_argument("--calibrate-batches", default="1,4,12", help="requests kept in flight per calibration load [quick: 1,8]")
+    parser.add_argument("--calibrate-prompts", default="32,160", help="prompt tokens of the calibration loads")
     parser.add_argument("--ttft-slo-s", type=float, help="default: derived from the profile (printed)")
     parser.add_argument("--tpot-slo-s", type=float, help="default: derived from the profile (printed)")
     parser.add_argument("--request-timeout", type=float, help="seconds per request from its send [60; quick 30]")

@@ -68,7 +68,7 @@ class CalibrationPlan:
             raise ValueError("the step model needs at least two batch sizes")
 
     @property
-    def num_waves(self) -> int:
+    def num_loads(self) -> int:
         return len(self.layouts) * len(self.batch_sizes) * len(self.prompt_tokens)
 
 
@@ -163,7 +163,7 @@ class _Calibration:
                                                      reconfigurer.metadata)
             capacity[layout] = (blocks, prepared[0].block_size, topology.num_workers, topology.num_kv_pools)
             before = await worker_times(reconfigurer)
-            d, p = await self.waves(layout, blocks * topology.num_kv_pools, prepared[0].block_size)
+            d, p = await self.loads(layout, blocks * topology.num_kv_pools, prepared[0].block_size)
             if cpu_workers and measures_speed(topology):
                 self.timed[layout] = self.worker_rows(topology, before, await worker_times(reconfigurer))
                 d, p = await self.try_balanced(layout, d, p, blocks * topology.num_kv_pools,
@@ -193,9 +193,9 @@ class _Calibration:
 
     @property
     def share_done(self) -> float:
-        return min(1.0, self.done / self.plan.num_waves)
+        return min(1.0, self.done / self.plan.num_loads)
 
-    async def waves(self, layout: str, kv_blocks: int, block_size: int
+    async def loads(self, layout: str, kv_blocks: int, block_size: int
                     ) -> tuple[list[DecodeSample], list[PrefillSample]]:
         """Every load of the plan in the live layout, the same prompts for a layout every time (seeded by it). A
         load past what the layout's KV holds is measured at what it holds: past it requests queue or are preempted,
@@ -212,13 +212,13 @@ class _Calibration:
                 decode.append(d)
                 prefill.append(p)
                 self.done += 1
-                log.info("autopilot.calibrate_wave", layout=layout, batch=batch, prompt=prompt,
+                log.info("autopilot.calibrate_load", layout=layout, batch=batch, prompt=prompt,
                          tpot_ms=round(d.tpot_s * 1e3, 2), ttft_ms=round(p.seconds * 1e3, 1))
         return decode, prefill
 
     def worker_rows(self, topology: Topology, before: dict[int, WorkerTime],
                     after: dict[int, WorkerTime]) -> list[tuple[int, int, float, float, int]]:
-        """(rank, layers held, forward s, head s, steps) of each worker over the waves just run."""
+        """(rank, layers held, forward s, head s, steps) of each worker over the loads just run."""
         placement = place(topology, self.reconfigurer.spec.shape)
         return [(w.rank, len(placement.workers[w.rank].layers), w.forward_seconds - was.forward_seconds,
                  w.head_seconds - was.head_seconds, w.steps - was.steps)
@@ -226,14 +226,14 @@ class _Calibration:
 
     async def try_balanced(self, layout: str, decode: list[DecodeSample], prefill: list[PrefillSample],
                            kv_blocks: int, block_size: int) -> tuple[list[DecodeSample], list[PrefillSample]]:
-        """A pipeline layout whose workers' speeds call for another split: measure it with the same waves and keep
+        """A pipeline layout whose workers' speeds call for another split: measure it with the same loads and keep
         it (and its samples) only if it is really faster; the model assumes stages run side by side, which workers
         sharing cores do not."""
         split = balanced_split(worker_speeds(self.timed), self.reconfigurer.spec.shape.num_layers, layout)
         if split is None:
             return decode, prefill
         await self.switch_to(layout, split)
-        split_decode, split_prefill = await self.waves(layout, kv_blocks, block_size)
+        split_decode, split_prefill = await self.loads(layout, kv_blocks, block_size)
         even_s, split_s = sum(d.tpot_s for d in decode), sum(d.tpot_s for d in split_decode)
         kept = split_s < (1 - BALANCE_MIN_GAIN) * even_s
         self.trials.append((layout, split, even_s, split_s, kept))

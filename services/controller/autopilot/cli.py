@@ -41,7 +41,7 @@ def add_parsers(commands: argparse._SubParsersAction, common: argparse.ArgumentP
     calibrate.add_argument("--layouts", default="", metavar="L,L,...",
                            help="layouts to measure (default: the live one and every layout the workers can run)")
     calibrate.add_argument("--batch-sizes", type=_ints, default=(), metavar="N,N,...",
-                           help="requests per measured wave [1,4,12]")
+                           help="requests kept in flight, one measurement each [1,4,12]")
     calibrate.add_argument("--prompt-tokens", type=_ints, default=(), metavar="N,N,...",
                            help="prompt lengths measured [32,160]")
     calibrate.add_argument("--output-tokens", type=int, default=0, metavar="N",

@@ -4,7 +4,8 @@ switch between two layouts costs; fitted from samples that `calibrate` measures 
 A decode step of a layout that runs `n` requests of mean context `c` takes  a + n·(b + c·g)  seconds (every running
 request gets one token per step, so that is also each request's TPOT): a fixed cost per step (launches, collectives,
 pipeline hand-offs, the router's turn), a cost per request (its row of every matmul) and a cost per cached position
-it attends over. A prefill of `p` prompt tokens takes  p0 + p·p1.  Both are fitted by non-negative least squares, so
+it attends over. The first token of a `p`-token prompt comes after  p0 + p·p1  (its prefill, and the other requests'
+steps it waits behind at the calibrated loads). Both are fitted by non-negative least squares, so
 a noisy sample cannot make a cost negative. Because TPOT is linear in `n` for a given context, two layouts cross at
 most once: the crossover is the load at which the better layout changes, which is where the policy's thresholds
 come from (no hand-set T_h).
@@ -45,7 +46,8 @@ class DecodeSample:
 
 @dataclass(frozen=True, slots=True)
 class PrefillSample:
-    """A prefill of `tokens` prompt tokens (all requests of one admission wave) took `seconds` to the first token."""
+    """Requests of `tokens` prompt tokens (mean) saw their first token after `seconds` (median), at the load the
+    calibration held: their prefill, and the steps of the others they waited behind."""
 
     layout: str
     tokens: int
