@@ -7,8 +7,8 @@ import contextlib
 import signal
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import grpc
 import structlog
@@ -63,8 +63,7 @@ def make_autopilot(state: ControllerState, reconfigurer: Reconfigurer | None) ->
             log.warning("autopilot.profile_unreadable", path=str(path), error=str(exc))
     intents = load_intents(Path(config.intents_file)) if config.intents_file else None
     pilot_config = AutopilotConfig(mode=config.autopilot, interval_s=config.autopilot_interval_s,
-                                   policy=parse_policy(config.autopilot_policy), profile_path=str(path),
-                                   intents_path=config.intents_file)
+                                   policy=parse_policy(config.autopilot_policy), profile_path=str(path))
     return Autopilot(reconfigurer, pilot_config, profile, intents, model=model, machine=machine)
 
 

@@ -30,11 +30,13 @@ from services.controller.autopilot.profile import (
     SwitchSample,
     balanced_split,
     fit_layout,
+    requests_held,
     worker_speeds,
 )
 from services.controller.staging import prepare_workers
 from services.controller.status import OperationState
 from services.model.tokenizer import Tokenizer
+from services.router.contracts import EngineStats
 from services.router.grpc_server import stats_from_pb
 from services.rpc.reconfig.v1 import router_pb2
 from services.topology import Topology, place
@@ -157,8 +159,8 @@ class _Calibration:
         capacity: dict[str, tuple[int, int, int, int]] = {}
         for layout in plan.layouts:
             await self.switch_to(layout)
-            topology = Topology.parse(layout)
             target = reconfigurer.target(layout)
+            topology = target.topology
             prepared, blocks = await prepare_workers(reconfigurer.workers, target, reconfigurer.rpc_timeout_s,
                                                      reconfigurer.metadata)
             capacity[layout] = (blocks, prepared[0].block_size, topology.num_workers, topology.num_kv_pools)
@@ -204,7 +206,7 @@ class _Calibration:
         decode, prefill = [], []
         for prompt in self.plan.prompt_tokens:
             longest = (prompt + self.plan.output_tokens) * 3 // 2          # lengths vary up to 1.5x
-            held = max(1, kv_blocks // max(1, -(-longest // block_size)))
+            held = max(1, requests_held(kv_blocks, block_size, longest))
             for batch in sorted({min(b, held) for b in self.plan.batch_sizes}):
                 self.report(f"{layout}: {batch} requests of {prompt} tokens", self.share_done)
                 d, p = await measure_load(self.reconfigurer.router, self.reconfigurer.metadata, layout, batch, prompt,
@@ -239,18 +241,21 @@ class _Calibration:
         self.trials.append((layout, split, even_s, split_s, kept))
         log.info("autopilot.calibrate_split", layout=layout, split=list(split), kept=kept,
                  tpot_even_ms=round(even_s * 1e3, 1), tpot_split_ms=round(split_s * 1e3, 1))
-        await self.switch_to(layout)
-        if not kept:
+        if not kept:  # the next layout's switch (or the final one back) leaves the split either way
             return decode, prefill
         self.partitions[layout] = split
         return split_decode, split_prefill
 
 
+async def router_stats(reconfigurer) -> EngineStats:
+    """The router's Stats now, in the contract's form."""
+    return stats_from_pb(await reconfigurer.router.Stats(router_pb2.StatsRequest(), timeout=reconfigurer.rpc_timeout_s,
+                                                         metadata=reconfigurer.metadata))
+
+
 async def worker_times(reconfigurer) -> dict[int, WorkerTime]:
     """The router's per-worker model time now (cumulative since it connected to the live layout's workers)."""
-    stats = await reconfigurer.router.Stats(router_pb2.StatsRequest(), timeout=reconfigurer.rpc_timeout_s,
-                                            metadata=reconfigurer.metadata)
-    return {w.rank: w for w in stats_from_pb(stats).worker_time}
+    return {w.rank: w for w in (await router_stats(reconfigurer)).worker_time}
 
 
 def measures_speed(topology: Topology) -> bool:

@@ -20,7 +20,7 @@ from pathlib import Path
 import structlog
 
 from services.controller.autopilot.arrivals import ArrivalHistory
-from services.controller.autopilot.calibrate import CalibrationPlan, Progress, calibrate
+from services.controller.autopilot.calibrate import CalibrationPlan, Progress, calibrate, router_stats
 from services.controller.autopilot.intents import Demand, select_layouts
 from services.controller.autopilot.policy import (
     Decision,
@@ -34,9 +34,7 @@ from services.controller.autopilot.policy import (
 from services.controller.autopilot.profile import Profile
 from services.controller.status import OperationState
 from services.router.contracts import EngineStats
-from services.router.grpc_server import stats_from_pb
 from services.router.load_window import LoadSnapshot
-from services.rpc.reconfig.v1 import router_pb2
 from services.topology import Topology, candidate_topologies
 
 log = structlog.get_logger(__name__)
@@ -49,7 +47,6 @@ class AutopilotConfig:
     interval_s: float = 1.0
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     profile_path: str = ""            # where the profile is cached (empty: none is read or written)
-    intents_path: str = ""            # SLO intents file (TOML/JSON); empty: none
     switch_deadline_s: float = 0.0    # of the switches it starts (0: the controller's default)
 
     def __post_init__(self) -> None:
@@ -68,13 +65,12 @@ def default_layouts(reconfigurer) -> tuple[str, ...]:
 
 def calibration_plan(request, reconfigurer) -> CalibrationPlan:
     """A CalibrateRequest with the defaults filled in (ValueError / TopologyError on a bad one)."""
-    defaults = CalibrationPlan(layouts=("-",))
     layouts = tuple(request.layouts) or default_layouts(reconfigurer)
     for layout in layouts:
         reconfigurer.target(layout)
-    return CalibrationPlan(layouts=layouts, batch_sizes=tuple(request.batch_sizes) or defaults.batch_sizes,
-                           prompt_tokens=tuple(request.prompt_tokens) or defaults.prompt_tokens,
-                           output_tokens=request.output_tokens or defaults.output_tokens)
+    given = {"batch_sizes": tuple(request.batch_sizes), "prompt_tokens": tuple(request.prompt_tokens),
+             "output_tokens": request.output_tokens}
+    return CalibrationPlan(layouts=layouts, **{name: value for name, value in given.items() if value})
 
 
 def check_mode(mode: str) -> str:
@@ -162,11 +158,6 @@ class Autopilot:
                 await asyncio.wait_for(self._wake.wait(), self.config.interval_s)
 
     # ---- one tick --------------------------------------------------------------------------------------------
-    async def read_router(self) -> EngineStats:
-        pb = await self.reconfigurer.router.Stats(router_pb2.StatsRequest(), timeout=self.reconfigurer.rpc_timeout_s,
-                                                  metadata=self.reconfigurer.metadata)
-        return stats_from_pb(pb)
-
     def observation(self, stats: EngineStats, now: float) -> Observation:
         window = stats.window
         context = window.mean_context_tokens or (window.mean_prompt_tokens + window.mean_output_tokens / 2)
@@ -197,7 +188,7 @@ class Autopilot:
         """Read, decide, and (auto) act; None when it cannot decide now (frozen router, an operation running)."""
         now = self.clock()
         self.error = ""
-        stats = await self.read_router()
+        stats = await router_stats(self.reconfigurer)
         self.history.record(time.time(), stats.window.num_requests)
         if self.profile is None:
             self.error = "no profile: run `reconfigctl calibrate`"
@@ -222,7 +213,7 @@ class Autopilot:
                 tick = await self._switch(tick)
         self.last = tick
         if self.metrics is not None:
-            self.metrics.observe(self, tick)
+            self.metrics.observe(tick)
         return tick
 
     def intent_selection(self, obs: Observation, live: str) -> tuple[str, tuple[str, ...] | None, dict[str, str]]:

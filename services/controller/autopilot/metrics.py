@@ -16,7 +16,7 @@ class AutopilotMetrics:
         self.decisions: dict[str, int] = {}
         self.switches: dict[str, int] = {}
 
-    def observe(self, autopilot, tick) -> None:
+    def observe(self, tick) -> None:
         self.decisions[tick.decision.action] = self.decisions.get(tick.decision.action, 0) + 1
         if tick.operation_id:
             outcome = tick.outcome.split(":", 1)[0] or "unknown"

@@ -113,12 +113,16 @@ class LayoutModel:
 
     def max_requests(self, context: float) -> int:
         """How many requests of `context` tokens its KV cache holds at once."""
-        blocks_each = max(1, math.ceil(max(context, 1.0) / self.block_size))
-        return (self.kv_blocks // blocks_each) * self.kv_pools
+        return requests_held(self.kv_blocks, self.block_size, context) * self.kv_pools
 
     def holds(self, used_blocks: int) -> bool:
         """Whether the blocks in use now fit (the KV capacity check of a target)."""
         return used_blocks <= self.kv_blocks * self.kv_pools
+
+
+def requests_held(kv_blocks: int, block_size: int, tokens: float) -> int:
+    """How many requests of `tokens` tokens a pool of `kv_blocks` blocks holds at once."""
+    return kv_blocks // max(1, math.ceil(max(tokens, 1.0) / max(block_size, 1)))
 
 
 def crossover(a: LayoutModel, b: LayoutModel, context: float, margin: float = 0.0) -> float | None:
@@ -164,9 +168,8 @@ class Profile:
     created_unix_s: float = 0.0
     num_layers: int = 0
     worker_speeds: tuple[WorkerSpeed, ...] = ()  # empty: not measured (GPU workers, or no pipeline layout)
-
     partitions: dict[str, tuple[int, ...]] = field(default_factory=dict)  # verified splits by measured speed
-    # Each split the calibration tried: (layout, split, sum of the waves' TPOT even, with the split, kept).
+    # Each split the calibration tried: (layout, split, sum of the loads' TPOT even, with the split, kept).
     split_trials: tuple[tuple[str, tuple[int, ...], float, float, bool], ...] = ()
 
     def layer_partition(self, layout: str) -> tuple[int, ...] | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 
-from services.controller.autopilot.profile import Profile
+from services.controller.autopilot.profile import LayoutModel, Profile
 from services.rpc.reconfig.v1 import controller_pb2
 
 BANDS_MAX_LOAD = 256
@@ -57,6 +57,13 @@ def status_pb(autopilot) -> controller_pb2.AutopilotStatus:
 def _sampled_context(profile: Profile) -> float:
     contexts = sorted({s.context for s in profile.decode_samples})
     return contexts[len(contexts) // 2] if contexts else 256.0
+
+
+def layout_model(pb: controller_pb2.LayoutProfile) -> LayoutModel:
+    """A layout's fitted costs back from the wire (what the CLI plots)."""
+    return LayoutModel(pb.layout, pb.step_seconds, pb.per_request_seconds, pb.per_position_seconds,
+                       pb.prefill_base_seconds, pb.prefill_per_token_seconds, pb.kv_blocks, pb.block_size,
+                       pb.num_workers, max(pb.kv_pools, 1))
 
 
 def format_profile(pb: controller_pb2.AutopilotStatus) -> str:
@@ -126,12 +133,9 @@ def plot_profile(pb: controller_pb2.AutopilotStatus, path: str, max_load: int = 
     context = pb.bands_context_tokens or 256.0
     figure, axis = plt.subplots(figsize=(7, 4.5))
     colors = {}
-    for m in sorted(pb.layouts, key=lambda m: m.layout):
-        blocks_each = max(1, math.ceil(context / max(m.block_size, 1)))
-        held = (m.kv_blocks // blocks_each) * max(m.kv_pools, 1)
-        loads = [n for n in range(1, max_load + 1) if n <= held]
-        slope = m.per_request_seconds + context * m.per_position_seconds
-        (line,) = axis.plot(loads, [(m.step_seconds + n * slope) * 1e3 for n in loads], label=m.layout)
+    for m in sorted((layout_model(m) for m in pb.layouts), key=lambda m: m.layout):
+        loads = [n for n in range(1, max_load + 1) if n <= m.max_requests(context)]
+        (line,) = axis.plot(loads, [m.tpot(n, context) * 1e3 for n in loads], label=m.layout)
         colors[m.layout] = line.get_color()
     for band in pb.bands:
         if band.low <= max_load:
