@@ -187,6 +187,9 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
     up_load = max(float(obs.load), obs.forecast_load or 0.0)
     need_blocks = math.ceil(obs.kv_used_blocks * (1 + config.kv_headroom))
 
+    def holds_all(model: LayoutModel) -> bool:  # the blocks in use plus headroom, and every request in flight
+        return model.holds(need_blocks) and model.max_requests(obs.context) >= obs.load
+
     tpots = {live_name: live.effective_tpot(obs.load, obs.context)}
     thresholds: dict[str, float] = {}
     wanted: list[_Candidate] = []
@@ -200,7 +203,7 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
         tpots[name], thresholds[name] = cand.tpot_s, cand.threshold
         if not cand.wanted:
             continue
-        if not other.holds(need_blocks) or other.max_requests(obs.context) < obs.load:
+        if not holds_all(other):
             short.append(f"{name} (KV holds {other.kv_blocks * other.kv_pools} blocks, "
                          f"{need_blocks} needed)")
             continue
@@ -221,10 +224,10 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
                         f"{'/'.join(map(str, split))} per stage", tpots, thresholds, split)
 
     if allowed is not None and live_name not in names:  # the intent rules the live layout out: leave it
-        fits = [n for n in names if profile.layouts[n].holds(need_blocks)]
+        fits = [n for n in names if holds_all(profile.layouts[n])]
         if not fits:
             return keep(f"the live layout {live_name} is outside the intent, but no allowed layout holds the "
-                        f"{need_blocks} KV blocks needed")
+                        f"{need_blocks} KV blocks and {obs.load} requests in flight")
         if since_switch < config.cooldown_s:
             return keep(f"the live layout is outside the intent; the cooldown has "
                         f"{config.cooldown_s - since_switch:.1f} s left")

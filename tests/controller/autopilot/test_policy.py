@@ -143,6 +143,14 @@ def test_intent_outside_the_live_layout_moves_into_it():
     assert d.switches and d.target == "tp1pp4" and "intent" in d.reason
 
 
+def test_an_intent_never_moves_into_a_layout_short_of_kv():
+    small = Profile("m", "x", {"tp4pp1": TP, "tp1pp4": layout("tp1pp4", 0.060, 0.001, kv_blocks=130)}, SWITCH)
+    # tp1pp4's blocks would hold the 100 in use, but not the 30 requests of 200 tokens in flight (it holds 10).
+    state, d = step(PolicyState("tp4pp1", entered_s=0.0), obs(100.0, 30, used_blocks=100), profile=small,
+                    allowed=("tp1pp4",))
+    assert not d.switches and "30 requests in flight" in d.reason
+
+
 def test_an_uncalibrated_live_layout_is_kept():
     d = decide(PROFILE, PolicyState("tp2pp2", 0.0), obs(1.0, 50), CONFIG)
     assert not d.switches and "calibrate" in d.reason
