@@ -167,6 +167,28 @@ class Driver:
         return StepOutput(step_id, outputs[0].rank, tuple(o for output in outputs for o in output.outputs),
                           compute_seconds=max(o.compute_seconds for o in outputs))
 
+    def layer_partition(self) -> list[int]:
+        """Layers per pipeline stage of the live layout, as the active workers hold them."""
+        stages = {i.pp_rank: i.layer_end - i.layer_start for i in self.infos if i.num_kv_blocks > 0}
+        return [stages[stage] for stage in sorted(stages)]
+
+    async def kv_pools(self) -> dict[int, dict[int, str]]:
+        """Each active worker's KV pool (rank -> layer -> shared-memory segment; empty off CPU), for another
+        instance to read (live request migration)."""
+        topology = self.infos[0].topology if self.infos else ""
+        replies = await asyncio.gather(*(stream.stub.PrepareSwitch(
+            worker_pb2.PrepareSwitchRequest(topology=topology), timeout=30, metadata=self.metadata)
+            for stream in self._streams))
+        ranks = [i.rank for i in self.infos if i.num_kv_blocks > 0]
+        return {rank: dict(reply.kv_segments) for rank, reply in zip(ranks, replies)}
+
+    async def import_kv(self, request: worker_pb2.ImportKVRequest) -> int:
+        """Every active worker copies the request's blocks from another instance's pools; the bytes copied."""
+        replies = await asyncio.gather(*(stream.stub.ImportKV(request, timeout=self.step_timeout_s,
+                                                               metadata=self.metadata)
+                                         for stream in self._streams))
+        return sum(reply.kv_bytes_received for reply in replies)
+
     def worker_times(self) -> tuple[WorkerTime, ...]:
         """Each active worker's model work since this driver connected, by rank."""
         return tuple(self._work[rank] for rank in sorted(self._work))

@@ -153,6 +153,8 @@ class EngineStats:
     num_kv_blocks_used_per_dp_rank: tuple[int, ...] = ()
     window: LoadSnapshot = field(default_factory=LoadSnapshot)  # the last minute's arrivals and latencies
     worker_time: tuple[WorkerTime, ...] = ()  # each active worker's model work since the driver connected
+    block_size: int = 0                # tokens per KV block
+    max_model_len: int = 0             # the longest request (prompt + max_tokens) it takes
 
 
 class EngineProtocol(Protocol):

@@ -31,6 +31,7 @@ from services.router.contracts import (
 from services.router.dp import BlockMaps, DataParallelBlocks
 from services.router.expert_balance import EplbSettings, ExpertBalancer
 from services.router.load_window import LoadWindow, RequestTimer
+from services.router.migration import InstanceMigrations
 from services.router.output import RequestStream
 from services.router.precopy import KVPrecopy, PrecopyUnsupported
 from services.router.scheduler import ScheduledBatch, Scheduler
@@ -92,6 +93,8 @@ class Engine:
         self.experts = ExpertBalancer(self, eplb)  # MoE: EPLB's trigger, status and commit
         self.precopy: KVPrecopy | None = None  # the KV pre-copy of the switch under way (precopy_blocks)
         self.load = LoadWindow()  # arrivals and latencies of the last minute (RouterStats.window: the autopilot)
+        self.migrations = InstanceMigrations(self)  # requests moving to or from other instances (MELL)
+        self._step_done = asyncio.Event()  # set and replaced each time a step returns (wait_step)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -135,8 +138,12 @@ class Engine:
         return self._task is not None and not self._task.done() and not self.is_draining
 
     # ---- front-end API ---------------------------------------------------------------------------------------
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
-        """Admit the request (QueueFullError / RequestError / EngineDrainingError raise here) and stream its deltas."""
+    async def generate(self, request: GenerationRequest,
+                       migrated: tuple[list[int], int] | None = None) -> AsyncIterator[GenerationDelta]:
+        """Admit the request (QueueFullError / RequestError / EngineDrainingError raise here) and stream its deltas.
+        migrated: (tokens it generated, tokens cached) of a request moving in from another instance, whose KV
+        blocks were reserved and filled here (InstanceMigrations): it continues with no prefill, and a first
+        delta with no tokens says it runs here (KeyError: nothing reserved under its id)."""
         if self.is_draining:
             raise EngineDrainingError("the server is shutting down and takes no new requests; retry on another "
                                       "replica or after it restarts")
@@ -144,12 +151,16 @@ class Engine:
             bad = next((t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise RequestError(f"token id {bad} is outside the model's vocabulary [0, {self.vocab_size})")
-        seq = Sequence.from_request(request)
         stream = RequestStream(request, self.tokenizer)
-        self.scheduler.add(seq)
+        if migrated is None:
+            self.scheduler.add(Sequence.from_request(request))
+            self.num_prompt_tokens += len(request.prompt_token_ids)
+        else:
+            seq = self.scheduler.adopt(request.request_id, list(migrated[0]), migrated[1])
+            self.migrations.num_in += 1
+            stream.push((), seq)  # no tokens: the first delta says it runs here
         self._streams[request.request_id] = stream
         self._no_streams.clear()
-        self.num_prompt_tokens += len(request.prompt_token_ids)
         timer = RequestTimer(time.monotonic())
         self.load.admitted(timer.start, len(request.prompt_token_ids))
         self._wakeup.set()
@@ -190,6 +201,8 @@ class Engine:
                    "num_inflight_batches": float(len(self._inflight))},
             window=self.load.snapshot(time.monotonic(), self.scheduler.mean_context_tokens()),
             worker_time=self.driver.worker_times(),
+            block_size=blocks.block_size,
+            max_model_len=self.max_model_len,
         )
 
     def switch_totals(self) -> SwitchTotals:
@@ -214,6 +227,7 @@ class Engine:
         if lease_s > 0:
             self._lease_timer = asyncio.get_running_loop().call_later(lease_s, self._lease_expired, lease_s)
         await asyncio.wait_for(self._idle.wait(), timeout_s)
+        await asyncio.wait_for(self.migrations.wait_no_pulls(), timeout_s)  # no worker writes a block it moves
 
     async def rebind(self, num_kv_blocks: int, worker_addresses: tuple[str, ...] | None = None,
                      drop_kv: bool = False, dp_size: int = 0) -> BlockMaps | None:
@@ -307,6 +321,21 @@ class Engine:
         self.scheduler.unfreeze()
         self._wakeup.set()
 
+    def wake(self) -> None:
+        """Schedule again now (a request came back into the running set)."""
+        self._wakeup.set()
+
+    async def wait_step(self, timeout_s: float) -> None:
+        """Until the next step returns, or timeout_s (no error)."""
+        waiter = asyncio.ensure_future(self._step_done.wait())
+        await asyncio.wait([waiter], timeout=timeout_s)
+        waiter.cancel()
+
+    def end_stream(self, request_id: str, reason: str) -> None:
+        """End a request's stream with `reason` and no tokens (the scheduler has let the request go)."""
+        if (stream := self._streams.get(request_id)) is not None:
+            stream.finish(reason)
+
     def _lease_expired(self, lease_s: float) -> None:
         self._lease_timer = None
         log.warning("engine.freeze_lease_expired", lease_s=lease_s)
@@ -333,6 +362,8 @@ class Engine:
             # Batches complete in submission order (every worker runs steps in order): drain the done prefix.
             while self._inflight and self._inflight[0].future.done():
                 self._complete(self._inflight.pop(0))
+                self._step_done.set()
+                self._step_done = asyncio.Event()
 
     def commit_expert_map(self, epoch: int) -> asyncio.Future:
         """EPLB: the next step carries `epoch`, so every worker installs the staged expert map before it (a step

@@ -22,9 +22,10 @@ from services.router.contracts import (
     GenerationRequest,
     SwitchReport,
 )
-from services.rpc.auth import TokenAuthInterceptor, generate_token, protect_methods
+from services.rpc.auth import TokenAuthInterceptor, generate_token, is_authorized, protect_methods
 from services.rpc.errors import ErrorInterceptor, check_address
 from services.router.expert_balance import ExpertBalanceAborted, ExpertBalanceError
+from services.router.migration import MigrationRefused, RouterFrozen
 from services.router.precopy import PrecopyUnsupported
 from services.router.load_window import LoadSnapshot
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2
@@ -34,7 +35,8 @@ log = structlog.get_logger(__name__)
 
 _SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name  # "reconfig.v1.Router"
 ADMIN_METHODS = tuple(f"/{_SERVICE}/{name}" for name in ("Freeze", "Rebind", "Resume", "Stats", "PreCopyBlocks",
-                                                                   "ExpertStatus", "RebalanceExperts"))
+                                                                   "ExpertStatus", "RebalanceExperts", "MigrateOut",
+                                                                   "MigrateIn"))
 DEFAULT_FREEZE_TIMEOUT_S = 60.0
 MAX_KV_BLOCKS = 1 << 22       # the block manager lists its free ids: a larger capacity is a bad request, not a GiB
 
@@ -89,8 +91,8 @@ def sampling_from_pb(pb: router_pb2.GenerateRequest) -> SamplingParams:
     bad_bias = next(((t, b) for t, b in s.logit_bias.items() if t < 0 or not -100 <= b <= 100), None)
     if bad_bias is not None:
         raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {bad_bias}")
-    if s.HasField("num_logprobs"):
-        raise ValueError("num_logprobs is not served over gRPC (GenerateResponse has no logprobs): use the HTTP API")
+    if s.HasField("num_logprobs") and not 0 <= s.num_logprobs <= 20:
+        raise ValueError(f"num_logprobs must be in [0, 20], got {s.num_logprobs}")
     return SamplingParams.from_pb(s)
 
 
@@ -109,6 +111,8 @@ def request_from_pb(pb: router_pb2.GenerateRequest, tokenizer: Tokenizer,
         raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})")
     if pb.max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {pb.max_tokens}")
+    if not 0 <= pb.min_tokens <= pb.max_tokens:
+        raise ValueError(f"min_tokens must be in [0, max_tokens], got {pb.min_tokens}")
     stop_token_ids = frozenset(pb.stop_token_ids) | (frozenset() if pb.ignore_eos else tokenizer.eos_token_ids)
     return GenerationRequest(
         request_id=pb.request_id or f"grpc-{uuid.uuid4().hex}",
@@ -117,6 +121,7 @@ def request_from_pb(pb: router_pb2.GenerateRequest, tokenizer: Tokenizer,
         sampling=sampling_from_pb(pb),
         stop_token_ids=stop_token_ids,
         stop_strings=tuple(s for s in pb.stop if s),
+        min_tokens=pb.min_tokens,
     )
 
 
@@ -148,6 +153,7 @@ def delta_to_pb(request_id: str, delta: GenerationDelta) -> router_pb2.GenerateR
         finish_reason=delta.finish_reason or "",
         usage=router_pb2.Usage(prompt_tokens=delta.num_prompt_tokens, completion_tokens=delta.num_generated_tokens),
         error=delta.error or "",
+        logprobs=[logprob.to_pb() for logprob in delta.logprobs],
     )
 
 
@@ -163,6 +169,7 @@ def stats_to_pb(stats: EngineStats) -> router_pb2.RouterStats:
         window=window_to_pb(stats.window),
         worker_time=[router_pb2.WorkerTime(rank=w.rank, forward_seconds=w.forward_seconds,
                                            head_seconds=w.head_seconds, steps=w.steps) for w in stats.worker_time],
+        block_size=stats.block_size, max_model_len=stats.max_model_len,
     )
 
 
@@ -177,6 +184,7 @@ def stats_from_pb(pb: router_pb2.RouterStats) -> EngineStats:
         num_kv_blocks_used_per_dp_rank=tuple(pb.num_kv_blocks_used_per_dp_rank),
         window=window_from_pb(pb.window),
         worker_time=tuple(WorkerTime(w.rank, w.forward_seconds, w.head_seconds, w.steps) for w in pb.worker_time),
+        block_size=pb.block_size, max_model_len=pb.max_model_len,
     )
 
 
@@ -217,8 +225,9 @@ async def _maybe_await(value: object) -> object:
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Generate for clients; Freeze/Rebind/Resume/Stats for the controller. Errors map in ErrorInterceptor."""
 
-    def __init__(self, engine: AdminEngine) -> None:
+    def __init__(self, engine: AdminEngine, token: str = "") -> None:
         self.engine = engine
+        self.token = token  # the control-plane token: continuing a migrated request needs it
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC naming)
         """Stream a request's deltas; a cancelled call closes the engine's stream, which frees the blocks."""
@@ -227,9 +236,68 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         is_text = request.prompt and not request.prompt_token_ids
         encoded = await encode_text(tokenizer, request.prompt) if is_text else None
         generation = request_from_pb(request, tokenizer, encoded)
-        async with contextlib.aclosing(self.engine.generate(generation)) as deltas:
-            async for delta in deltas:
-                yield delta_to_pb(generation.request_id, delta)
+        migrated = None
+        if request.HasField("migrated"):
+            if not is_authorized(context.invocation_metadata(), self.token):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "continuing a migrated request needs the "
+                                                                     "control-plane token")
+            migrated = (list(request.migrated.output_token_ids), request.migrated.num_computed_tokens)
+        try:
+            deltas = self.engine.generate(generation, migrated) if migrated else self.engine.generate(generation)
+            async with contextlib.aclosing(deltas) as deltas:
+                async for delta in deltas:
+                    yield delta_to_pb(generation.request_id, delta)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV is reserved for {generation.request_id!r} here "
+                                                           "(MigrateIn RESERVE first)")
+
+    async def MigrateOut(self, request, context):  # noqa: N802
+        """The source side of a live move to another instance: export, stop, commit or abort."""
+        migrations = self.engine.migrations
+        action, request_id = request.action, request.request_id
+        try:
+            if action == router_pb2.MigrateOutRequest.COMMIT:
+                migrations.commit(request_id)
+                return router_pb2.MigrateOutResponse()
+            if action == router_pb2.MigrateOutRequest.ABORT:
+                migrations.abort(request_id)
+                return router_pb2.MigrateOutResponse()
+            if action == router_pb2.MigrateOutRequest.STOP:
+                timeout_s = request.timeout_seconds if request.timeout_seconds > 0 else DEFAULT_FREEZE_TIMEOUT_S
+                state, source = await migrations.stop(request_id, timeout_s)
+            else:
+                state, source = await migrations.export(request_id)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {request_id!r} is running or moving here")
+        except RouterFrozen as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except MigrationRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except TimeoutError as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        return router_pb2.MigrateOutResponse(
+            block_table=state.block_table, num_computed_tokens=state.num_computed_tokens,
+            output_token_ids=state.output_token_ids, source=source, finished=state.finished)
+
+    async def MigrateIn(self, request, context):  # noqa: N802
+        """The target side of a live move from another instance: reserve, pull or release."""
+        migrations = self.engine.migrations
+        try:
+            if request.action == router_pb2.MigrateInRequest.RELEASE:
+                migrations.release(request.request_id)
+                return router_pb2.MigrateInResponse()
+            if request.action == router_pb2.MigrateInRequest.PULL:
+                if len(request.src_block_ids) != len(request.dst_block_ids):
+                    raise ValueError("src_block_ids and dst_block_ids must have the same length")
+                pulled = await migrations.pull(request.request_id, request.source, request.src_block_ids,
+                                               request.dst_block_ids)
+                return router_pb2.MigrateInResponse(kv_bytes=pulled.kv_bytes, seconds=pulled.seconds)
+            generation = request_from_pb(request.request, self.engine.tokenizer)
+            return router_pb2.MigrateInResponse(block_ids=migrations.reserve(generation, request.num_tokens))
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV is reserved for {request.request_id!r} here")
+        except RouterFrozen as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
     async def Freeze(self, request, context):  # noqa: N802
         """Stop scheduling (under a lease when lease_seconds > 0); return once in-flight steps are done."""
@@ -309,7 +377,7 @@ async def start_router_grpc(engine: AdminEngine, host: str, port: int,
         token = generate_token()
     server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token, protect_methods(*ADMIN_METHODS)),
                                            ErrorInterceptor()])
-    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(engine), server)
+    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(engine, token), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"cannot bind the router gRPC server to {host}:{port}")

@@ -32,6 +32,13 @@ class RequestStream:
     async def get(self) -> GenerationDelta:
         return await self._queue.get()
 
+    def drain(self) -> list[GenerationDelta]:
+        """The deltas queued so far, without waiting (a caller that pushes and reads in one task)."""
+        deltas = []
+        while not self._queue.empty():
+            deltas.append(self._queue.get_nowait())
+        return deltas
+
     def push(self, new_token_ids: tuple[int, ...], seq: Sequence, logprobs: tuple[TokenLogprob, ...] = ()) -> bool:
         """Emit what new tokens add (with their logprobs, when asked); returns True when a stop string ended the
         request. The first delta after the prefill carries the prompt logprobs, when asked."""

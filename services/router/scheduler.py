@@ -95,6 +95,11 @@ class Scheduler:
         self._is_frozen = False
         # Set between repartition() and its commit or restore: the old pools and the moved requests' old ids.
         self._old_partition: tuple[DataParallelBlocks, dict[str, list[int]]] | None = None
+        # Live migration between instances: sequences that hold KV blocks but are not scheduled, moving out
+        # (stopped, until the move commits or aborts) or in (blocks reserved, until adopt).
+        self.parked: dict[str, Sequence] = {}
+        self._moving_in: set[str] = set()
+        self._parking: set[str] = set()  # to park when their step in flight returns (not scheduled meanwhile)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; RequestError if it can never run, QueueFullError past max_waiting."""
@@ -139,7 +144,7 @@ class Scheduler:
                     break
                 # A sequence scheduled as a decode still is one in the second pass: it is never fed twice.
                 if (seq.status is not SequenceStatus.RUNNING or seq.request_id in self._inflight_ids
-                        or seq.is_prefill == decodes):
+                        or seq.is_prefill == decodes or seq.request_id in self._parking):
                     continue
                 num_new_tokens = min(seq.num_uncomputed_tokens, budget)
                 if not self.config.enable_chunked_prefill and num_new_tokens < seq.num_uncomputed_tokens:
@@ -223,6 +228,7 @@ class Scheduler:
                 self._finish(seq, SequenceStatus.FINISHED_LENGTH)
             logprobs = (output.logprob,) if output is not None and output.logprob is not None else ()
             updates.append(SequenceUpdate(seq, (token_id,), seq.is_finished, logprobs))
+        self._park_requested(batch)
         return updates
 
     def on_batch_failed(self, batch: ScheduledBatch) -> None:
@@ -238,6 +244,7 @@ class Scheduler:
             seq = item.seq
             self._inflight_ids.discard(seq.request_id)
             self.block_manager.truncate(seq, 0 if seq.is_finished else seq.num_computed_tokens)
+        self._park_requested(batch)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request in any state (its blocks are freed now, or when its in-flight step returns)."""
@@ -256,6 +263,8 @@ class Scheduler:
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif self.parked.pop(seq.request_id, None) is not None:
+            self._moving_in.discard(seq.request_id)
         else:
             self.running.remove(seq)
         seq.status = status
@@ -307,6 +316,7 @@ class Scheduler:
         rank. Returns them."""
         if not self._is_frozen or self._inflight:
             raise RuntimeError("rebind needs a frozen scheduler with nothing in flight")
+        self.cancel_moves()
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         too_large = [s.request_id for s in self._sequences.values() if self._max_blocks(s) > num_blocks]
@@ -328,6 +338,7 @@ class Scheduler:
         back: every request gets its old pool and ids again)."""
         if not self._is_frozen or self._inflight:
             raise RuntimeError("repartition needs a frozen scheduler with nothing in flight")
+        self.cancel_moves()
         if num_blocks < 1 or num_ranks < 1:
             raise ValueError(f"need num_ranks >= 1 and num_blocks >= 1, got {num_ranks} and {num_blocks}")
         too_large = [s.request_id for s in self._sequences.values() if self._max_blocks(s) > num_blocks]
@@ -380,10 +391,112 @@ class Scheduler:
         """
         if not self._is_frozen or self._inflight:
             raise RuntimeError("preempt_all needs a frozen scheduler with nothing in flight")
+        self.cancel_moves()
         newest_first = self.running[::-1]
         for seq in newest_first:  # each goes to the front: the oldest ends up first
             self._preempt(seq)
         return newest_first[::-1]
+
+    # ---- live migration between instances (services.router.migration drives these) ------------------------------
+    def park(self, request_id: str) -> bool:
+        """Stop scheduling a decoding sequence, keeping its KV blocks (it moves out): now when it is between
+        steps (True), else once its step in flight returns (False; it is not scheduled meanwhile, and a step that
+        finishes it leaves it finished, not parked). KeyError: unknown; ValueError: not decoding or parked."""
+        seq = self._sequences[request_id]
+        if (seq.status is not SequenceStatus.RUNNING or request_id in self.parked or request_id in self._parking
+                or seq.is_prefill):
+            raise ValueError(f"{request_id} is not a decoding request")
+        if request_id in self._inflight_ids:
+            self._parking.add(request_id)
+            return False
+        self.running.remove(seq)
+        self.parked[request_id] = seq
+        return True
+
+    def unpark(self, request_id: str) -> Sequence:
+        """A move out that did not happen: schedule the parked sequence again, in its place."""
+        if request_id in self._moving_in or request_id not in self.parked:
+            raise KeyError(request_id)
+        seq = self.parked.pop(request_id)
+        bisect.insort(self.running, seq, key=self._age)
+        return seq
+
+    def cancel_park(self, request_id: str) -> None:
+        """Forget a park() still waiting for its step (it is scheduled again)."""
+        self._parking.discard(request_id)
+
+    def is_moving_in(self, request_id: str) -> bool:
+        """Whether blocks are reserved for this request moving in (not adopted yet)."""
+        return request_id in self._moving_in
+
+    def _park_requested(self, batch: ScheduledBatch) -> None:
+        """A step returned: park its sequences that asked to be (unless the step finished them)."""
+        for item in batch.items:
+            seq = item.seq
+            if seq.request_id in self._parking:
+                self._parking.discard(seq.request_id)
+                if not seq.is_finished:
+                    self.running.remove(seq)
+                    self.parked[seq.request_id] = seq
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Blocks for the KV of the first `num_tokens` tokens of a sequence moving in, parked until adopt(); a
+        second call for the same id grows the reservation (the request decoded on meanwhile). Returns its block
+        ids. RequestError if it can never run here; QueueFullError when the blocks are not free now."""
+        if seq.request_id in self._moving_in:
+            seq = self.parked[seq.request_id]
+        elif seq.request_id in self._sequences:
+            raise RequestError(f"request id {seq.request_id!r} is already in use")
+        if not 0 < num_tokens < seq.num_prompt_tokens + seq.max_tokens:
+            raise RequestError(f"{num_tokens} tokens cannot be the KV of a request of {seq.num_prompt_tokens} "
+                               f"prompt tokens and max_tokens {seq.max_tokens}")
+        if seq.num_prompt_tokens + seq.max_tokens > self.config.max_model_len:
+            raise RequestError(f"the request needs a context of {seq.num_prompt_tokens + seq.max_tokens} tokens, "
+                               f"this instance's is {self.config.max_model_len}")
+        if self.block_manager.num_ranks > 1:
+            raise RequestError("moving a request in needs one KV pool: this layout is expert parallel")
+        seq.num_computed_tokens = max(seq.num_computed_tokens, num_tokens)
+        if not self.block_manager.append_slots(seq, 0):
+            raise QueueFullError(f"{self.block_manager.num_blocks_needed(seq, 0)} more KV blocks are needed, "
+                                 f"{self.block_manager.num_free} are free", retry_after_s=self.config.retry_after_s)
+        if seq.request_id not in self._moving_in:
+            seq.status = SequenceStatus.RUNNING
+            self._sequences[seq.request_id] = seq
+            self._admission_index[seq.request_id] = next(self._admission_counter)
+            self.parked[seq.request_id] = seq
+            self._moving_in.add(seq.request_id)
+        return list(seq.block_ids)
+
+    def adopt(self, request_id: str, output_token_ids: list[int], num_computed_tokens: int) -> Sequence:
+        """A reserved sequence whose KV has arrived: it runs here from its next token on (no prefill).
+        KeyError: nothing reserved under this id; RequestError: the state does not fit the reservation."""
+        if request_id not in self._moving_in:
+            raise KeyError(request_id)
+        seq = self.parked[request_id]
+        num_tokens = seq.num_prompt_tokens + len(output_token_ids)
+        if not (num_computed_tokens == num_tokens - 1 and 0 < len(output_token_ids) <= seq.max_tokens
+                and num_blocks_for(num_computed_tokens, self.block_manager.block_size) <= len(seq.block_ids)):
+            raise RequestError(f"{request_id}: {num_computed_tokens} cached tokens and {len(output_token_ids)} "
+                               f"generated do not fit its {seq.num_prompt_tokens} prompt tokens and "
+                               f"{len(seq.block_ids)} reserved blocks")
+        seq.output_token_ids = list(output_token_ids)
+        seq.num_computed_tokens = num_computed_tokens
+        self.block_manager.truncate(seq, num_computed_tokens)  # a reservation larger than the KV that came
+        seq.num_prefills = 1
+        self._moving_in.discard(request_id)
+        del self.parked[request_id]
+        bisect.insort(self.running, seq, key=self._age)
+        return seq
+
+    def cancel_moves(self) -> None:
+        """A layout change (rebind, repartition, lost KV) ends every move in progress: sequences moving out run
+        here again, reservations for ones moving in are given back (their migration fails and they stay put)."""
+        self._parking.clear()
+        for request_id in list(self.parked):
+            if request_id in self._moving_in:
+                self._finish(self.parked[request_id], SequenceStatus.FINISHED_ABORTED)
+            else:
+                self.unpark(request_id)
 
     def _max_blocks(self, seq: Sequence) -> int:
         # The KV a sequence ever holds: every token but the last one sampled (the whole prompt when none is).

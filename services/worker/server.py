@@ -14,6 +14,7 @@ from services.rpc.auth import TokenAuthInterceptor, protect_all
 from services.rpc.errors import ErrorInterceptor
 from services.worker.faults import FAULTS
 from services.worker.expert_balance import ExpertMapError
+from services.worker.kv_import import ImportRefused
 from services.worker.shard import SwitchFailed, WorkerShard
 from services.worker.step import StepBatch, StepOutput
 
@@ -104,6 +105,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """A KV pre-copy round into the staged pool while steps go on (the stage thread); reads the live pools."""
         return await self._beside_steps("PreCopyKV", request, context, self.shard.precopy_kv,
                                         grpc.StatusCode.FAILED_PRECONDITION, "KV pre-copy")
+
+    async def ImportKV(self, request, context):  # noqa: N802
+        """Copy another instance's KV blocks into this worker's pool (live request migration), between steps."""
+        try:
+            return await self._on_model_thread(self._with_faults, "ImportKV", request, self.shard.import_kv)
+        except ImportRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def _beside_steps(self, method: str, request, context, handler, refused: grpc.StatusCode, what: str):
         """Run `handler` on the stage thread (low priority, beside the model thread's steps); a ValueError is a

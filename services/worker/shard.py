@@ -21,6 +21,7 @@ from services.weightstore.client import MappedCheckpoint
 from services.weightstore.manifest import Manifest
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KVCache, num_blocks_for_budget
+from services.worker.kv_import import KVSourceSpec, import_kv
 from services.worker.kv_precopy import StagedKV, finish_precopy
 from services.worker.channel import DistChannel, KVChannel, ShmChannel
 from services.worker.faults import FAULTS
@@ -284,6 +285,16 @@ class WorkerShard:
         return worker_pb2.PreCopyKVResponse(
             supported=True, kv_bytes_received=stats.bytes_received, kv_bytes_local=stats.bytes_local,
             seconds=stats.seconds, staged_pool_bytes=staged.kv.num_bytes)
+
+    def import_kv(self, request: worker_pb2.ImportKVRequest) -> worker_pb2.ImportKVResponse:
+        """Copy another instance's KV blocks into this worker's live pool, at ids its router reserved (the model
+        thread, between steps: a switch cannot swap the pool underneath). Standby: nothing to fill."""
+        if self.runner is None:
+            return worker_pb2.ImportKVResponse()
+        stats = import_kv(KVSourceSpec.from_pb(request.source), request.src_block_ids, request.dst_block_ids,
+                          self.spec.shape, self.runner.placement, self.rank, self.runner.kv_cache,
+                          self.config.num_redundant_experts)
+        return worker_pb2.ImportKVResponse(kv_bytes_received=stats.bytes_received, seconds=stats.seconds)
 
     def prepare_switch(self, request: worker_pb2.PrepareSwitchRequest) -> worker_pb2.PrepareSwitchResponse:
         topology = Topology.parse(request.topology)

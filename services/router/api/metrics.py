@@ -65,6 +65,8 @@ class EngineStatsCollector(Collector):
                     float(bool(stats.stalled)))
         yield from switch_metrics(self._engine.switch_totals(), self._model_name)
         yield from expert_metrics(getattr(self._engine, "experts", None), self._model_name)
+        if (collect := getattr(self._engine, "collect_metrics", None)) is not None:  # the front router's own
+            yield from collect(labels, LABELS)
 
 
 def switch_metrics(switches: SwitchTotals, model_name: str) -> Iterator[Metric]:

@@ -1,11 +1,90 @@
 from services.rpc.reconfig.v1 import worker_pb2 as _worker_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class MigrateOutRequest(_message.Message):
+    __slots__ = ("request_id", "action", "timeout_seconds")
+    class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        EXPORT: _ClassVar[MigrateOutRequest.Action]
+        STOP: _ClassVar[MigrateOutRequest.Action]
+        COMMIT: _ClassVar[MigrateOutRequest.Action]
+        ABORT: _ClassVar[MigrateOutRequest.Action]
+    EXPORT: MigrateOutRequest.Action
+    STOP: MigrateOutRequest.Action
+    COMMIT: MigrateOutRequest.Action
+    ABORT: MigrateOutRequest.Action
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    action: MigrateOutRequest.Action
+    timeout_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., action: _Optional[_Union[MigrateOutRequest.Action, str]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class MigrateOutResponse(_message.Message):
+    __slots__ = ("block_table", "num_computed_tokens", "output_token_ids", "source", "finished")
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: int
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    source: _worker_pb2.KVSource
+    finished: bool
+    def __init__(self, block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., source: _Optional[_Union[_worker_pb2.KVSource, _Mapping]] = ..., finished: _Optional[bool] = ...) -> None: ...
+
+class MigrateInRequest(_message.Message):
+    __slots__ = ("request_id", "action", "num_tokens", "source", "src_block_ids", "dst_block_ids", "request")
+    class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        RESERVE: _ClassVar[MigrateInRequest.Action]
+        PULL: _ClassVar[MigrateInRequest.Action]
+        RELEASE: _ClassVar[MigrateInRequest.Action]
+    RESERVE: MigrateInRequest.Action
+    PULL: MigrateInRequest.Action
+    RELEASE: MigrateInRequest.Action
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    action: MigrateInRequest.Action
+    num_tokens: int
+    source: _worker_pb2.KVSource
+    src_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    request: GenerateRequest
+    def __init__(self, request_id: _Optional[str] = ..., action: _Optional[_Union[MigrateInRequest.Action, str]] = ..., num_tokens: _Optional[int] = ..., source: _Optional[_Union[_worker_pb2.KVSource, _Mapping]] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ...) -> None: ...
+
+class MigrateInResponse(_message.Message):
+    __slots__ = ("block_ids", "kv_bytes", "seconds")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    kv_bytes: int
+    seconds: float
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., kv_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class MigratedState(_message.Message):
+    __slots__ = ("output_token_ids", "num_computed_tokens")
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: int
+    def __init__(self, output_token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
 
 class ExpertStatusRequest(_message.Message):
     __slots__ = ()
@@ -72,7 +151,7 @@ class RebalanceExpertsResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., balancedness_before: _Optional[float] = ..., balancedness_after: _Optional[float] = ..., bytes_moved: _Optional[int] = ..., slots_changed: _Optional[int] = ..., prepare_seconds: _Optional[float] = ..., commit_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "prompt", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos")
+    __slots__ = ("request_id", "prompt_token_ids", "prompt", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "migrated", "min_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +160,8 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt: str
@@ -89,7 +170,9 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    migrated: MigratedState
+    min_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., migrated: _Optional[_Union[MigratedState, _Mapping]] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -100,20 +183,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "error")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "error", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: str
     usage: Usage
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_worker_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_worker_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class FreezeRequest(_message.Message):
     __slots__ = ("timeout_seconds", "lease_seconds")
@@ -217,7 +302,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RouterStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_total", "num_kv_blocks_used", "num_preemptions", "num_prompt_tokens", "num_generation_tokens", "topology", "is_frozen", "extra", "stalled", "num_kv_blocks_used_per_dp_rank", "window", "worker_time")
+    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_total", "num_kv_blocks_used", "num_preemptions", "num_prompt_tokens", "num_generation_tokens", "topology", "is_frozen", "extra", "stalled", "num_kv_blocks_used_per_dp_rank", "window", "worker_time", "block_size", "max_model_len")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +324,8 @@ class RouterStats(_message.Message):
     NUM_KV_BLOCKS_USED_PER_DP_RANK_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     WORKER_TIME_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_kv_blocks_total: int
@@ -253,7 +340,9 @@ class RouterStats(_message.Message):
     num_kv_blocks_used_per_dp_rank: _containers.RepeatedScalarFieldContainer[int]
     window: LoadWindow
     worker_time: _containers.RepeatedCompositeFieldContainer[WorkerTime]
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., topology: _Optional[str] = ..., is_frozen: _Optional[bool] = ..., extra: _Optional[_Mapping[str, float]] = ..., stalled: _Optional[str] = ..., num_kv_blocks_used_per_dp_rank: _Optional[_Iterable[int]] = ..., window: _Optional[_Union[LoadWindow, _Mapping]] = ..., worker_time: _Optional[_Iterable[_Union[WorkerTime, _Mapping]]] = ...) -> None: ...
+    block_size: int
+    max_model_len: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., topology: _Optional[str] = ..., is_frozen: _Optional[bool] = ..., extra: _Optional[_Mapping[str, float]] = ..., stalled: _Optional[str] = ..., num_kv_blocks_used_per_dp_rank: _Optional[_Iterable[int]] = ..., window: _Optional[_Union[LoadWindow, _Mapping]] = ..., worker_time: _Optional[_Iterable[_Union[WorkerTime, _Mapping]]] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class WorkerTime(_message.Message):
     __slots__ = ("rank", "forward_seconds", "head_seconds", "steps")

@@ -77,6 +77,16 @@ class RouterStub:
                 request_serializer=reconfig_dot_v1_dot_router__pb2.RebalanceExpertsRequest.SerializeToString,
                 response_deserializer=reconfig_dot_v1_dot_router__pb2.RebalanceExpertsResponse.FromString,
                 _registered_method=True)
+        self.MigrateOut = channel.unary_unary(
+                '/reconfig.v1.Router/MigrateOut',
+                request_serializer=reconfig_dot_v1_dot_router__pb2.MigrateOutRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_router__pb2.MigrateOutResponse.FromString,
+                _registered_method=True)
+        self.MigrateIn = channel.unary_unary(
+                '/reconfig.v1.Router/MigrateIn',
+                request_serializer=reconfig_dot_v1_dot_router__pb2.MigrateInRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_router__pb2.MigrateInResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -152,6 +162,28 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MigrateOut(self, request, context):
+        """Live request migration between instances (MELL), the source side. EXPORT (serving goes on):
+        the request's block table, its cached tokens and where its KV lives, for a pre-copy round.
+        STOP: at the end of the step in flight the request stops being scheduled (its KV stays) and
+        the response carries its final state. COMMIT: it moved; its KV is freed and its Generate
+        stream ends with finish_reason "migrated". ABORT: it did not move; it is scheduled again and its
+        stream goes on. NOT_FOUND: no such request; FAILED_PRECONDITION: it is not decoding (waiting,
+        prefilling, already stopped) or the layout has several KV pools; UNAVAILABLE: frozen (a switch).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MigrateIn(self, request, context):
+        """The target side: RESERVE blocks for a request moving in, PULL KV blocks from the source's
+        workers into them (serving goes on), RELEASE them (a failed migration). Generate with
+        `migrated` set then continues the request here. RESOURCE_EXHAUSTED: too few free blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -194,6 +226,16 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.RebalanceExperts,
                     request_deserializer=reconfig_dot_v1_dot_router__pb2.RebalanceExpertsRequest.FromString,
                     response_serializer=reconfig_dot_v1_dot_router__pb2.RebalanceExpertsResponse.SerializeToString,
+            ),
+            'MigrateOut': grpc.unary_unary_rpc_method_handler(
+                    servicer.MigrateOut,
+                    request_deserializer=reconfig_dot_v1_dot_router__pb2.MigrateOutRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_router__pb2.MigrateOutResponse.SerializeToString,
+            ),
+            'MigrateIn': grpc.unary_unary_rpc_method_handler(
+                    servicer.MigrateIn,
+                    request_deserializer=reconfig_dot_v1_dot_router__pb2.MigrateInRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_router__pb2.MigrateInResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -415,6 +457,60 @@ class Router:
             '/reconfig.v1.Router/RebalanceExperts',
             reconfig_dot_v1_dot_router__pb2.RebalanceExpertsRequest.SerializeToString,
             reconfig_dot_v1_dot_router__pb2.RebalanceExpertsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrateOut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Router/MigrateOut',
+            reconfig_dot_v1_dot_router__pb2.MigrateOutRequest.SerializeToString,
+            reconfig_dot_v1_dot_router__pb2.MigrateOutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrateIn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Router/MigrateIn',
+            reconfig_dot_v1_dot_router__pb2.MigrateInRequest.SerializeToString,
+            reconfig_dot_v1_dot_router__pb2.MigrateInResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,6 +6,45 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class KVSource(_message.Message):
+    __slots__ = ("topology", "layer_partition", "pools", "block_size", "hostname")
+    class PoolsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: PeerPool
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[PeerPool, _Mapping]] = ...) -> None: ...
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    LAYER_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    topology: str
+    layer_partition: _containers.RepeatedScalarFieldContainer[int]
+    pools: _containers.MessageMap[int, PeerPool]
+    block_size: int
+    hostname: str
+    def __init__(self, topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ..., pools: _Optional[_Mapping[int, PeerPool]] = ..., block_size: _Optional[int] = ..., hostname: _Optional[str] = ...) -> None: ...
+
+class ImportKVRequest(_message.Message):
+    __slots__ = ("source", "src_block_ids", "dst_block_ids")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    source: KVSource
+    src_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, source: _Optional[_Union[KVSource, _Mapping]] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ImportKVResponse(_message.Message):
+    __slots__ = ("kv_bytes_received", "seconds")
+    KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    kv_bytes_received: int
+    seconds: float
+    def __init__(self, kv_bytes_received: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class GetExpertLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

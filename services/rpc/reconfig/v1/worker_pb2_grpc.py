@@ -91,6 +91,11 @@ class WorkerStub:
                 request_serializer=reconfig_dot_v1_dot_worker__pb2.AbortExpertMapRequest.SerializeToString,
                 response_deserializer=reconfig_dot_v1_dot_worker__pb2.AbortExpertMapResponse.FromString,
                 _registered_method=True)
+        self.ImportKV = channel.unary_unary(
+                '/reconfig.v1.Worker/ImportKV',
+                request_serializer=reconfig_dot_v1_dot_worker__pb2.ImportKVRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_worker__pb2.ImportKVResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -195,6 +200,18 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ImportKV(self, request, context):
+        """Live request migration between instances (MELL): copy KV blocks of another instance's
+        workers into this worker's own pool, re-cut from the source's layout to this one (layers and
+        KV heads), while steps run: the target blocks are reserved by this instance's router and used by
+        no step. The source pools are read from shared memory (same host). FAILED_PRECONDITION: the
+        source is on another host or this worker's KV is not in shared memory (GPU); INVALID_ARGUMENT:
+        the source is another model or block size.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -252,6 +269,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.AbortExpertMap,
                     request_deserializer=reconfig_dot_v1_dot_worker__pb2.AbortExpertMapRequest.FromString,
                     response_serializer=reconfig_dot_v1_dot_worker__pb2.AbortExpertMapResponse.SerializeToString,
+            ),
+            'ImportKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportKV,
+                    request_deserializer=reconfig_dot_v1_dot_worker__pb2.ImportKVRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_worker__pb2.ImportKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -553,6 +575,33 @@ class Worker:
             '/reconfig.v1.Worker/AbortExpertMap',
             reconfig_dot_v1_dot_worker__pb2.AbortExpertMapRequest.SerializeToString,
             reconfig_dot_v1_dot_worker__pb2.AbortExpertMapResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Worker/ImportKV',
+            reconfig_dot_v1_dot_worker__pb2.ImportKVRequest.SerializeToString,
+            reconfig_dot_v1_dot_worker__pb2.ImportKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,338 @@
+"""The front router's engine: one OpenAI API over several instances, MELL placement, live moves between them.
+
+Each request is placed by the kv_scheduler policy (`mell`, `bf`, `wf`, `lb`: the same pure code `reconfig simulate`
+runs) and forwarded to that instance's router as token ids; the text (detokenization, stop strings) is made here,
+so a request keeps one text stream whichever instance computes it. Every `interval_s` the policy sees each
+request's KV size and may ask for moves; each runs live (services.front.mover) and the request's stream goes on
+from the target. Policy instances are slots bound to real instances while they hold requests: an instance the
+policy empties is released (standby), and one is bound again when the policy opens one.
+
+Failures: a move that fails leaves the request where it was; an instance that dies loses only its own requests'
+KV: they are placed again on a live instance with their prompt plus what they generated (a re-prefill), and
+their streams go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from services.front.instances import Instance, request_to_pb
+from services.front.mover import MoveResult, MoveSettings, move_request
+from services.model.tokenizer import Tokenizer
+from services.router.contracts import (
+    EngineDrainingError, EngineStats, GenerationDelta, GenerationRequest, QueueFullError, RequestError, SwitchTotals,
+)
+from services.router.kv_scheduler import KVSchedulerConfig, Request, SchedulerError, make_policy
+from services.router.output import RequestStream
+from services.router.sequence import Sequence, SequenceStatus
+from services.router.migration import MIGRATED
+from services.rpc.reconfig.v1 import router_pb2
+from services.worker.step import TokenLogprob
+
+log = structlog.get_logger(__name__)
+
+_STATUS = {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH}
+_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
+         grpc.StatusCode.UNKNOWN)
+
+
+@dataclass(frozen=True, slots=True)
+class FrontSettings:
+    policy: str = "mell"               # mell | bf | wf | lb
+    interval_s: float = 0.05           # how often the policy sees the requests' KV sizes
+    max_concurrent_moves: int = 4
+    move: MoveSettings = MoveSettings()
+    migrate: bool = True               # false: place only, never move (the policy's moves are dropped)
+
+
+@dataclass(eq=False)
+class _Route:
+    """One request through the front: where it runs and the call streaming its tokens."""
+
+    request: GenerationRequest
+    wire: router_pb2.GenerateRequest   # what the instance runs (a re-placed request: prompt + outputs so far)
+    seq: Sequence                      # the front's copy of its tokens (for the text stream)
+    instance: Instance
+    call: object = None
+    moving: bool = False
+    handoff: asyncio.Future | None = None  # the target's call, once a move commits
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class FrontTotals:
+    moves: dict[str, int] = field(default_factory=lambda: {"moved": 0, "failed": 0, "finished": 0})
+    kv_bytes_moved: int = 0
+    move_downtime_s: float = 0.0
+    replaced: int = 0                  # requests placed again after their instance died
+    instance_seconds: float = 0.0      # integral of instances in use over time
+    seconds: float = 0.0
+
+
+class FrontEngine:
+    """EngineProtocol over instances: the HTTP API (services.router.api) serves it unchanged."""
+
+    def __init__(self, instances: list[Instance], tokenizer: Tokenizer, model_name: str,
+                 settings: FrontSettings = FrontSettings()) -> None:
+        if not instances:
+            raise ValueError("the front router needs at least one instance")
+        self.instances = instances
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.settings = settings
+        self.max_model_len = 0
+        self.policy = None
+        self.totals = FrontTotals()
+        self.is_draining = False
+        self._routes: dict[str, _Route] = {}
+        self._slots: dict[str, Instance] = {}  # policy instance id -> the instance it is bound to
+        self._moves: set[asyncio.Task] = set()
+        self._task: asyncio.Task | None = None
+        self._last_tick = time.monotonic()
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await asyncio.gather(*(instance.connect() for instance in self.instances))
+        stats = await asyncio.gather(*(instance.refresh() for instance in self.instances))
+        capacity = min(instance.capacity_tokens for instance in self.instances)
+        self.max_model_len = min(s.max_model_len for s in stats)
+        self.policy = make_policy(self.settings.policy, KVSchedulerConfig(capacity=capacity,
+                                                                          max_instances=len(self.instances)))
+        self._task = asyncio.create_task(self._policy_loop(), name="front-policy")
+        log.info("front.ready", instances=[f"{i.name}={i.address} {i.topology}" for i in self.instances],
+                 policy=self.settings.policy, capacity_tokens=capacity)
+
+    async def drain(self, grace_s: float) -> int:
+        self.is_draining = True
+        deadline = time.monotonic() + grace_s
+        while self._routes and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # noqa: ASYNC110 (a shutdown grace, not synchronization)
+        return len(self._routes)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for task in list(self._moves):
+            task.cancel()
+        for route in list(self._routes.values()):
+            if route.call is not None:
+                route.call.cancel()
+        await asyncio.gather(*(instance.close() for instance in self.instances))
+
+    @property
+    def is_ready(self) -> bool:
+        return self._task is not None and not self._task.done() and not self.is_draining and any(
+            i.is_up for i in self.instances)
+
+    # ---- requests ------------------------------------------------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        if self.is_draining:
+            raise EngineDrainingError("the front router is shutting down and takes no new requests")
+        if request.prompt_logprobs:
+            raise RequestError("prompt logprobs (echo with logprobs) are not served by the front router")
+        if len(request.prompt_token_ids) + request.max_tokens > self.max_model_len:
+            raise RequestError(f"the prompt ({len(request.prompt_token_ids)} tokens) plus max_tokens "
+                               f"({request.max_tokens}) is more than the context of {self.max_model_len} tokens")
+        if request.request_id in self._routes:
+            raise RequestError(f"request id {request.request_id!r} is already in use")
+        route = _Route(request, request_to_pb(request), Sequence.from_request(request), self.instances[0])
+        route.instance = self._place(route)
+        stream = RequestStream(request, self.tokenizer)
+        self._routes[request.request_id] = route
+        try:
+            route.call = route.instance.generate(route.wire)
+            while True:
+                response = await self._next_response(route)
+                if response is None:  # the instance was lost: placed again, read on
+                    continue
+                for delta in self._apply(route, stream, response):
+                    yield delta
+                    if delta.finish_reason is not None:
+                        return
+        finally:
+            self._routes.pop(request.request_id, None)
+            if route.call is not None:
+                route.call.cancel()  # a stop string ended it here, or the client left: abort it there
+            with contextlib.suppress(SchedulerError):
+                self.policy.depart(request.request_id)
+
+    def _place(self, route: _Route) -> Instance:
+        try:
+            slot = self.policy.allocate(route.request.request_id, min(route.kv_tokens, self.policy.config.capacity))
+        except SchedulerError as exc:
+            raise QueueFullError(f"no instance can take the request now: {exc}") from None
+        return self._bind(slot)
+
+    async def _next_response(self, route: _Route) -> router_pb2.GenerateResponse | None:
+        """The next response of the request wherever it runs; None after a lost instance made it start again."""
+        try:
+            response = await route.call.read()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in _LOST or self.is_draining:
+                raise RequestError(f"instance {route.instance.name}: {exc.details()}") from None
+            await self._replace(route, f"{exc.code().name}: {exc.details()}")
+            return None
+        if response is grpc.aio.EOF:
+            await self._replace(route, "its stream ended without a finish")
+            return None
+        if response.finish_reason == MIGRATED:  # it moved: read on from the target
+            route.call = await route.handoff
+            return None
+        return response
+
+    def _apply(self, route: _Route, stream: RequestStream, response) -> Iterator[GenerationDelta]:
+        """Turn an instance's response into the client's deltas (text and stop strings made here)."""
+        seq = route.seq
+        if response.finish_reason in ("error", "abort"):
+            stream.finish(response.finish_reason, error=response.error or None)
+        else:
+            seq.output_token_ids.extend(response.token_ids)
+            if response.finish_reason:
+                seq.status = _STATUS.get(response.finish_reason, SequenceStatus.FINISHED_STOPPED)
+            logprobs = tuple(TokenLogprob.from_pb(lp) for lp in response.logprobs)
+            if response.token_ids or response.finish_reason:
+                stream.push(tuple(response.token_ids), seq, logprobs)
+        yield from stream.drain()
+
+    async def _replace(self, route: _Route, why: str) -> None:
+        """The request's instance is gone with its KV: place it again with its prompt and what it generated."""
+        lost = route.instance
+        lost.is_up = False
+        self.totals.replaced += 1
+        with contextlib.suppress(SchedulerError):
+            self.policy.depart(route.request.request_id)
+        if not any(i.is_up for i in self.instances):
+            raise RequestError(f"instance {lost.name} was lost ({why}) and no other is up")
+        seq = route.seq
+        route.wire = request_to_pb(route.request, tuple(seq.all_token_ids),
+                                   route.request.max_tokens - len(seq.output_token_ids))
+        route.wire.min_tokens = max(0, route.request.min_tokens - len(seq.output_token_ids))
+        route.instance = self._place(route)
+        route.call = route.instance.generate(route.wire)
+        log.warning("front.request_replaced", request_id=route.request.request_id, lost=lost.name,
+                    instance=route.instance.name, why=why, generated=len(seq.output_token_ids))
+
+    # ---- slots: policy instances bound to real ones ---------------------------------------------------------------
+    def _bind(self, slot: str) -> Instance:
+        instance = self._slots.get(slot)
+        if instance is None or not instance.is_up:
+            bound = {id(i) for i in self._slots.values()}
+            free = [i for i in self.instances if i.is_up and id(i) not in bound]
+            if not free:
+                raise QueueFullError("every instance is in use or down")
+            instance = self._slots[slot] = free[0]
+            log.info("front.instance_bound", slot=slot, instance=instance.name)
+        return instance
+
+    def _unbind_released(self) -> None:
+        live = self.policy.instances()
+        busy = {id(route.instance) for route in self._routes.values()}
+        for slot in [s for s, i in self._slots.items() if s not in live and id(i) not in busy]:
+            log.info("front.instance_released", slot=slot, instance=self._slots.pop(slot).name)
+
+    def in_use(self) -> list[Instance]:
+        """Instances holding at least one request now."""
+        busy = {id(route.instance) for route in self._routes.values()}
+        return [i for i in self.instances if id(i) in busy]
+
+    # ---- the policy loop -----------------------------------------------------------------------------------------
+    async def _policy_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.interval_s)  # noqa: ASYNC110 (the policy's period)
+            try:
+                self._tick()
+            except Exception:  # noqa: BLE001 (one bad tick must not end placement and moves)
+                log.exception("front.policy_tick_failed")
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        elapsed, self._last_tick = now - self._last_tick, now
+        self.totals.instance_seconds += elapsed * len(self.in_use())
+        self.totals.seconds += elapsed
+        capacity = self.policy.config.capacity
+        updates = [Request(rid, min(route.kv_tokens, capacity)) for rid, route in self._routes.items()
+                   if rid in self.policy.cluster.location]
+        result = self.policy.step((), updates, ())
+        for migration in result.migrations:
+            route = self._routes.get(migration.request_id)
+            if route is None or route.moving or not self.settings.migrate:
+                continue
+            if len(self._moves) >= self.settings.max_concurrent_moves:
+                break
+            try:
+                target = self._bind(migration.destination)
+            except QueueFullError:
+                continue
+            if target is route.instance:
+                continue
+            route.moving = True
+            task = asyncio.create_task(self._move(route, target))
+            self._moves.add(task)
+            task.add_done_callback(self._moves.discard)
+        self._unbind_released()
+
+    async def _move(self, route: _Route, target: Instance) -> MoveResult:
+        source = route.instance
+        route.handoff = asyncio.get_running_loop().create_future()
+        try:
+            result = await move_request(route.wire, source, target, self.settings.move)
+        finally:
+            route.moving = False
+        if result.moved:
+            route.instance = target
+            route.handoff.set_result(result.call)
+            self.totals.moves["moved"] += 1
+            self.totals.kv_bytes_moved += result.kv_bytes_precopied + result.kv_bytes_delta
+            self.totals.move_downtime_s += result.downtime_s
+        else:
+            self.totals.moves["finished" if result.finished else "failed"] += 1
+        return result
+
+    # ---- reporting -----------------------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self._routes), topology=",".join(i.topology for i in self.instances),
+                           max_model_len=self.max_model_len,
+                           extra={"instances_in_use": float(len(self.in_use())),
+                                  "moves": float(self.totals.moves["moved"]),
+                                  "time_average_instances": self.time_average_instances()})
+
+    def time_average_instances(self) -> float:
+        return self.totals.instance_seconds / self.totals.seconds if self.totals.seconds else 0.0
+
+    def switch_totals(self) -> SwitchTotals:
+        return SwitchTotals()
+
+    def collect_metrics(self, labels: list[str], label_names: tuple[str, ...]) -> Iterator:
+        """The front's own metrics (services.router.api.metrics calls it on every scrape)."""
+        gauge = GaugeMetricFamily("reconfig:front_instances_in_use", "Instances holding requests now.",
+                                  labels=label_names)
+        gauge.add_metric(labels, len(self.in_use()))
+        yield gauge
+        moves = CounterMetricFamily("reconfig:front_migrations", "Live request moves between instances, by outcome.",
+                                    labels=(*label_names, "outcome"))
+        for outcome, count in self.totals.moves.items():
+            moves.add_metric([*labels, outcome], count)
+        yield moves
+        moved = CounterMetricFamily("reconfig:front_migration_kv_bytes", "KV bytes moved between instances.",
+                                    labels=label_names)
+        moved.add_metric(labels, self.totals.kv_bytes_moved)
+        yield moved
+        usage = GaugeMetricFamily("reconfig:front_instance_kv_tokens", "KV tokens the policy places on each "
+                                  "instance.", labels=(*label_names, "instance"))
+        for instance in self.instances:
+            tokens = sum(r.kv_tokens for r in self._routes.values() if r.instance is instance)
+            usage.add_metric([*labels, instance.name], tokens)
+        yield usage

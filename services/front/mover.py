@@ -1,0 +1,135 @@
+"""Moving one running request from one instance to another, live (Llumnix's multi-stage migration over
+reconfig's 2D KV plan, so the two instances may run different layouts).
+
+1. Pre-copy (the request keeps decoding on the source): rounds copy the blocks that are full (they never change),
+   into blocks the target reserved, until what is left is at most `delta_blocks` or `max_rounds` ran.
+2. Stop: the source parks the request at the end of its step in flight; the rest of its KV (the blocks filled
+   since, the partial last one) is copied.
+3. Resume: the target adopts it (Generate with its state; no prefill) and answers once it runs there; the source
+   then frees it, ending its stream with "migrated". The downtime is stop to commit.
+A failure anywhere gives the reservation back and, once stopped, lets the request go on at the source: a move
+that does not complete leaves the request running where it was.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from services.front.instances import Instance
+from services.router.block_manager import num_blocks_for
+from services.rpc.reconfig.v1 import router_pb2
+
+log = structlog.get_logger(__name__)
+
+OUT, IN = router_pb2.MigrateOutRequest, router_pb2.MigrateInRequest
+
+
+@dataclass(frozen=True, slots=True)
+class MoveSettings:
+    max_rounds: int = 3          # pre-copy rounds at most before the stop
+    delta_blocks: int = 2        # stop once at most this many full blocks are left to copy
+    stop_timeout_s: float = 30.0
+
+
+@dataclass(slots=True)
+class MoveResult:
+    """How a move went: `moved` (the request runs on the target now) or why not."""
+
+    moved: bool = False
+    error: str = ""
+    finished: bool = False        # it finished on the source before it could stop (nothing to move)
+    rounds: int = 0               # pre-copy rounds
+    kv_bytes_precopied: int = 0
+    kv_bytes_delta: int = 0
+    downtime_s: float = 0.0       # stop to commit: the request made no progress meanwhile
+    seconds: float = 0.0
+    call: object = None           # the target's Generate stream (its first response read) when moved
+
+
+class _Failed(Exception):
+    pass
+
+
+async def move_request(request: router_pb2.GenerateRequest, source: Instance, target: Instance,
+                       settings: MoveSettings = MoveSettings()) -> MoveResult:
+    """Move `request` (as the source runs it) from `source` to `target`; never raises for a failed move."""
+    started = time.perf_counter()
+    result = MoveResult()
+    request_id = request.request_id
+    stopped = False
+    call = None
+    try:
+        if source.block_size != target.block_size:
+            raise _Failed(f"block sizes differ ({source.block_size} vs {target.block_size})")
+        block_size = source.block_size
+        limit = len(request.prompt_token_ids) + request.max_tokens - 1  # the most KV the request ever holds
+        state = await source.migrate_out(request_id, OUT.EXPORT)
+        copied = 0  # leading blocks of the request already copied
+        reserved: list[int] = []
+
+        async def copy(table, upto: int, num_tokens: int) -> int:
+            nonlocal reserved, copied
+            if len(reserved) < upto:
+                grown = await target.migrate_in(IN(request_id=request_id, action=IN.RESERVE, request=request,
+                                                   num_tokens=min(limit, max(num_tokens, upto * block_size))))
+                reserved = list(grown.block_ids)
+            if upto <= copied:
+                return 0
+            pulled = await target.migrate_in(IN(request_id=request_id, action=IN.PULL, source=state.source,
+                                                src_block_ids=table[copied:upto],
+                                                dst_block_ids=reserved[copied:upto]))
+            copied = upto
+            return pulled.kv_bytes
+
+        while result.rounds < settings.max_rounds:
+            full = state.num_computed_tokens // block_size
+            if full - copied <= settings.delta_blocks and result.rounds:
+                break
+            # Reserve a little past today's KV: the request decodes on while the rounds run.
+            result.kv_bytes_precopied += await copy(list(state.block_table), full,
+                                                    state.num_computed_tokens + 2 * block_size)
+            result.rounds += 1
+            state = await source.migrate_out(request_id, OUT.EXPORT)
+        stop_at = time.perf_counter()
+        state = await source.migrate_out(request_id, OUT.STOP, settings.stop_timeout_s)
+        stopped = not state.finished
+        if state.finished:
+            result.finished = True
+            raise _Failed("it finished on the source first")
+        needed = num_blocks_for(state.num_computed_tokens, block_size)
+        result.kv_bytes_delta = await copy(list(state.block_table), needed, state.num_computed_tokens)
+        resumed = router_pb2.GenerateRequest()
+        resumed.CopyFrom(request)
+        resumed.migrated.output_token_ids[:] = state.output_token_ids
+        resumed.migrated.num_computed_tokens = state.num_computed_tokens
+        call = target.generate(resumed)
+        first = await call.read()  # no tokens: it runs on the target now
+        if first is grpc.aio.EOF or first.finish_reason:
+            raise _Failed(f"the target ended it at once ({getattr(first, 'error', '') or 'no reason'})")
+        await source.migrate_out(request_id, OUT.COMMIT)
+        result.downtime_s = time.perf_counter() - stop_at
+        result.moved, result.call = True, call
+    except (_Failed, grpc.aio.AioRpcError) as exc:
+        result.error = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+        if call is not None:
+            call.cancel()  # the target aborts it there and frees its blocks
+        await _quietly(target.migrate_in(IN(request_id=request_id, action=IN.RELEASE)))
+        if stopped:
+            await _quietly(source.migrate_out(request_id, OUT.ABORT))
+    result.seconds = time.perf_counter() - started
+    log.info("front.move", request_id=request_id, source=source.name, target=target.name, moved=result.moved,
+             error=result.error or None, rounds=result.rounds, kv_bytes_precopied=result.kv_bytes_precopied,
+             kv_bytes_delta=result.kv_bytes_delta, downtime_ms=round(result.downtime_s * 1e3, 2),
+             seconds=round(result.seconds, 4))
+    return result
+
+
+async def _quietly(awaitable) -> None:
+    try:
+        await awaitable
+    except grpc.aio.AioRpcError as exc:
+        log.warning("front.move_cleanup_failed", error=exc.details())

@@ -1,0 +1,85 @@
+"""KV import on one worker: copy a request's KV blocks out of another instance's workers into this worker's live
+pool (live request migration between instances, MELL).
+
+The source instance may run another layout: the 2D plan (layers x KV heads) from the source's placement to this
+instance's says which source worker holds each slice this worker needs; the source's worker ranks are put past
+this world's (`SOURCE_RANK_BASE + active index`) so that no transfer reads as local. Blocks change ids (the
+source's ids -> the ones this router reserved); the copy reads the source pools in shared memory (one memcpy per
+run of blocks, nothing on the source's steps) and writes only the reserved blocks, which no step uses yet.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.model.spec import ModelShape
+from services.topology import Placement, Topology, place, plan_kv_migration
+from services.worker.channel import ShmChannel
+from services.worker.kv_cache import KVCache
+from services.worker.kv_migration import MigrationStats, fill_layer, pool_blocks
+
+SOURCE_RANK_BASE = 1 << 20  # source worker i is rank SOURCE_RANK_BASE + i in the import plan
+
+
+class ImportRefused(RuntimeError):
+    """The import cannot run here (another host, KV not in shared memory): FAILED_PRECONDITION."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVSourceSpec:
+    """Another instance's KV, as its router describes it (worker_pb2.KVSource)."""
+
+    topology: Topology
+    layer_partition: tuple[int, ...] | None
+    pools: dict[int, dict[int, str]]  # source active index -> layer -> shared-memory segment
+    block_size: int
+    hostname: str
+
+    @classmethod
+    def from_pb(cls, pb) -> KVSourceSpec:
+        return cls(Topology.parse(pb.topology), tuple(pb.layer_partition) or None,
+                   {index: dict(pool.kv_segments) for index, pool in pb.pools.items()}, pb.block_size, pb.hostname)
+
+
+def import_kv(source: KVSourceSpec, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+              shape: ModelShape, live: Placement, rank: int, cache: KVCache, num_redundant_experts: int = 0
+              ) -> MigrationStats:
+    """Copy `src_block_ids` of the source's pools into `dst_block_ids` of this rank's live `cache` (every local
+    layer and KV head, re-cut from the source layout). ValueError on a bad request, ImportRefused where the pools
+    cannot be read from here."""
+    started = time.perf_counter()
+    if len(src_block_ids) != len(dst_block_ids):
+        raise ValueError(f"{len(src_block_ids)} source block ids but {len(dst_block_ids)} target ones")
+    if source.block_size != cache.block_size:
+        raise ValueError(f"the source's blocks hold {source.block_size} tokens, this worker's {cache.block_size}")
+    if cache.device.type != "cpu":
+        raise ImportRefused("this worker's KV is not in shared memory (GPU): an import between instances needs "
+                            "the distributed channel")
+    if source.hostname != socket.gethostname():
+        raise ImportRefused(f"the source's KV is on host {source.hostname!r}, not this one: shared memory is read "
+                            "only on one host")
+    if bad := [b for b in dst_block_ids if not 0 <= b < cache.num_blocks]:
+        raise ValueError(f"target block ids {bad[:4]} are outside this pool of {cache.num_blocks} blocks")
+    source_placement = place(source.topology, shape, source.layer_partition, num_redundant_experts)
+    source_ranks = [SOURCE_RANK_BASE + i for i in range(source.topology.num_workers)]
+    if missing := [i for i in range(source.topology.num_workers) if i not in source.pools]:
+        raise ValueError(f"the source lists no KV pool for its workers {missing}")
+    plan = plan_kv_migration(source_placement, source_ranks, live, list(range(live.topology.num_workers)))
+    stats = MigrationStats()
+    if src_block_ids:
+        maps = pool_blocks({(0, 0): (list(src_block_ids), list(dst_block_ids))})
+        channel = ShmChannel({SOURCE_RANK_BASE + i: pool for i, pool in source.pools.items()}, plan,
+                             cache.block_size, cache.head_dim, cache.dtype)
+        try:
+            for layer in plan.new_local_layers(rank):
+                transfers = [t for t in plan.for_layer(layer) if t.dst_rank == rank]
+                received = channel.exchange(layer, [], transfers)
+                fill_layer(cache.layer(layer), transfers, rank, None, received, maps, layer, stats)
+        finally:
+            channel.close()
+    stats.seconds = time.perf_counter() - started
+    return stats
+

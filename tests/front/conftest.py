@@ -1,0 +1,80 @@
+"""Three real instances (each: weight store, workers, engine, router gRPC) for the front router's tests:
+two of one layout (tp1pp1, one worker each) and one of another (tp2pp1... tp1pp2 over two workers)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import pytest
+import pytest_asyncio
+
+from services.front.engine import FrontEngine, FrontSettings
+from services.front.instances import Instance
+from services.launch.cluster import ClusterConfig, LocalCluster
+from services.model.tokenizer import Tokenizer
+from services.router.engine import Engine
+from services.router.grpc_server import start_router_grpc
+from services.router.main import RouterConfig, build_engine
+from tests.conftest import make_checkpoint
+
+TOKEN = "front-test-token"
+LAYOUTS = (("tp1pp1", 1), ("tp1pp1", 1), ("tp1pp2", 2))  # (topology, workers) of instances a, b, c
+
+
+@pytest.fixture(scope="module")
+def front_checkpoint(tmp_path_factory):
+    """Llama style, 3 layers (uneven pipeline splits), 4 query / 2 KV heads."""
+    return make_checkpoint(tmp_path_factory.mktemp("front") / "llama-front", "llama", seed=7)
+
+
+@pytest.fixture(scope="module")
+def front_clusters(front_checkpoint):
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(LocalCluster(ClusterConfig(
+            model=str(front_checkpoint), num_workers=workers, topology=topology, kv_cache_bytes=1 << 20,
+            block_size=4, candidate_topologies=(topology,), num_threads=1)))
+            for topology, workers in LAYOUTS]
+
+
+@dataclass
+class Instances:
+    engines: list[Engine]
+    instances: list[Instance]
+    model_dir: str
+
+
+@contextlib.asynccontextmanager
+async def open_instances(clusters: list[LocalCluster]):
+    """An engine and router gRPC over each cluster, and the front's view of them (named a, b, c)."""
+    engines, servers, instances = [], [], []
+    try:
+        for name, cluster in zip("abc", clusters):
+            engine = await build_engine(RouterConfig(worker_addresses=tuple(cluster.worker_addresses),
+                                                     model_dir=str(cluster.model_dir), model_name="front"))
+            engines.append(engine)
+            server, port = await start_router_grpc(engine, "127.0.0.1", 0, TOKEN)
+            servers.append(server)
+            instances.append(Instance(name, f"127.0.0.1:{port}", TOKEN))
+        yield Instances(engines, instances, str(clusters[0].model_dir))
+    finally:
+        for server in servers:
+            await server.stop(0)
+        for engine in engines:
+            await engine.stop()
+
+
+@pytest_asyncio.fixture
+async def instances(front_clusters):
+    async with open_instances(front_clusters) as opened:
+        yield opened
+
+
+@contextlib.asynccontextmanager
+async def open_front(opened: Instances, **settings):
+    front = FrontEngine(opened.instances, Tokenizer.from_dir(opened.model_dir), "front", FrontSettings(**settings))
+    await front.start()
+    try:
+        yield front
+    finally:
+        await front.stop()

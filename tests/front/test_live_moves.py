@@ -1,0 +1,57 @@
+"""Live moves of running requests between real instances: same layout and another layout, exact tokens."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.router.contracts import GenerationRequest
+from tests.front.conftest import open_front
+
+pytestmark = pytest.mark.asyncio
+
+PROMPTS = [[5, 9, 2, 7, 1], list(range(3, 16)), [(7 * i) % 97 + 3 for i in range(30)], list(range(40, 87))]
+MAX_TOKENS = 40
+
+
+def _request(request_id: str, prompt: list[int]) -> GenerationRequest:
+    return GenerationRequest(request_id, tuple(prompt), MAX_TOKENS)  # greedy, no stop token: all 40 tokens
+
+
+async def _reference(engine, prompt: list[int], request_id: str) -> list[int]:
+    return [t for delta in [d async for d in engine.generate(_request(request_id, prompt))] for t in delta.token_ids]
+
+
+async def _run_with_moves(front, request: GenerationRequest, hops: list[tuple[int, object]]):
+    """Stream the request through the front; after hops[i][0] tokens, move it to hops[i][1] (and wait)."""
+    tokens, results = [], []
+    async for delta in front.generate(request):
+        tokens.extend(delta.token_ids)
+        while hops and len(tokens) >= hops[0][0]:
+            _, target = hops.pop(0)
+            results.append(await front._move(front._routes[request.request_id], target))
+    return tokens, results
+
+
+async def test_moves_between_layouts_keep_every_token(instances):
+    """a (tp1pp1) -> b (tp1pp1, same layout) -> c (tp1pp2) -> a, mid-generation: the tokens of an unmoved run,
+    no prefill on the instances they moved to, every move stopping the request only for its delta."""
+    a, b, c = instances.instances
+    reference = [await _reference(instances.engines[0], p, f"ref-{i}") for i, p in enumerate(PROMPTS)]
+    prefills = [engine.num_full_prefills for engine in instances.engines]
+    async with open_front(instances, migrate=False) as front:
+        runs = await asyncio.gather(*(
+            _run_with_moves(front, _request(f"live-{i}", p), [(6, b), (16, c), (27, a)])
+            for i, p in enumerate(PROMPTS)))
+        assert front.totals.moves["moved"] == 3 * len(PROMPTS)
+    for (tokens, results), expected in zip(runs, reference):
+        assert tokens == expected
+        assert [r.moved for r in results] == [True, True, True], [r.error for r in results]
+        assert all(r.kv_bytes_delta > 0 and r.downtime_s > 0 for r in results)
+    # Only instance a prefilled (the front placed every request there first); b and c only adopted.
+    assert [e.num_full_prefills - p for e, p in zip(instances.engines, prefills)] == [len(PROMPTS), 0, 0]
+    assert [e.migrations.num_in for e in instances.engines] == [len(PROMPTS), len(PROMPTS), len(PROMPTS)]
+    for engine in instances.engines:  # every block came back
+        assert engine.scheduler.block_manager.num_used == 0
+        assert not engine.scheduler.parked
