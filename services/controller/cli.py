@@ -29,6 +29,7 @@ from services.controller.client import (
 from services.controller.eplb_view import balance_line, format_expert_status, format_rebalance, message_to_json
 from services.controller.progress import PhaseDisplay, format_bytes, operation_lines, ordered_phases, outcome_line
 from services.controller.status import OperationState, OperationStatus, StackStatus, WorkerState, WorkerStatus
+from services.front import cli as front_cli
 from services.rpc.reconfig.v1 import controller_pb2, router_pb2
 from services.topology import Topology, TopologyError
 
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--json", action="store_true", help="print the result as JSON")
     autopilot_cli.add_parsers(commands, common)
     add_intent_parser(commands)
+    front_cli.add_parser(commands)
     return parser
 
 
@@ -312,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # exits 2 on a usage error
     if args.command == "intent":  # needs no controller
         return intent_command(args)
+    if args.command == "instances":  # the front router's
+        return front_cli.instances_command(args)
     try:
         return _COMMANDS[args.command](args, resolve_target(args.controller, args.token_file))
     except CommandFailed as exc:

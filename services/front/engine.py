@@ -80,6 +80,10 @@ class FrontTotals:
     seconds: float = 0.0
 
 
+class MoveRefused(RuntimeError):
+    """An operator's drain cannot run (no standby instance to take the requests): FAILED_PRECONDITION."""
+
+
 class FrontEngine:
     """EngineProtocol over instances: the HTTP API (services.router.api) serves it unchanged."""
 
@@ -228,14 +232,65 @@ class FrontEngine:
     # ---- slots: policy instances bound to real ones ---------------------------------------------------------------
     def _bind(self, slot: str) -> Instance:
         instance = self._slots.get(slot)
-        if instance is None or not instance.is_up:
-            bound = {id(i) for i in self._slots.values()}
-            free = [i for i in self.instances if i.is_up and id(i) not in bound]
+        if instance is None or not instance.in_service:
+            free = self._standby()
             if not free:
-                raise QueueFullError("every instance is in use or down")
+                raise QueueFullError("every instance is in use, drained or down")
             instance = self._slots[slot] = free[0]
             log.info("front.instance_bound", slot=slot, instance=instance.name)
         return instance
+
+    def _standby(self) -> list[Instance]:
+        """Instances in service that no policy slot is bound to."""
+        bound = {id(i) for i in self._slots.values()}
+        return [i for i in self.instances if i.in_service and id(i) not in bound]
+
+    async def drain_instance(self, name: str, drain: bool = True) -> tuple[int, int, Instance]:
+        """Take an instance out of service: its slot moves to a standby instance, and so do its running requests,
+        live. (moved, failed, it); KeyError: no such instance; MoveRefused: no standby instance to take its
+        place. drain=False puts it back in service."""
+        instance = next((i for i in self.instances if i.name == name), None)
+        if instance is None:
+            raise KeyError(name)
+        if not drain:
+            instance.is_drained = False
+            return 0, 0, instance
+        routes = [r for r in self._routes.values() if r.instance is instance and not r.moving]
+        slots = [s for s, i in self._slots.items() if i is instance]
+        target = None
+        if routes:
+            free = [i for i in self._standby() if i is not instance]
+            if not free:
+                raise MoveRefused(f"no standby instance can take the requests of {name}: start more instances or "
+                                  "wait until one is released")
+            target = free[0]
+        instance.is_drained = True
+        for slot in slots:
+            if target is not None:
+                self._slots[slot] = target
+            else:
+                del self._slots[slot]
+        log.info("front.instance_drained", instance=name, requests=len(routes),
+                 to=target.name if target is not None else None)
+        for route in routes:
+            route.moving = True
+        results = await asyncio.gather(*(self._move(route, target) for route in routes))
+        moved = sum(1 for r in results if r.moved)
+        return moved, len(results) - moved, instance
+
+    def instance_states(self) -> list[dict]:
+        """Each instance as reconfigctl shows it."""
+        states = []
+        for instance in self.instances:
+            routes = [r for r in self._routes.values() if r.instance is instance]
+            slot = next((s for s, i in self._slots.items() if i is instance), "")
+            state = ("down" if not instance.is_up else "drained" if instance.is_drained
+                     else "in_use" if routes else "standby")
+            states.append({"name": instance.name, "address": instance.address, "topology": instance.topology,
+                           "state": state, "num_requests": len(routes),
+                           "kv_tokens": sum(r.kv_tokens for r in routes),
+                           "capacity_tokens": instance.capacity_tokens, "slot": slot})
+        return states
 
     def _unbind_released(self) -> None:
         live = self.policy.instances()

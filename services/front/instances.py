@@ -29,8 +29,14 @@ class Instance:
     block_size: int = 0
     topology: str = ""
     is_up: bool = True                # false once a call found it gone (it gets no new request)
+    is_drained: bool = False          # an operator took it out of service (reconfigctl instances drain)
     channel: grpc.aio.Channel | None = field(default=None, repr=False)
     stub: router_pb2_grpc.RouterStub | None = field(default=None, repr=False)
+
+    @property
+    def in_service(self) -> bool:
+        """Whether it may take new requests."""
+        return self.is_up and not self.is_drained
 
     @property
     def metadata(self) -> tuple:

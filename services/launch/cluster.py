@@ -48,6 +48,7 @@ class ClusterConfig:
     num_redundant_experts: int = 0       # MoE: extra expert slots per layer in EP layouts (EPLB replicas)
     eplb_window: int = 1000              # MoE: steps of expert load each worker keeps (EPLB's sliding window)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the children
+    weightstore_address: str = ""        # a running weight store to share (another instance's); "": start one
 
 
 def _run_weightstore(model_dir: str, host: str, ready: Connection) -> None:
@@ -135,8 +136,12 @@ class LocalCluster:
         # Children fork from a server that already imported torch and our code: ~50 ms each instead of ~2 s.
         ctx.set_forkserver_preload(["services.worker.main", "services.weightstore.server"])
         try:
-            ws = self._spawn(ctx, "weightstore", _run_weightstore, str(self.model_dir), cfg.host, tier=_TIER_STORE)
-            self.weightstore_address = f"{cfg.host}:{self._wait_ready([ws])[0]['port']}"
+            if cfg.weightstore_address:  # one copy of the weights in shared memory for every instance
+                self.weightstore_address = cfg.weightstore_address
+            else:
+                ws = self._spawn(ctx, "weightstore", _run_weightstore, str(self.model_dir), cfg.host,
+                                 tier=_TIER_STORE)
+                self.weightstore_address = f"{cfg.host}:{self._wait_ready([ws])[0]['port']}"
             self._store = dist.TCPStore(cfg.host, 0, cfg.num_workers, is_master=True, wait_for_workers=False)
             workers = [
                 self._spawn(ctx, f"worker-{rank}", _run_worker, self._worker_config(rank), tier=_TIER_WORKER)
@@ -244,6 +249,20 @@ class LocalCluster:
         cleanup_stale_segments()  # a killed worker could not unlink its KV pool: remove what has a dead owner
         cleanup_stale_kv_segments()
         return [f"{name} (pid {p.pid}, exit code {p.exitcode})" for name, p in dead]
+
+    def stop_services(self, names: tuple[str, ...], timeout_s: float = 10.0) -> None:
+        """SIGTERM the named service processes and wait for them (SIGKILL past the timeout); forget them."""
+        group = [p for n, _, p in self._processes if n in names]
+        for process in group:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for process in group:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        self._processes = [entry for entry in self._processes if entry[2] not in group]
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM tier by tier, newest first (services, workers, then the weightstore, which unlinks its

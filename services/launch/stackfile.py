@@ -68,6 +68,8 @@ class StackFile:
     topology: str = ""
     started_at: float = 0.0                # unix seconds
     replacements: list[str] = field(default_factory=list)  # joining workers started for lost ones (add-worker)
+    front_grpc_address: str = ""           # `reconfig up --instances N`: the front router's Front gRPC service
+    instances: list[dict] = field(default_factory=list)  # ... and each instance: name, router, controller, topology
 
     def write(self, path: Path | None = None) -> Path:
         """Save atomically with mode 0600 (its directory 0700); returns the path."""

@@ -54,11 +54,15 @@ class UpConfig:
     controller_metrics_port: int = 8001  # the controller's /metrics (the autopilot's); 0: any free port
     autopilot_policy: str = ""          # "cooldown_s=5,min_dwell_s=30,window=8,hysteresis=0.8,horizon_s=60,..."
     profile: str = ""                   # the layout profile file (default: cached per model and machine)
+    instances: int = 1                  # > 1: that many instances behind one front router (MELL placement, moves)
+    instance_topologies: str = ""       # each instance's layout, "tp1pp2,tp2pp1" ("": --topology for all)
+    policy: str = "mell"                # the front router's placement policy: mell, bf, wf or lb
+    front_grpc_port: int = 50053        # the front router's Front gRPC (reconfigctl instances)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, not {self.workers}")
-        for name in ("http_port", "grpc_port", "controller_port", "controller_metrics_port"):
+        for name in ("http_port", "grpc_port", "controller_port", "controller_metrics_port", "front_grpc_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be a port number, not {getattr(self, name)}")
         parse_gpus(self.gpus)  # a malformed --gpus fails here, with the other settings
@@ -70,6 +74,18 @@ class UpConfig:
         parse_policy(self.autopilot_policy)  # a bad setting or intents file fails here, before anything starts
         if self.intents:
             load_intents(self.intents)
+        if self.instances < 1:
+            raise ValueError(f"instances must be >= 1, not {self.instances}")
+        if self.instances > 1:
+            from services.launch.instances import instance_topologies
+            from services.router.kv_scheduler import POLICY_NAMES
+
+            instance_topologies(self.topology, self.instances, self.instance_topologies)
+            if self.policy not in POLICY_NAMES:
+                raise ValueError(f"policy must be one of {', '.join(POLICY_NAMES)}, not {self.policy!r}")
+            if self.autopilot != "off":
+                raise ValueError("--autopilot runs on one instance; with --instances, use each instance's "
+                                 "controller (reconfigctl instances lists them)")
         if self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, not {self.num_redundant_experts}")
         for name in ("eplb_window", "eplb_step_interval"):
@@ -116,6 +132,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "min_gain, rollout [5, 30, 8, 0.8, 60, 0.1, 0.1, false]")
     parser.add_argument("--profile", help="layout profile file (`reconfigctl calibrate` writes it) [cached per "
                                           "model and machine]")
+    parser.add_argument("--instances", type=int, metavar="N",
+                        help="N instances (each --workers workers in its own layout, router and controller) behind "
+                             "one front router that places requests and moves them live between instances [1]")
+    parser.add_argument("--instance-topologies", metavar="T1,T2,...",
+                        help="with --instances: each instance's layout [--topology for every one]")
+    parser.add_argument("--policy", choices=("mell", "bf", "wf", "lb"),
+                        help="with --instances: placement policy of the front router [mell]")
+    parser.add_argument("--front-grpc-port", type=int, help="with --instances: the front router's gRPC [50053]")
     parser.add_argument("--kv-cache-mb", type=int, help="KV cache per worker, MiB [64]")
     parser.add_argument("--block-size", type=int, help="tokens per KV block [16]")
     parser.add_argument("--api-key", help="require this bearer key on /v1/* (default: none)")
@@ -175,6 +199,10 @@ def up(config: UpConfig) -> int:
     from services.router.main import RouterConfig, run_router
     from services.rpc.auth import generate_token, write_token_file
 
+    if config.instances > 1:
+        from services.launch.instances import up_instances
+
+        return up_instances(config)
     resolve_model(config.model, progress=ConsoleProgress())  # a preset's first use: fetch and convert, with progress
     token = generate_token()
     cluster = LocalCluster(ClusterConfig(  # checks the layout and the GPU placement before anything is written

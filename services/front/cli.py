@@ -1,0 +1,97 @@
+"""`reconfigctl instances [list | drain NAME | undrain NAME]`: the front router's instances (`reconfig up
+--instances N`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from services.controller.client import EXIT_OK, EXIT_REFUSED, CommandFailed, Unreachable
+from services.launch.stackfile import StackFile, StackNotFoundError
+from services.rpc.auth import auth_metadata, read_token_file
+from services.rpc.reconfig.v1 import front_pb2, front_pb2_grpc
+
+_REFUSED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--front", default=os.environ.get("RECONFIG_FRONT"),
+                        help="the front router's gRPC host:port (default: $RECONFIG_FRONT, else the stack file)")
+    common.add_argument("--token-file", type=Path, default=os.environ.get("RECONFIG_TOKEN_FILE"),
+                        help="control-plane token file (default: $RECONFIG_TOKEN_FILE, else the stack file)")
+    common.add_argument("--timeout", type=float, default=60.0, help="seconds to wait [60]")
+    common.add_argument("--json", action="store_true", help="print the reply as JSON")
+    instances = commands.add_parser("instances", parents=[common],
+                                    help="the instances behind the front router (reconfig up --instances N)")
+    sub = instances.add_subparsers(dest="instances_command")
+    sub.add_parser("list", parents=[common], help="every instance: layout, state, requests, KV (the default)")
+    for name, text in (("drain", "move an instance's requests live onto a standby one and take it out of service"),
+                       ("undrain", "put a drained instance back in service")):
+        command = sub.add_parser(name, parents=[common], help=text)
+        command.add_argument("name", help="the instance (i0, i1, ...)")
+
+
+def _target(args: argparse.Namespace) -> tuple[str, str]:
+    front, token_file = args.front, args.token_file
+    if front is None or token_file is None:
+        try:
+            stack = StackFile.load()
+        except StackNotFoundError as exc:
+            raise Unreachable(f"{exc} (or pass --front and --token-file)") from None
+        if not stack.front_grpc_address and front is None:
+            raise Unreachable("the running stack has one instance and no front router (start it with "
+                              "`reconfig up --instances N`)")
+        front, token_file = front or stack.front_grpc_address, token_file or Path(stack.token_file)
+    try:
+        return front, read_token_file(token_file)
+    except (OSError, ValueError) as exc:
+        raise Unreachable(f"cannot read the control-plane token: {exc}") from None
+
+
+def format_instances(reply: front_pb2.ListInstancesResponse) -> str:
+    lines = [f"{'NAME':<6} {'STATE':<8} {'LAYOUT':<8} {'REQUESTS':>8} {'KV TOKENS':>16}  {'SLOT':<12} ROUTER"]
+    for i in reply.instances:
+        kv = f"{i.kv_tokens}/{i.capacity_tokens}"
+        lines.append(f"{i.name:<6} {i.state:<8} {i.topology:<8} {i.num_requests:>8} {kv:>16}  {i.slot or '-':<12} "
+                     f"{i.address}")
+    moves = ", ".join(f"{k} {v}" for k, v in sorted(reply.moves.items()))
+    lines.append(f"policy {reply.policy}; time-average instances in use {reply.time_average_instances:.2f}; "
+                 f"moves: {moves}; KV moved {reply.kv_bytes_moved / 2**20:.1f} MiB; "
+                 f"re-placed after a lost instance: {reply.num_replaced}")
+    return "\n".join(lines)
+
+
+def instances_command(args: argparse.Namespace) -> int:
+    try:
+        address, token = _target(args)
+        with grpc.insecure_channel(address) as channel:
+            stub = front_pb2_grpc.FrontStub(channel)
+            metadata = auth_metadata(token)
+            command = args.instances_command or "list"
+            if command == "list":
+                reply = stub.ListInstances(front_pb2.ListInstancesRequest(), timeout=args.timeout, metadata=metadata)
+                text = format_instances(reply)
+            else:
+                reply = stub.DrainInstance(front_pb2.DrainInstanceRequest(name=args.name, drain=command == "drain"),
+                                           timeout=args.timeout, metadata=metadata)
+                text = (f"{reply.instance.name}: {reply.instance.state}; moved {reply.num_moved} requests, "
+                        f"{reply.num_failed} could not move (they finish there)")
+    except grpc.RpcError as exc:
+        code = exc.code()
+        if code in _REFUSED:
+            print(f"reconfigctl instances: refused ({code.name}): {exc.details()}", file=sys.stderr)
+            return EXIT_REFUSED
+        print(f"reconfigctl instances: cannot reach the front router: {code.name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except CommandFailed as exc:
+        print(f"reconfigctl instances: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True), indent=2) if args.json else text)
+    return EXIT_OK

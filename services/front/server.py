@@ -1,0 +1,142 @@
+"""The front router process: the OpenAI HTTP API over the instances (services.router.api, unchanged) and the
+Front gRPC service (ListInstances, DrainInstance) that `reconfigctl instances` calls."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import structlog
+
+from services.front.engine import FrontEngine, FrontSettings, MoveRefused
+from services.front.instances import Instance
+from services.front.mover import MoveSettings
+from services.model.tokenizer import Tokenizer
+from services.router.api.server import DEFAULT_KEEP_ALIVE_S, HttpServer, bind_http_socket
+from services.router.kv_scheduler import POLICY_NAMES
+from services.rpc.auth import TokenAuthInterceptor, generate_token, protect_all
+from services.rpc.errors import ErrorInterceptor
+from services.rpc.reconfig.v1 import front_pb2, front_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class FrontConfig:
+    """Which instances the front router serves, where it listens, and how it places and moves requests."""
+
+    instance_addresses: tuple[str, ...]  # the instance routers' gRPC addresses; instance i is named i0, i1, ...
+    model_dir: str
+    model_name: str = ""
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 0
+    token: str | None = None             # control-plane token of the instances (and of the Front service)
+    api_key: str | None = None
+    policy: str = "mell"
+    interval_s: float = 0.05
+    migrate: bool = True
+    max_precopy_rounds: int = 3
+    http_keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
+    shutdown_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.instance_addresses:
+            raise ValueError("the front router needs at least one instance address")
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"policy must be one of {', '.join(POLICY_NAMES)}, not {self.policy!r}")
+        if not self.interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {self.interval_s}")
+
+
+def instance_status_pb(state: dict) -> front_pb2.InstanceStatus:
+    return front_pb2.InstanceStatus(**state)
+
+
+class FrontServicer(front_pb2_grpc.FrontServicer):
+    """Thin: the engine decides, this converts."""
+
+    def __init__(self, engine: FrontEngine) -> None:
+        self.engine = engine
+
+    async def ListInstances(self, request, context):  # noqa: N802
+        totals = self.engine.totals
+        return front_pb2.ListInstancesResponse(
+            instances=[instance_status_pb(s) for s in self.engine.instance_states()],
+            policy=self.engine.settings.policy, moves=totals.moves, kv_bytes_moved=totals.kv_bytes_moved,
+            time_average_instances=self.engine.time_average_instances(), num_replaced=totals.replaced)
+
+    async def DrainInstance(self, request, context):  # noqa: N802
+        try:
+            moved, failed, instance = await self.engine.drain_instance(request.name, request.drain)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no instance named {request.name!r}")
+        except MoveRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        state = next(s for s in self.engine.instance_states() if s["name"] == instance.name)
+        return front_pb2.DrainInstanceResponse(num_moved=moved, num_failed=failed,
+                                               instance=instance_status_pb(state))
+
+
+async def start_front_grpc(engine: FrontEngine, host: str, port: int, token: str | None
+                           ) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token or generate_token(), protect_all),
+                                           ErrorInterceptor()])
+    front_pb2_grpc.add_FrontServicer_to_server(FrontServicer(engine), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind the front gRPC server to {host}:{port}")
+    await server.start()
+    return server, bound
+
+
+def build_front(config: FrontConfig) -> FrontEngine:
+    instances = [Instance(f"i{index}", address, config.token)
+                 for index, address in enumerate(config.instance_addresses)]
+    settings = FrontSettings(policy=config.policy, interval_s=config.interval_s, migrate=config.migrate,
+                             move=MoveSettings(max_rounds=config.max_precopy_rounds))
+    model_dir = Path(config.model_dir)
+    return FrontEngine(instances, Tokenizer.from_dir(model_dir), config.model_name or model_dir.name, settings)
+
+
+async def serve_front(config: FrontConfig, on_ready: Callable[[dict], None] | None = None) -> None:
+    """Serve HTTP + the Front gRPC until SIGTERM/SIGINT; then drain and stop."""
+    from services.router.api.app import ApiConfig, create_app
+
+    engine = build_front(config)
+    await engine.start()
+    app = create_app(engine, ApiConfig(model_name=engine.model_name, api_key=config.api_key))
+    http_socket = bind_http_socket(config.host, config.http_port)
+    http = HttpServer(app, config.http_keep_alive_s, is_draining=lambda: engine.is_draining)
+    http_task = await http.start(http_socket)
+    grpc_server, grpc_port = await start_front_grpc(engine, config.host, config.grpc_port, config.token)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    ready = {"http_port": http_socket.getsockname()[1], "grpc_port": grpc_port}
+    log.info("front.serving", **ready, instances=len(config.instance_addresses), policy=config.policy)
+    if on_ready is not None:
+        on_ready(ready)
+    try:
+        await asyncio.wait([asyncio.ensure_future(stop.wait()), http_task], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        unfinished = await engine.drain(config.shutdown_grace_s)
+        http.should_exit = True
+        await grpc_server.stop(grace=2.0)
+        await engine.stop()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(http_task, 5)
+        log.info("front.stopped", unfinished=unfinished)
+
+
+def run_front(config: FrontConfig, ready=None) -> None:
+    """Process target (LocalCluster.spawn_service): serve and report readiness over `ready`."""
+    from services.launch.process import run_service
+
+    run_service("front", serve_front(config, on_ready=ready.send if ready else None), ready)
