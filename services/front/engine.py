@@ -51,6 +51,8 @@ class FrontSettings:
     max_concurrent_moves: int = 4
     move: MoveSettings = MoveSettings()
     migrate: bool = True               # false: place only, never move (the policy's moves are dropped)
+    queue_timeout_s: float = 300.0     # a request no instance can take waits this long for room, then 429
+    max_waiting: int = 1024            # requests waiting for room at once; more get 429 at once
 
 
 @dataclass(eq=False)
@@ -61,9 +63,21 @@ class _Route:
     wire: router_pb2.GenerateRequest   # what the instance runs (a re-placed request: prompt + outputs so far)
     seq: Sequence                      # the front's copy of its tokens (for the text stream)
     instance: Instance
-    call: object = None
+    call: object = None                # the call whose responses are read now
+    latest_call: object = None         # the call on `instance` (ahead of `call` while a move's source drains)
     moving: bool = False
-    handoff: asyncio.Future | None = None  # the target's call, once a move commits
+    # id(call) -> the call that continues it once its instance ends it with "migrated" (set by the move).
+    successors: dict[int, asyncio.Future] = field(default_factory=dict)
+
+    def start(self, instance: Instance) -> None:
+        """Run the request (its wire form) on `instance` from here."""
+        self.instance = instance
+        self.call = self.latest_call = instance.generate(self.wire)
+
+    def cancel(self) -> None:
+        """Abort it wherever it runs (a stop string ended it, or the client left)."""
+        for call in {id(c): c for c in (self.call, self.latest_call) if c is not None}.values():
+            call.cancel()
 
     @property
     def kv_tokens(self) -> int:
@@ -104,6 +118,8 @@ class FrontEngine:
         self._moves: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
         self._last_tick = time.monotonic()
+        self._room = asyncio.Event()  # set when a request left (room for one waiting to be placed)
+        self.num_waiting = 0
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -132,8 +148,7 @@ class FrontEngine:
         for task in list(self._moves):
             task.cancel()
         for route in list(self._routes.values()):
-            if route.call is not None:
-                route.call.cancel()
+            route.cancel()
         await asyncio.gather(*(instance.close() for instance in self.instances))
 
     @property
@@ -153,11 +168,11 @@ class FrontEngine:
         if request.request_id in self._routes:
             raise RequestError(f"request id {request.request_id!r} is already in use")
         route = _Route(request, request_to_pb(request), Sequence.from_request(request), self.instances[0])
-        route.instance = self._place(route)
+        route.instance = await self._place(route)
         stream = RequestStream(request, self.tokenizer)
         self._routes[request.request_id] = route
         try:
-            route.call = route.instance.generate(route.wire)
+            route.start(route.instance)
             while True:
                 response = await self._next_response(route)
                 if response is None:  # the instance was lost: placed again, read on
@@ -168,17 +183,39 @@ class FrontEngine:
                         return
         finally:
             self._routes.pop(request.request_id, None)
-            if route.call is not None:
-                route.call.cancel()  # a stop string ended it here, or the client left: abort it there
+            route.cancel()  # a stop string ended it here, or the client left: abort it there
             with contextlib.suppress(SchedulerError):
                 self.policy.depart(request.request_id)
+            self._room.set()
 
-    def _place(self, route: _Route) -> Instance:
+    async def _place(self, route: _Route) -> Instance:
+        """Where the policy puts the request; while no instance has room it waits (FIFO by wakeups) for a
+        request to leave, up to queue_timeout_s (then QueueFullError, HTTP 429)."""
+        request_id, kv_tokens = route.request.request_id, min(route.kv_tokens, self.policy.config.capacity)
+        deadline = time.monotonic() + self.settings.queue_timeout_s
+        waiting = False
         try:
-            slot = self.policy.allocate(route.request.request_id, min(route.kv_tokens, self.policy.config.capacity))
-        except SchedulerError as exc:
-            raise QueueFullError(f"no instance can take the request now: {exc}") from None
-        return self._bind(slot)
+            while True:
+                try:
+                    return self._bind(self.policy.allocate(request_id, kv_tokens))
+                except (SchedulerError, QueueFullError) as exc:
+                    with contextlib.suppress(SchedulerError):
+                        self.policy.depart(request_id)  # placed on a slot no instance can take: undo
+                    if not waiting and self.num_waiting >= self.settings.max_waiting:
+                        raise QueueFullError(f"{self.num_waiting} requests wait for room already") from None
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise QueueFullError(f"no instance had room within {self.settings.queue_timeout_s:g} s: "
+                                             f"{exc}") from None
+                    if not waiting:
+                        waiting, self.num_waiting = True, self.num_waiting + 1
+                    self._room.clear()
+                    waiter = asyncio.ensure_future(self._room.wait())
+                    await asyncio.wait([waiter], timeout=remaining)
+                    waiter.cancel()
+        finally:
+            if waiting:
+                self.num_waiting -= 1
 
     async def _next_response(self, route: _Route) -> router_pb2.GenerateResponse | None:
         """The next response of the request wherever it runs; None after a lost instance made it start again."""
@@ -193,7 +230,7 @@ class FrontEngine:
             await self._replace(route, "its stream ended without a finish")
             return None
         if response.finish_reason == MIGRATED:  # it moved: read on from the target
-            route.call = await route.handoff
+            route.call = await route.successors.pop(id(route.call))
             return None
         return response
 
@@ -224,8 +261,7 @@ class FrontEngine:
         route.wire = request_to_pb(route.request, tuple(seq.all_token_ids),
                                    route.request.max_tokens - len(seq.output_token_ids))
         route.wire.min_tokens = max(0, route.request.min_tokens - len(seq.output_token_ids))
-        route.instance = self._place(route)
-        route.call = route.instance.generate(route.wire)
+        route.start(await self._place(route))
         log.warning("front.request_replaced", request_id=route.request.request_id, lost=lost.name,
                     instance=route.instance.name, why=why, generated=len(seq.output_token_ids))
 
@@ -320,8 +356,14 @@ class FrontEngine:
         capacity = self.policy.config.capacity
         updates = [Request(rid, min(route.kv_tokens, capacity)) for rid, route in self._routes.items()
                    if rid in self.policy.cluster.location]
-        result = self.policy.step((), updates, ())
-        for migration in result.migrations:
+        try:
+            migrations = self.policy.step((), updates, ()).migrations
+        except SchedulerError:  # a growth no instance can take (every one in use): record the others one by one
+            for update in updates:
+                with contextlib.suppress(SchedulerError):
+                    self.policy.update(update.request_id, update.kv_tokens)
+            migrations = self.policy.drain_migrations()
+        for migration in migrations:
             route = self._routes.get(migration.request_id)
             if route is None or route.moving or not self.settings.migrate:
                 continue
@@ -339,26 +381,41 @@ class FrontEngine:
             task.add_done_callback(self._moves.discard)
         self._unbind_released()
 
+    async def move(self, request_id: str, target: Instance) -> MoveResult:
+        """Move a running request to `target` now (an operator's or a test's move; the policy's go through _tick).
+        KeyError: no such request here; MoveRefused: it is moving already, or runs on `target`."""
+        route = self._routes[request_id]
+        if route.moving or route.instance is target or not target.in_service:
+            raise MoveRefused(f"{request_id} is moving already, runs on {target.name}, or {target.name} is out of "
+                              "service")
+        route.moving = True
+        return await self._move(route, target)
+
     async def _move(self, route: _Route, target: Instance) -> MoveResult:
-        source = route.instance
-        route.handoff = asyncio.get_running_loop().create_future()
+        source, source_call = route.instance, route.latest_call
+        successor = route.successors[id(source_call)] = asyncio.get_running_loop().create_future()
         try:
             result = await move_request(route.wire, source, target, self.settings.move)
+        except BaseException:
+            route.successors.pop(id(source_call), None)
+            raise
         finally:
             route.moving = False
         if result.moved:
-            route.instance = target
-            route.handoff.set_result(result.call)
+            route.instance, route.latest_call = target, result.call
+            successor.set_result(result.call)
             self.totals.moves["moved"] += 1
             self.totals.kv_bytes_moved += result.kv_bytes_precopied + result.kv_bytes_delta
             self.totals.move_downtime_s += result.downtime_s
         else:
+            route.successors.pop(id(source_call), None)  # the source goes on: it never says "migrated"
             self.totals.moves["finished" if result.finished else "failed"] += 1
         return result
 
     # ---- reporting -----------------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        return EngineStats(num_running=len(self._routes), topology=",".join(i.topology for i in self.instances),
+        return EngineStats(num_running=len(self._routes), num_waiting=self.num_waiting,
+                           topology=",".join(i.topology for i in self.instances),
                            max_model_len=self.max_model_len,
                            extra={"instances_in_use": float(len(self.in_use())),
                                   "moves": float(self.totals.moves["moved"]),

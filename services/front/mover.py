@@ -71,8 +71,12 @@ async def move_request(request: router_pb2.GenerateRequest, source: Instance, ta
         copied = 0  # leading blocks of the request already copied
         reserved: list[int] = []
 
+        epoch = state.kv_epoch
+
         async def copy(table, upto: int, num_tokens: int) -> int:
-            nonlocal reserved, copied
+            nonlocal reserved, copied, epoch
+            if state.kv_epoch != epoch:  # preempted on the source since: what was copied is stale
+                copied, epoch = 0, state.kv_epoch
             if len(reserved) < upto:
                 grown = await target.migrate_in(IN(request_id=request_id, action=IN.RESERVE, request=request,
                                                    num_tokens=min(limit, max(num_tokens, upto * block_size))))

@@ -177,7 +177,8 @@ class Engine:
                 self.scheduler.abort(request.request_id)
                 stream.finish("abort")
                 self._wakeup.set()
-            self._streams.pop(request.request_id, None)
+            if self._streams.get(request.request_id) is stream:  # not a later stream of the same id (moved back)
+                del self._streams[request.request_id]
             if not self._streams:
                 self._no_streams.set()
 

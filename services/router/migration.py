@@ -45,6 +45,7 @@ class RequestKV:
     num_computed_tokens: int           # tokens whose KV is in the blocks
     output_token_ids: tuple[int, ...]  # what it generated so far
     finished: bool = False             # it finished before it could stop
+    kv_epoch: int = 0                  # its prefills so far: a preemption drops the KV and changes it
 
     def full_blocks(self, block_size: int) -> tuple[int, ...]:
         """The blocks no later step changes (full of cached tokens): what a pre-copy round may copy."""
@@ -189,4 +190,4 @@ class InstanceMigrations:
 
 def _state(seq: Sequence, finished: bool = False) -> RequestKV:
     return RequestKV(tuple(seq.block_ids), seq.num_computed_tokens, tuple(seq.output_token_ids),
-                     finished or seq.is_finished)
+                     finished or seq.is_finished, seq.num_prefills)

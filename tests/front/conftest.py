@@ -28,13 +28,23 @@ def front_checkpoint(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("front") / "llama-front", "llama", seed=7)
 
 
+@contextlib.contextmanager
+def start_clusters(checkpoint, layouts=LAYOUTS, faults: tuple[str, ...] = ("", "", ""), kv_cache_bytes=1 << 20):
+    """A LocalCluster per instance; the first one's weight store serves them all (as `reconfig up --instances`)."""
+    with contextlib.ExitStack() as stack:
+        clusters: list[LocalCluster] = []
+        for (topology, workers), fault in zip(layouts, faults):
+            clusters.append(stack.enter_context(LocalCluster(ClusterConfig(
+                model=str(checkpoint), num_workers=workers, topology=topology, kv_cache_bytes=kv_cache_bytes,
+                block_size=4, candidate_topologies=(topology,), num_threads=1, faults=fault,
+                weightstore_address=clusters[0].weightstore_address if clusters else ""))))
+        yield clusters
+
+
 @pytest.fixture(scope="module")
 def front_clusters(front_checkpoint):
-    with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(LocalCluster(ClusterConfig(
-            model=str(front_checkpoint), num_workers=workers, topology=topology, kv_cache_bytes=1 << 20,
-            block_size=4, candidate_topologies=(topology,), num_threads=1)))
-            for topology, workers in LAYOUTS]
+    with start_clusters(front_checkpoint) as clusters:
+        yield clusters
 
 
 @dataclass
@@ -42,6 +52,7 @@ class Instances:
     engines: list[Engine]
     instances: list[Instance]
     model_dir: str
+    servers: list = None
 
 
 @contextlib.asynccontextmanager
@@ -56,7 +67,7 @@ async def open_instances(clusters: list[LocalCluster]):
             server, port = await start_router_grpc(engine, "127.0.0.1", 0, TOKEN)
             servers.append(server)
             instances.append(Instance(name, f"127.0.0.1:{port}", TOKEN))
-        yield Instances(engines, instances, str(clusters[0].model_dir))
+        yield Instances(engines, instances, str(clusters[0].model_dir), servers)
     finally:
         for server in servers:
             await server.stop(0)

@@ -12,15 +12,17 @@ from tests.front.conftest import open_front
 pytestmark = pytest.mark.asyncio
 
 PROMPTS = [[5, 9, 2, 7, 1], list(range(3, 16)), [(7 * i) % 97 + 3 for i in range(30)], list(range(40, 87))]
-MAX_TOKENS = 40
+MAX_TOKENS = 160  # far past the last move: a move never races the end of its request
 
 
-def _request(request_id: str, prompt: list[int]) -> GenerationRequest:
-    return GenerationRequest(request_id, tuple(prompt), MAX_TOKENS)  # greedy, no stop token: all 40 tokens
+def _request(request_id: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> GenerationRequest:
+    return GenerationRequest(request_id, tuple(prompt), max_tokens)  # greedy, no stop token: all max_tokens
 
 
-async def _reference(engine, prompt: list[int], request_id: str) -> list[int]:
-    return [t for delta in [d async for d in engine.generate(_request(request_id, prompt))] for t in delta.token_ids]
+async def _reference(engine, prompt: list[int], request_id: str, max_tokens: int = MAX_TOKENS) -> list[int]:
+    """The tokens of an unmoved run, straight on an instance's engine."""
+    request = _request(request_id, prompt, max_tokens)
+    return [t for delta in [d async for d in engine.generate(request)] for t in delta.token_ids]
 
 
 async def _run_with_moves(front, request: GenerationRequest, hops: list[tuple[int, object]]):
@@ -30,7 +32,7 @@ async def _run_with_moves(front, request: GenerationRequest, hops: list[tuple[in
         tokens.extend(delta.token_ids)
         while hops and len(tokens) >= hops[0][0]:
             _, target = hops.pop(0)
-            results.append(await front._move(front._routes[request.request_id], target))
+            results.append(await front.move(request.request_id, target))
     return tokens, results
 
 

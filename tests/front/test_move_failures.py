@@ -1,0 +1,70 @@
+"""Moves that fail leave the request running on its source; an instance that dies loses only its requests' KV
+(they are placed again and finish); the front router lives on."""
+
+from __future__ import annotations
+
+import pytest
+import pytest_asyncio
+
+from services.front.mover import MoveSettings
+from services.router.contracts import GenerationRequest
+from tests.front.conftest import open_front, open_instances, start_clusters
+from tests.front.test_live_moves import PROMPTS, _reference, _request, _run_with_moves
+
+pytestmark = pytest.mark.asyncio
+
+# Instance c's second worker fails every KV import: every move to c fails, at the first pull.
+FAULTS = ("", "", "rpc:method=ImportKV:rank=1:action=raise")
+
+
+@pytest.fixture(scope="module")
+def failing_clusters(front_checkpoint):
+    with start_clusters(front_checkpoint, faults=FAULTS) as clusters:
+        yield clusters
+
+
+@pytest_asyncio.fixture
+async def failing(failing_clusters):
+    async with open_instances(failing_clusters) as opened:
+        yield opened
+
+
+async def test_a_failed_move_leaves_the_request_running_on_its_source(failing):
+    """One move fails in its pre-copy (serving never stopped), one after the stop (its delta): both requests go on
+    on instance a and end with the unmoved tokens; c keeps no block; a keeps nothing parked."""
+    a, b, c = failing.instances
+    reference = [await _reference(failing.engines[0], p, f"ref-{i}") for i, p in enumerate(PROMPTS[:2])]
+    async with open_front(failing, migrate=False) as front:
+        tokens0, results0 = await _run_with_moves(front, _request("pre", PROMPTS[0]), [(8, c)])
+        front.settings = type(front.settings)(migrate=False, move=MoveSettings(max_rounds=0))  # straight to stop
+        tokens1, results1 = await _run_with_moves(front, _request("post", PROMPTS[1]), [(8, c)])
+        assert front.totals.moves == {"moved": 0, "failed": 2, "finished": 0}
+    assert (tokens0, tokens1) == tuple(reference)
+    assert not results0[0].moved and results0[0].rounds == 0 and "ImportKV" in results0[0].error
+    assert not results1[0].moved and results1[0].downtime_s == 0
+    c_engine = failing.engines[2]
+    assert c_engine.scheduler.block_manager.num_used == 0 and not c_engine.scheduler.parked
+    assert failing.engines[0].num_full_prefills == 4  # 2 references + 2 live: none re-prefilled
+    assert failing.engines[0].migrations.num_out == 0
+
+
+async def test_a_lost_instance_loses_only_its_requests_kv(failing):
+    """Instance b's router goes away mid-generation: its request is placed again on another instance with its
+    prompt and what it generated, and ends with the tokens of an unmoved run; a request on a never noticed."""
+    a, b, c = failing.instances
+    prompts = PROMPTS[2:]
+    reference = [await _reference(failing.engines[0], p, f"ref-{i}") for i, p in enumerate(prompts)]
+    async with open_front(failing, migrate=False) as front:
+        tokens, streams = {}, {}
+        for i, prompt in enumerate(prompts):
+            streams[i] = front.generate(_request(f"loss-{i}", prompt))
+            tokens[i] = list((await anext(streams[i])).token_ids)
+        assert (await front.move("loss-1", b)).moved  # loss-1 runs on b now
+        assert front._routes["loss-1"].instance is b
+        await failing.servers[1].stop(0)  # b's router is gone (its workers' KV with it, for the front)
+        for i in tokens:
+            async for delta in streams[i]:
+                tokens[i].extend(delta.token_ids)
+        assert [tokens[0], tokens[1]] == reference
+        assert front.totals.replaced == 1 and not b.is_up
+        assert front.is_ready  # the front router lives on over a and c

@@ -1,0 +1,129 @@
+"""Moving requests between two schedulers (instances): park on the source, reserve and adopt on the target, with
+the paged fake workers of test_scheduler carrying the KV; every token equals the unmoved run's."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.router.block_manager import num_blocks_for
+from services.router.contracts import QueueFullError, RequestError
+from services.router.scheduler import Scheduler
+from services.router.sequence import Sequence, SequenceStatus
+from tests.router.test_scheduler import PagedWorkers, expected_output, make_scheduler, prompt_of, seq_of
+
+
+def _copy_kv(source: PagedWorkers, target: PagedWorkers, src_ids: list[int], dst_ids: list[int]) -> None:
+    for src, dst in zip(src_ids, dst_ids):
+        target.cache[dst] = list(source.cache[src])
+
+
+def _move(a: Scheduler, wa: PagedWorkers, b: Scheduler, wb: PagedWorkers, request_id: str) -> Sequence:
+    """What services.router.migration and the front's mover do, at the scheduler level."""
+    seq = a.get(request_id)
+    assert a.park(request_id)  # between steps here
+    template = Sequence(request_id, list(seq.prompt_token_ids), seq.max_tokens, seq.sampling, seq.stop_token_ids)
+    dst = b.reserve(template, seq.num_computed_tokens)
+    needed = num_blocks_for(seq.num_computed_tokens, a.block_manager.block_size)
+    _copy_kv(wa, wb, seq.block_ids[:needed], dst[:needed])
+    moved = b.adopt(request_id, list(seq.output_token_ids), seq.num_computed_tokens)
+    a.finish(request_id, SequenceStatus.FINISHED_ABORTED)  # the commit frees it on the source
+    return moved
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 23), st.integers(1, 20)), min_size=1, max_size=6),
+       st.lists(st.integers(0, 40), max_size=12), st.integers(2, 6))
+def test_moved_requests_finish_with_their_unmoved_tokens(requests, move_at, block_size):
+    """Requests decode on two schedulers; at random steps one decoding request moves to the other instance
+    (either way). Outputs equal the unmoved run, no request re-prefills, every block comes back."""
+    schedulers = [make_scheduler(num_blocks=256, block_size=block_size) for _ in range(2)]  # no preemption
+    workers = [PagedWorkers(s.block_manager) for s in schedulers]
+    for i, (length, max_tokens) in enumerate(requests):
+        schedulers[0].add(seq_of(f"r{i}", prompt_of(i, length), max_tokens))
+    outputs: dict[str, list[int]] = {}
+    where = {f"r{i}": 0 for i in range(len(requests))}
+    moves = sorted(move_at)
+    for step in range(2000):
+        if not any(s.has_unfinished for s in schedulers):
+            break
+        while moves and moves[0] <= step:
+            moves.pop(0)
+            decoding = sorted(r for r, at in where.items()
+                              if (seq := schedulers[at].get(r)) is not None and seq in schedulers[at].running
+                              and not seq.is_prefill)
+            if decoding:
+                request_id = decoding[step % len(decoding)]
+                source = where[request_id]
+                _move(schedulers[source], workers[source], schedulers[1 - source], workers[1 - source], request_id)
+                where[request_id] = 1 - source
+        for scheduler, worker in zip(schedulers, workers):
+            batch = scheduler.schedule()
+            if batch is not None:
+                for update in scheduler.on_batch_done(batch, worker.run(batch)):
+                    if update.finished:
+                        outputs[update.seq.request_id] = list(update.seq.output_token_ids)
+    for i, (length, max_tokens) in enumerate(requests):
+        assert outputs[f"r{i}"] == expected_output(prompt_of(i, length), max_tokens)
+    for scheduler in schedulers:
+        assert scheduler.block_manager.num_used == 0 and not scheduler.parked
+        assert scheduler.num_preemptions == 0
+
+
+def test_park_waits_for_the_step_in_flight_and_unpark_puts_it_back():
+    scheduler = make_scheduler(block_size=4)
+    worker = PagedWorkers(scheduler.block_manager)
+    scheduler.add(seq_of("a", prompt_of(0, 5), 10))
+    batch = scheduler.schedule()  # the prefill
+    with pytest.raises(ValueError, match="not a decoding"):
+        scheduler.park("a")  # still prefilling
+    scheduler.on_batch_done(batch, worker.run(batch))
+    batch = scheduler.schedule()  # a decode in flight
+    assert scheduler.park("a") is False  # parks when the step returns
+    assert scheduler.schedule() is None  # not scheduled meanwhile
+    scheduler.on_batch_done(batch, worker.run(batch))
+    assert "a" in scheduler.parked and scheduler.schedule() is None
+    with pytest.raises(KeyError):
+        scheduler.park("nope")
+    scheduler.unpark("a")
+    while scheduler.has_unfinished:
+        batch = scheduler.schedule()
+        updates = scheduler.on_batch_done(batch, worker.run(batch))
+    assert list(updates[0].seq.output_token_ids) == expected_output(prompt_of(0, 5), 10)
+
+
+def test_reserve_refuses_what_cannot_run_and_grows_on_a_second_call():
+    scheduler = make_scheduler(num_blocks=6, block_size=4, max_model_len=40)
+    with pytest.raises(RequestError, match="cannot be the KV"):
+        scheduler.reserve(seq_of("a", prompt_of(0, 5), 3), 8)  # more tokens than the request ever has
+    with pytest.raises(RequestError, match="context"):
+        scheduler.reserve(seq_of("b", prompt_of(0, 30), 20), 31)
+    ids = scheduler.reserve(seq_of("c", prompt_of(0, 5), 30), 6)
+    assert len(ids) == 2 and scheduler.is_moving_in("c")
+    grown = scheduler.reserve(seq_of("c", prompt_of(0, 5), 30), 13)
+    assert grown[:2] == ids and len(grown) == 4
+    with pytest.raises(QueueFullError):
+        scheduler.reserve(seq_of("c", prompt_of(0, 5), 30), 34)  # 9 blocks of 6
+    with pytest.raises(RequestError, match="do not fit"):
+        scheduler.adopt("c", [1, 2, 3], 6)  # 5 + 3 tokens: 7 cached, not 6
+    with pytest.raises(KeyError):
+        scheduler.adopt("d", [1], 5)
+    scheduler.adopt("c", [1, 2, 3, 4, 5, 6, 7, 8], 12)  # trims the reservation to the KV that came
+    assert len(scheduler.get("c").block_ids) == 3 and scheduler.block_manager.num_used == 3
+
+
+def test_a_layout_change_cancels_moves_in_progress():
+    """Rebind (a switch) ends every move: a parked request runs here again, a reservation is given back."""
+    scheduler = make_scheduler(num_blocks=16, block_size=4)
+    worker = PagedWorkers(scheduler.block_manager)
+    scheduler.add(seq_of("out", prompt_of(0, 5), 10))
+    for _ in range(2):
+        batch = scheduler.schedule()
+        scheduler.on_batch_done(batch, worker.run(batch))
+    assert scheduler.park("out")
+    scheduler.reserve(seq_of("in", prompt_of(1, 5), 10), 6)
+    scheduler.freeze()
+    scheduler.rebind(16)
+    assert not scheduler.parked and scheduler.get("in") is None and scheduler.get("out") in scheduler.running
+    assert scheduler.block_manager.num_used == len(scheduler.get("out").block_ids)
