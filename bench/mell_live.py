@@ -246,7 +246,7 @@ def _count_decisions(front, decided: Counter, step_errors: Counter) -> None:
         try:
             return step(*args)
         except Exception as exc:
-            step_errors[f"{type(exc).__name__}: {re.sub(r'[0-9]+', 'N', str(exc))}"] += 1
+            step_errors[type(exc).__name__ + ": " + re.sub(r"\d+", "N", str(exc))] += 1
             raise
 
     def counting_drain():

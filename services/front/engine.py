@@ -86,7 +86,9 @@ class _Route:
 
 @dataclass(slots=True)
 class FrontTotals:
-    moves: dict[str, int] = field(default_factory=lambda: {"moved": 0, "failed": 0, "finished": 0})
+    # moved; failed (it goes on at its source); finished (it ended first); dropped (the policy's move was not
+    # started: the request was not decoding yet, was moving already, or too many moves were under way)
+    moves: dict[str, int] = field(default_factory=lambda: {"moved": 0, "failed": 0, "finished": 0, "dropped": 0})
     kv_bytes_moved: int = 0
     move_downtime_s: float = 0.0
     replaced: int = 0                  # requests placed again after their instance died
@@ -129,6 +131,7 @@ class FrontEngine:
         self.max_model_len = min(s.max_model_len for s in stats)
         self.policy = make_policy(self.settings.policy, KVSchedulerConfig(capacity=capacity,
                                                                           max_instances=len(self.instances)))
+        self._last_tick = time.monotonic()  # the time-average counts from here
         self._task = asyncio.create_task(self._policy_loop(), name="front-policy")
         log.info("front.ready", instances=[f"{i.name}={i.address} {i.topology}" for i in self.instances],
                  policy=self.settings.policy, capacity_tokens=capacity)
@@ -191,7 +194,7 @@ class FrontEngine:
     async def _place(self, route: _Route) -> Instance:
         """Where the policy puts the request; while no instance has room it waits (FIFO by wakeups) for a
         request to leave, up to queue_timeout_s (then QueueFullError, HTTP 429)."""
-        request_id, kv_tokens = route.request.request_id, min(route.kv_tokens, self.policy.config.capacity)
+        request_id, kv_tokens = route.request.request_id, self._policy_tokens(route)
         deadline = time.monotonic() + self.settings.queue_timeout_s
         waiting = False
         try:
@@ -353,8 +356,7 @@ class FrontEngine:
         elapsed, self._last_tick = now - self._last_tick, now
         self.totals.instance_seconds += elapsed * len(self.in_use())
         self.totals.seconds += elapsed
-        capacity = self.policy.config.capacity
-        updates = [Request(rid, min(route.kv_tokens, capacity)) for rid, route in self._routes.items()
+        updates = [Request(rid, self._policy_tokens(route)) for rid, route in self._routes.items()
                    if rid in self.policy.cluster.location]
         try:
             migrations = self.policy.step((), updates, ()).migrations
@@ -365,18 +367,21 @@ class FrontEngine:
             migrations = self.policy.drain_migrations()
         for migration in migrations:
             route = self._routes.get(migration.request_id)
-            if route is None or route.moving or not self.settings.migrate:
-                continue
-            if len(self._moves) >= self.settings.max_concurrent_moves:
-                break
-            try:
+            if route is None:
+                continue  # it left; the policy hears of it from generate()
+            target = self._slots.get(migration.destination)
+            if target is None and self._standby():
                 target = self._bind(migration.destination)
-            except QueueFullError:
-                continue
             if target is route.instance:
+                continue  # the policy now has it where it runs
+            # Only a decoding request moves (the front's copy of it has a token), one move at a time per request.
+            if (target is None or route.moving or not self.settings.migrate or not route.seq.output_token_ids
+                    or len(self._moves) >= self.settings.max_concurrent_moves):
+                self._pin(migration.request_id, migration.source)
+                self.totals.moves["dropped"] += 1
                 continue
             route.moving = True
-            task = asyncio.create_task(self._move(route, target))
+            task = asyncio.create_task(self._move(route, target, migration.source))
             self._moves.add(task)
             task.add_done_callback(self._moves.discard)
         self._unbind_released()
@@ -391,7 +396,9 @@ class FrontEngine:
         route.moving = True
         return await self._move(route, target)
 
-    async def _move(self, route: _Route, target: Instance) -> MoveResult:
+    async def _move(self, route: _Route, target: Instance, policy_source: str | None = None) -> MoveResult:
+        """Move the request; keep the policy's view true: a policy move that failed is pinned back on its
+        source slot (`policy_source`), an operator's move that worked onto the target's slot."""
         source, source_call = route.instance, route.latest_call
         successor = route.successors[id(source_call)] = asyncio.get_running_loop().create_future()
         try:
@@ -401,16 +408,37 @@ class FrontEngine:
             raise
         finally:
             route.moving = False
+        request_id = route.request.request_id
         if result.moved:
             route.instance, route.latest_call = target, result.call
             successor.set_result(result.call)
+            if policy_source is None:
+                slot = next((s for s, i in self._slots.items() if i is target), None)
+                slot = self._pin(request_id, slot)
+                if slot is not None:
+                    self._slots.setdefault(slot, target)
             self.totals.moves["moved"] += 1
             self.totals.kv_bytes_moved += result.kv_bytes_precopied + result.kv_bytes_delta
             self.totals.move_downtime_s += result.downtime_s
         else:
             route.successors.pop(id(source_call), None)  # the source goes on: it never says "migrated"
             self.totals.moves["finished" if result.finished else "failed"] += 1
+            if policy_source is not None:
+                self._pin(request_id, policy_source)
         return result
+
+    def _pin(self, request_id: str, slot: str | None) -> str | None:
+        """Tell the policy where a request really is (None: on a new slot); None when it has left."""
+        try:
+            return self.policy.pin(request_id, slot)
+        except SchedulerError:
+            return None
+
+    def _policy_tokens(self, route: _Route) -> int:
+        """The KV an instance holds for the request: whole blocks, with room for its next token."""
+        block_size = self.instances[0].block_size or 1
+        tokens = -(-(route.kv_tokens + 1) // block_size) * block_size
+        return min(tokens, self.policy.config.capacity)
 
     # ---- reporting -----------------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

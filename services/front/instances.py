@@ -44,9 +44,13 @@ class Instance:
 
     async def connect(self, timeout_s: float = 30.0) -> None:
         """Open the channel and read the instance's capacity and layout (waits for it to answer)."""
+        self.open()
+        await self.refresh(timeout_s)
+
+    def open(self) -> None:
+        """Open the channel (nothing is sent yet)."""
         self.channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
-        await self.refresh(timeout_s)
 
     async def refresh(self, timeout_s: float = 10.0) -> router_pb2.RouterStats:
         """Stats, and the capacity and layout they give (a switch changes both)."""

@@ -54,6 +54,19 @@ class _Failed(Exception):
     pass
 
 
+class _Finished(_Failed):
+    """The source no longer has the request: it ended before the front read its end."""
+
+
+async def _source_state(source: Instance, request_id: str, action: int, timeout_s: float = 30.0):
+    try:
+        return await source.migrate_out(request_id, action, timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() is grpc.StatusCode.NOT_FOUND:
+            raise _Finished(exc.details()) from None
+        raise
+
+
 async def move_request(request: router_pb2.GenerateRequest, source: Instance, target: Instance,
                        settings: MoveSettings = MoveSettings()) -> MoveResult:
     """Move `request` (as the source runs it) from `source` to `target`; never raises for a failed move."""
@@ -67,7 +80,7 @@ async def move_request(request: router_pb2.GenerateRequest, source: Instance, ta
             raise _Failed(f"block sizes differ ({source.block_size} vs {target.block_size})")
         block_size = source.block_size
         limit = len(request.prompt_token_ids) + request.max_tokens - 1  # the most KV the request ever holds
-        state = await source.migrate_out(request_id, OUT.EXPORT)
+        state = await _source_state(source, request_id, OUT.EXPORT)
         copied = 0  # leading blocks of the request already copied
         reserved: list[int] = []
 
@@ -97,13 +110,12 @@ async def move_request(request: router_pb2.GenerateRequest, source: Instance, ta
             result.kv_bytes_precopied += await copy(list(state.block_table), full,
                                                     state.num_computed_tokens + 2 * block_size)
             result.rounds += 1
-            state = await source.migrate_out(request_id, OUT.EXPORT)
+            state = await _source_state(source, request_id, OUT.EXPORT)
         stop_at = time.perf_counter()
-        state = await source.migrate_out(request_id, OUT.STOP, settings.stop_timeout_s)
+        state = await _source_state(source, request_id, OUT.STOP, settings.stop_timeout_s)
         stopped = not state.finished
         if state.finished:
-            result.finished = True
-            raise _Failed("it finished on the source first")
+            raise _Finished("it finished on the source first")
         needed = num_blocks_for(state.num_computed_tokens, block_size)
         result.kv_bytes_delta = await copy(list(state.block_table), needed, state.num_computed_tokens)
         resumed = router_pb2.GenerateRequest()
@@ -119,6 +131,7 @@ async def move_request(request: router_pb2.GenerateRequest, source: Instance, ta
         result.moved, result.call = True, call
     except (_Failed, grpc.aio.AioRpcError) as exc:
         result.error = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+        result.finished = result.finished or isinstance(exc, _Finished)
         if call is not None:
             call.cancel()  # the target aborts it there and frees its blocks
         await _quietly(target.migrate_in(IN(request_id=request_id, action=IN.RELEASE)))

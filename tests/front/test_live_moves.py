@@ -57,3 +57,43 @@ async def test_moves_between_layouts_keep_every_token(instances):
     for engine in instances.engines:  # every block came back
         assert engine.scheduler.block_manager.num_used == 0
         assert not engine.scheduler.parked
+
+
+async def test_migration_rpcs_refuse_with_precise_codes(instances):
+    """Unknown requests, unreserved pulls, a migrated Generate without the control-plane token, a request that is
+    still prefilling: each gets its gRPC code, and nothing changes."""
+    import grpc
+
+    from services.front.instances import Instance, request_to_pb
+    from services.rpc.reconfig.v1 import router_pb2
+
+    a = instances.instances[0]
+    await a.connect()
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await a.migrate_out("nobody", router_pb2.MigrateOutRequest.EXPORT)
+        assert error.value.code() is grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await a.migrate_in(router_pb2.MigrateInRequest(request_id="nobody", action=router_pb2.MigrateInRequest.PULL))
+        assert error.value.code() is grpc.StatusCode.NOT_FOUND
+        wire = request_to_pb(_request("x", PROMPTS[0]))
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await a.migrate_in(router_pb2.MigrateInRequest(request_id="x", action=router_pb2.MigrateInRequest.RESERVE,
+                                                           request=wire, num_tokens=500))
+        assert error.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # more KV than the request can have
+        anonymous = Instance("anonymous", a.address)  # no token
+        anonymous.open()
+        wire.migrated.num_computed_tokens = 5
+        wire.migrated.output_token_ids[:] = [1]
+        call = anonymous.generate(wire)
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await call.read()
+        assert error.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        call = a.generate(wire)  # with the token, but nothing reserved under its id
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await call.read()
+        assert error.value.code() is grpc.StatusCode.NOT_FOUND
+        await anonymous.close()
+    finally:
+        await a.close()
+    assert instances.engines[0].scheduler.block_manager.num_used == 0

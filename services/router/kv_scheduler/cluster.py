@@ -16,6 +16,14 @@ def instance_name(index: int) -> str:
     return f"instance-{index}"
 
 
+def instance_index(instance_id: str) -> int:
+    """The slot of a public instance id (ValueError for one this module did not make)."""
+    prefix, _, number = instance_id.rpartition("-")
+    if prefix != "instance" or not number.isdigit():
+        raise ValueError(f"not an instance id: {instance_id!r}")
+    return int(number)
+
+
 def group_items(requests: list[tuple[str, int]], capacity: int) -> list[Unit]:
     """Requests leaving one instance as items: each above C/8 alone, tiny ones in multi-items up to C/4.
 
@@ -69,6 +77,23 @@ class Cluster:
         self.members[index] = {}
         self.class_counts[index] = [0] * len(SizeClass)
         return index
+
+    def reopen(self, index: int) -> None:
+        """Open the released slot `index` again (a request the caller could not move is still there)."""
+        if index in self.loads:
+            return
+        if self.config.max_instances is not None and len(self.loads) >= self.config.max_instances:
+            raise SchedulerError(f"all {self.config.max_instances} instances are in use")
+        if index in self._free_slots:
+            self._free_slots.remove(index)
+            heapq.heapify(self._free_slots)
+        elif index >= self._next_slot:
+            self._free_slots.extend(range(self._next_slot, index))
+            heapq.heapify(self._free_slots)
+            self._next_slot = index + 1
+        self.loads[index] = 0
+        self.members[index] = {}
+        self.class_counts[index] = [0] * len(SizeClass)
 
     def _release_if_empty(self, index: int) -> None:
         if not self.members[index]:

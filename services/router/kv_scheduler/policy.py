@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
-from services.router.kv_scheduler.cluster import Cluster, instance_name
+from services.router.kv_scheduler.cluster import Cluster, instance_index, instance_name
 from services.router.kv_scheduler.types import (
     InstanceState, KVSchedulerConfig, Migration, Placement, Request, SchedulerError, StepResult,
 )
@@ -95,6 +95,20 @@ class BasePolicy:
     def drain_migrations(self) -> list[Migration]:
         """Moves decided since the last call, redundant ones cancelled, at most one per request."""
         return self.cluster.drain()
+
+    def pin(self, request_id: str, instance_id: str | None) -> str:
+        """Record where a request really is, with no migration: a move the caller could not carry out (it is still
+        on the move's source), or one made outside the policy (an operator's). `instance_id` None: a new instance.
+        Its slot is opened again if it had been released. Returns the request's instance id. The invariants may
+        not hold afterwards; later operations repair them."""
+        if request_id not in self.cluster.location:
+            raise SchedulerError(f"unknown request {request_id!r}")
+        index = self.cluster.open() if instance_id is None else instance_index(instance_id)
+        if index != self.cluster.location[request_id]:
+            self.cluster.reopen(index)
+            self.cluster.move((request_id,), index, "pin")
+            self.cluster.forget_moves((request_id,))
+        return instance_name(index)
 
     def instances(self) -> Mapping[str, InstanceState]:
         """Instances in use (idle ones are released at once)."""

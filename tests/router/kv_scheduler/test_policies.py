@@ -155,3 +155,27 @@ def test_a_chain_of_moves_becomes_one_move():
     policy.update("c", 55)  # b: instance-1 -> instance-2
     [migration] = policy.drain_migrations()
     assert (migration.request_id, migration.source, migration.destination) == ("b", "instance-0", "instance-2")
+
+
+@pytest.mark.parametrize("name", ["mell", "bf", "wf", "lb"])
+def test_pin_records_a_move_that_did_not_happen_and_one_made_outside(name):
+    """A migration the caller could not carry out is pinned back onto its source (reopened if the move released
+    it), with no migration logged; an operator's move onto a new instance is pinned there; the policy goes on."""
+    policy = make_policy(name, KVSchedulerConfig(capacity=100))
+    policy.allocate("a", 30)
+    source = policy.allocate("b", 30)
+    policy.update("b", 95)  # b outgrows its instance: the policy moves a request off it
+    moves = policy.drain_migrations()
+    for move in moves:  # none happened: both are still where they were
+        assert policy.pin(move.request_id, move.source) == move.source
+    assert all(policy.cluster.location[r] == policy.cluster.location["a"] for r in "ab") or not moves
+    assert policy.drain_migrations() == []
+    moved_to = policy.pin("a", None)  # an operator moved it to an instance of its own
+    assert moved_to != source and policy.instances()[moved_to].requests == {"a": 30}
+    assert policy.drain_migrations() == []
+    policy.update("a", 40)
+    policy.depart("a")
+    policy.depart("b")
+    assert policy.instances() == {}
+    with pytest.raises(SchedulerError):
+        policy.pin("a", source)

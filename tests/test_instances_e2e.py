@@ -1,0 +1,96 @@
+"""End to end: `reconfig up --instances 2` (two instances of different layouts behind the front router) serves the
+official openai client with transformers' tokens, `reconfigctl instances` lists and drains, SIGTERM stops all."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import hf_greedy, make_checkpoint, process_running
+from tests.test_up_e2e import _client, _tokenizer, _wait_ready
+
+pytestmark = pytest.mark.multiprocess
+NUM_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("instances") / "llama-instances", "llama", seed=11)
+
+
+@pytest.fixture(scope="module")
+def stack(checkpoint, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    # Steps 40x slower than this tiny model's: a stream is still running when the test drains its instance.
+    env = {**os.environ, "RECONFIG_RUN_DIR": str(run_dir), "RECONFIG_FAULTS": "forward:slow=40"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--model", str(checkpoint), "--instances", "2", "--workers", "2",
+         "--instance-topologies", "tp1pp2,tp2pp1", "--http-port", "0", "--front-grpc-port", "0",
+         "--kv-cache-mb", "4", "--block-size", "4"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stack_file = run_dir / "stack.json"
+    deadline = time.monotonic() + 120
+    while not stack_file.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"reconfig up --instances did not start: {process.communicate()[1][-3000:]}")
+        time.sleep(0.2)
+    info = json.loads(stack_file.read_text())
+    _wait_ready(info["router_http_address"])
+    yield process, info, env
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+
+
+def _reconfigctl(env, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.controller.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_front_serves_transformers_tokens_and_drains_live(stack, checkpoint):
+    _, info, env = stack
+    assert [i["topology"] for i in info["instances"]] == ["tp1pp2", "tp2pp1"]
+    client = _client(info)
+    model = client.models.list().data[0].id
+    prompt = [1, 17, 40, 2, 99, 64, 5]
+    expected, _ = hf_greedy(checkpoint, [prompt], NUM_TOKENS)
+    response = client.completions.create(model=model, prompt=prompt, max_tokens=NUM_TOKENS, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert response.choices[0].text == _tokenizer(checkpoint).decode(expected[0])
+    listed = json.loads(_reconfigctl(env, "instances", "--json").stdout)
+    assert [i["name"] for i in listed["instances"]] == ["i0", "i1"] and listed["policy"] == "mell"
+    # A stream in flight while its instance is drained: it moves live to the other layout and ends the same.
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=NUM_TOKENS, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    text = next(chunks).choices[0].text
+    listed = json.loads(_reconfigctl(env, "instances", "--json").stdout)
+    busy = next((i["name"] for i in listed["instances"] if i.get("state") == "in_use"), listed)
+    drained = _reconfigctl(env, "instances", "drain", busy)
+    assert drained.returncode == 0, drained.stderr
+    text += "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+    assert text == _tokenizer(checkpoint).decode(expected[0])
+    states = {i["name"]: i.get("state", "") for i in json.loads(_reconfigctl(env, "instances", "--json").stdout)
+              ["instances"]}
+    assert states[busy] == "drained"
+    refused = _reconfigctl(env, "instances", "drain", "i9")
+    assert refused.returncode == 2 and "NOT_FOUND" in refused.stderr
+    assert _reconfigctl(env, "instances", "undrain", busy).returncode == 0
+
+
+def test_sigterm_stops_every_instance(stack):
+    process, info, _ = stack
+    pids = list(info["pids"].values())
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(60) == 0
+    deadline = time.monotonic() + 30
+    while alive := [pid for pid in pids if pid != process.pid and process_running(pid)]:
+        assert time.monotonic() < deadline, f"orphans left behind: {alive}"
+        time.sleep(0.05)
