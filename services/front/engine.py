@@ -18,13 +18,16 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import structlog
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.front.instances import Instance, request_to_pb
+from services.front.metrics import front_metrics
+from services.front.rates import FrontTotals, average, choose_modes
+from services.front.route import Route
+from services.front.slots import Slots
 from services.front.mover import MoveResult, MoveSettings, move_request
 from services.model.tokenizer import Tokenizer
 from services.router.contracts import (
@@ -51,49 +54,10 @@ class FrontSettings:
     max_concurrent_moves: int = 4
     move: MoveSettings = MoveSettings()
     migrate: bool = True               # false: place only, never move (the policy's moves are dropped)
+    adaptive: bool = True              # move KV or re-prefill, whichever the measured rates make cheaper (MELL V)
+    migration_window_s: float = 1.0    # the horizon of the link and prefill budgets of that choice
     queue_timeout_s: float = 300.0     # a request no instance can take waits this long for room, then 429
     max_waiting: int = 1024            # requests waiting for room at once; more get 429 at once
-
-
-@dataclass(eq=False)
-class _Route:
-    """One request through the front: where it runs and the call streaming its tokens."""
-
-    request: GenerationRequest
-    wire: router_pb2.GenerateRequest   # what the instance runs (a re-placed request: prompt + outputs so far)
-    seq: Sequence                      # the front's copy of its tokens (for the text stream)
-    instance: Instance
-    call: object = None                # the call whose responses are read now
-    latest_call: object = None         # the call on `instance` (ahead of `call` while a move's source drains)
-    moving: bool = False
-    # id(call) -> the call that continues it once its instance ends it with "migrated" (set by the move).
-    successors: dict[int, asyncio.Future] = field(default_factory=dict)
-
-    def start(self, instance: Instance) -> None:
-        """Run the request (its wire form) on `instance` from here."""
-        self.instance = instance
-        self.call = self.latest_call = instance.generate(self.wire)
-
-    def cancel(self) -> None:
-        """Abort it wherever it runs (a stop string ended it, or the client left)."""
-        for call in {id(c): c for c in (self.call, self.latest_call) if c is not None}.values():
-            call.cancel()
-
-    @property
-    def kv_tokens(self) -> int:
-        return self.seq.num_tokens
-
-
-@dataclass(slots=True)
-class FrontTotals:
-    # moved; failed (it goes on at its source); finished (it ended first); dropped (the policy's move was not
-    # started: the request was not decoding yet, was moving already, or too many moves were under way)
-    moves: dict[str, int] = field(default_factory=lambda: {"moved": 0, "failed": 0, "finished": 0, "dropped": 0})
-    kv_bytes_moved: int = 0
-    move_downtime_s: float = 0.0
-    replaced: int = 0                  # requests placed again after their instance died
-    instance_seconds: float = 0.0      # integral of instances in use over time
-    seconds: float = 0.0
 
 
 class MoveRefused(RuntimeError):
@@ -115,8 +79,8 @@ class FrontEngine:
         self.policy = None
         self.totals = FrontTotals()
         self.is_draining = False
-        self._routes: dict[str, _Route] = {}
-        self._slots: dict[str, Instance] = {}  # policy instance id -> the instance it is bound to
+        self._routes: dict[str, Route] = {}
+        self.slots = Slots(instances)  # policy instance ids -> the instances they are bound to
         self._moves: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
         self._last_tick = time.monotonic()
@@ -170,7 +134,7 @@ class FrontEngine:
                                f"({request.max_tokens}) is more than the context of {self.max_model_len} tokens")
         if request.request_id in self._routes:
             raise RequestError(f"request id {request.request_id!r} is already in use")
-        route = _Route(request, request_to_pb(request), Sequence.from_request(request), self.instances[0])
+        route = Route(request, request_to_pb(request), Sequence.from_request(request), self.instances[0])
         route.instance = await self._place(route)
         stream = RequestStream(request, self.tokenizer)
         self._routes[request.request_id] = route
@@ -191,7 +155,7 @@ class FrontEngine:
                 self.policy.depart(request.request_id)
             self._room.set()
 
-    async def _place(self, route: _Route) -> Instance:
+    async def _place(self, route: Route) -> Instance:
         """Where the policy puts the request; while no instance has room it waits (FIFO by wakeups) for a
         request to leave, up to queue_timeout_s (then QueueFullError, HTTP 429)."""
         request_id, kv_tokens = route.request.request_id, self._policy_tokens(route)
@@ -200,7 +164,7 @@ class FrontEngine:
         try:
             while True:
                 try:
-                    return self._bind(self.policy.allocate(request_id, kv_tokens))
+                    return self.slots.bind(self.policy.allocate(request_id, kv_tokens))
                 except (SchedulerError, QueueFullError) as exc:
                     with contextlib.suppress(SchedulerError):
                         self.policy.depart(request_id)  # placed on a slot no instance can take: undo
@@ -220,7 +184,7 @@ class FrontEngine:
             if waiting:
                 self.num_waiting -= 1
 
-    async def _next_response(self, route: _Route) -> router_pb2.GenerateResponse | None:
+    async def _next_response(self, route: Route) -> router_pb2.GenerateResponse | None:
         """The next response of the request wherever it runs; None after a lost instance made it start again."""
         try:
             response = await route.call.read()
@@ -237,12 +201,17 @@ class FrontEngine:
             return None
         return response
 
-    def _apply(self, route: _Route, stream: RequestStream, response) -> Iterator[GenerationDelta]:
+    def _apply(self, route: Route, stream: RequestStream, response) -> Iterator[GenerationDelta]:
         """Turn an instance's response into the client's deltas (text and stop strings made here)."""
         seq = route.seq
         if response.finish_reason in ("error", "abort"):
             stream.finish(response.finish_reason, error=response.error or None)
         else:
+            if response.token_ids and not seq.output_token_ids:  # its first token: a sample of the prefill rate
+                elapsed = time.monotonic() - route.started
+                if elapsed > 0:
+                    totals = self.totals
+                    totals.prefill_tokens_per_s = average(totals.prefill_tokens_per_s, seq.num_prompt_tokens / elapsed)
             seq.output_token_ids.extend(response.token_ids)
             if response.finish_reason:
                 seq.status = _STATUS.get(response.finish_reason, SequenceStatus.FINISHED_STOPPED)
@@ -251,7 +220,7 @@ class FrontEngine:
                 stream.push(tuple(response.token_ids), seq, logprobs)
         yield from stream.drain()
 
-    async def _replace(self, route: _Route, why: str) -> None:
+    async def _replace(self, route: Route, why: str) -> None:
         """The request's instance is gone with its KV: place it again with its prompt and what it generated."""
         lost = route.instance
         lost.is_up = False
@@ -268,22 +237,7 @@ class FrontEngine:
         log.warning("front.request_replaced", request_id=route.request.request_id, lost=lost.name,
                     instance=route.instance.name, why=why, generated=len(seq.output_token_ids))
 
-    # ---- slots: policy instances bound to real ones ---------------------------------------------------------------
-    def _bind(self, slot: str) -> Instance:
-        instance = self._slots.get(slot)
-        if instance is None or not instance.in_service:
-            free = self._standby()
-            if not free:
-                raise QueueFullError("every instance is in use, drained or down")
-            instance = self._slots[slot] = free[0]
-            log.info("front.instance_bound", slot=slot, instance=instance.name)
-        return instance
-
-    def _standby(self) -> list[Instance]:
-        """Instances in service that no policy slot is bound to."""
-        bound = {id(i) for i in self._slots.values()}
-        return [i for i in self.instances if i.in_service and id(i) not in bound]
-
+    # ---- instances: drain, states ---------------------------------------------------------------------------------
     async def drain_instance(self, name: str, drain: bool = True) -> tuple[int, int, Instance]:
         """Take an instance out of service: its slot moves to a standby instance, and so do its running requests,
         live. (moved, failed, it); KeyError: no such instance; MoveRefused: no standby instance to take its
@@ -295,20 +249,15 @@ class FrontEngine:
             instance.is_drained = False
             return 0, 0, instance
         routes = [r for r in self._routes.values() if r.instance is instance and not r.moving]
-        slots = [s for s, i in self._slots.items() if i is instance]
         target = None
         if routes:
-            free = [i for i in self._standby() if i is not instance]
+            free = [i for i in self.slots.standby() if i is not instance]
             if not free:
                 raise MoveRefused(f"no standby instance can take the requests of {name}: start more instances or "
                                   "wait until one is released")
             target = free[0]
         instance.is_drained = True
-        for slot in slots:
-            if target is not None:
-                self._slots[slot] = target
-            else:
-                del self._slots[slot]
+        self.slots.hand_over(instance, target)
         log.info("front.instance_drained", instance=name, requests=len(routes),
                  to=target.name if target is not None else None)
         for route in routes:
@@ -321,8 +270,8 @@ class FrontEngine:
         """Each instance as reconfigctl shows it."""
         states = []
         for instance in self.instances:
-            routes = [r for r in self._routes.values() if r.instance is instance]
-            slot = next((s for s, i in self._slots.items() if i is instance), "")
+            routes = self.requests_on(instance)
+            slot = self.slots.slot_of(instance) or ""
             state = ("down" if not instance.is_up else "drained" if instance.is_drained
                      else "in_use" if routes else "standby")
             states.append({"name": instance.name, "address": instance.address, "topology": instance.topology,
@@ -332,10 +281,11 @@ class FrontEngine:
         return states
 
     def _unbind_released(self) -> None:
-        live = self.policy.instances()
-        busy = {id(route.instance) for route in self._routes.values()}
-        for slot in [s for s, i in self._slots.items() if s not in live and id(i) not in busy]:
-            log.info("front.instance_released", slot=slot, instance=self._slots.pop(slot).name)
+        self.slots.release_unused(self.policy.instances(), {id(route.instance) for route in self._routes.values()})
+
+    def requests_on(self, instance: Instance) -> list[Route]:
+        """The requests running on an instance now."""
+        return [route for route in self._routes.values() if route.instance is instance]
 
     def in_use(self) -> list[Instance]:
         """Instances holding at least one request now."""
@@ -365,28 +315,35 @@ class FrontEngine:
                 with contextlib.suppress(SchedulerError):
                     self.policy.update(update.request_id, update.kv_tokens)
             migrations = self.policy.drain_migrations()
+        startable = []
         for migration in migrations:
             route = self._routes.get(migration.request_id)
             if route is None:
                 continue  # it left; the policy hears of it from generate()
-            target = self._slots.get(migration.destination)
-            if target is None and self._standby():
-                target = self._bind(migration.destination)
+            target = self.slots.get(migration.destination)
+            if target is None and self.slots.standby():
+                target = self.slots.bind(migration.destination)
             if target is route.instance:
                 continue  # the policy now has it where it runs
             # Only a decoding request moves (the front's copy of it has a token), one move at a time per request.
             if (target is None or route.moving or not self.settings.migrate or not route.seq.output_token_ids
-                    or len(self._moves) >= self.settings.max_concurrent_moves):
-                self._pin(migration.request_id, migration.source)
-                self.totals.moves["dropped"] += 1
+                    or len(self._moves) + len(startable) >= self.settings.max_concurrent_moves):
+                self._drop(migration, "dropped")
+                continue
+            startable.append((migration, route, target))
+        reprefill = self._choose_modes([m for m, _, _ in startable])
+        for migration, route, target in startable:
+            if migration.request_id in reprefill and reprefill[migration.request_id] is None:
+                self._drop(migration, "deferred")
                 continue
             route.moving = True
-            task = asyncio.create_task(self._move(route, target, migration.source))
+            task = asyncio.create_task(self._move(route, target, migration.source,
+                                                  reprefill.get(migration.request_id, False)))
             self._moves.add(task)
             task.add_done_callback(self._moves.discard)
         self._unbind_released()
 
-    async def move(self, request_id: str, target: Instance) -> MoveResult:
+    async def move(self, request_id: str, target: Instance, reprefill: bool = False) -> MoveResult:
         """Move a running request to `target` now (an operator's or a test's move; the policy's go through _tick).
         KeyError: no such request here; MoveRefused: it is moving already, or runs on `target`."""
         route = self._routes[request_id]
@@ -394,15 +351,16 @@ class FrontEngine:
             raise MoveRefused(f"{request_id} is moving already, runs on {target.name}, or {target.name} is out of "
                               "service")
         route.moving = True
-        return await self._move(route, target)
+        return await self._move(route, target, reprefill=reprefill)
 
-    async def _move(self, route: _Route, target: Instance, policy_source: str | None = None) -> MoveResult:
+    async def _move(self, route: Route, target: Instance, policy_source: str | None = None,
+                    reprefill: bool = False) -> MoveResult:
         """Move the request; keep the policy's view true: a policy move that failed is pinned back on its
         source slot (`policy_source`), an operator's move that worked onto the target's slot."""
         source, source_call = route.instance, route.latest_call
         successor = route.successors[id(source_call)] = asyncio.get_running_loop().create_future()
         try:
-            result = await move_request(route.wire, source, target, self.settings.move)
+            result = await move_request(route.wire, source, target, self.settings.move, reprefill)
         except BaseException:
             route.successors.pop(id(source_call), None)
             raise
@@ -413,19 +371,34 @@ class FrontEngine:
             route.instance, route.latest_call = target, result.call
             successor.set_result(result.call)
             if policy_source is None:
-                slot = next((s for s, i in self._slots.items() if i is target), None)
-                slot = self._pin(request_id, slot)
+                slot = self._pin(request_id, self.slots.slot_of(target))
                 if slot is not None:
-                    self._slots.setdefault(slot, target)
-            self.totals.moves["moved"] += 1
-            self.totals.kv_bytes_moved += result.kv_bytes_precopied + result.kv_bytes_delta
-            self.totals.move_downtime_s += result.downtime_s
+                    self.slots.bind_to(slot, target)
+            totals = self.totals
+            totals.moves["moved"] += 1
+            totals.move_downtime_s += result.downtime_s
+            moved_bytes = result.kv_bytes_precopied + result.kv_bytes_delta
+            totals.kv_bytes_moved += moved_bytes
+            if result.reprefilled:
+                totals.reprefilled += 1
+            elif moved_bytes and result.kv_tokens and result.seconds > 0:
+                totals.link_bytes_per_s = average(totals.link_bytes_per_s, moved_bytes / result.seconds)
+                totals.kv_bytes_per_token = average(totals.kv_bytes_per_token, moved_bytes / result.kv_tokens)
         else:
             route.successors.pop(id(source_call), None)  # the source goes on: it never says "migrated"
             self.totals.moves["finished" if result.finished else "failed"] += 1
             if policy_source is not None:
                 self._pin(request_id, policy_source)
         return result
+
+    def _choose_modes(self, migrations: list) -> dict[str, bool | None]:
+        return choose_modes(migrations, self.totals, self.settings.migration_window_s) if self.settings.adaptive \
+            else {}
+
+    def _drop(self, migration, outcome: str) -> None:
+        """A move of the policy's that is not made now: the policy has the request back on its source."""
+        self._pin(migration.request_id, migration.source)
+        self.totals.moves[outcome] += 1
 
     def _pin(self, request_id: str, slot: str | None) -> str | None:
         """Tell the policy where a request really is (None: on a new slot); None when it has left."""
@@ -434,7 +407,7 @@ class FrontEngine:
         except SchedulerError:
             return None
 
-    def _policy_tokens(self, route: _Route) -> int:
+    def _policy_tokens(self, route: Route) -> int:
         """The KV an instance holds for the request: whole blocks, with room for its next token."""
         block_size = self.instances[0].block_size or 1
         tokens = -(-(route.kv_tokens + 1) // block_size) * block_size
@@ -457,22 +430,4 @@ class FrontEngine:
 
     def collect_metrics(self, labels: list[str], label_names: tuple[str, ...]) -> Iterator:
         """The front's own metrics (services.router.api.metrics calls it on every scrape)."""
-        gauge = GaugeMetricFamily("reconfig:front_instances_in_use", "Instances holding requests now.",
-                                  labels=label_names)
-        gauge.add_metric(labels, len(self.in_use()))
-        yield gauge
-        moves = CounterMetricFamily("reconfig:front_migrations", "Live request moves between instances, by outcome.",
-                                    labels=(*label_names, "outcome"))
-        for outcome, count in self.totals.moves.items():
-            moves.add_metric([*labels, outcome], count)
-        yield moves
-        moved = CounterMetricFamily("reconfig:front_migration_kv_bytes", "KV bytes moved between instances.",
-                                    labels=label_names)
-        moved.add_metric(labels, self.totals.kv_bytes_moved)
-        yield moved
-        usage = GaugeMetricFamily("reconfig:front_instance_kv_tokens", "KV tokens the policy places on each "
-                                  "instance.", labels=(*label_names, "instance"))
-        for instance in self.instances:
-            tokens = sum(r.kv_tokens for r in self._routes.values() if r.instance is instance)
-            usage.add_metric([*labels, instance.name], tokens)
-        yield usage
+        return front_metrics(self, labels, label_names)

@@ -8,7 +8,8 @@ reconfig's 2D KV plan, so the two instances may run different layouts).
 3. Resume: the target adopts it (Generate with its state; no prefill) and answers once it runs there; the source
    then frees it, ending its stream with "migrated". The downtime is stop to commit.
 A failure anywhere gives the reservation back and, once stopped, lets the request go on at the source: a move
-that does not complete leaves the request running where it was.
+that does not complete leaves the request running where it was. A move by re-prefill skips 1 and the copy of 2:
+the target recomputes the request's prompt and what it generated (as after a preemption), with its sampling state.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class MoveResult:
     kv_bytes_precopied: int = 0
     kv_bytes_delta: int = 0
     downtime_s: float = 0.0       # stop to commit: the request made no progress meanwhile
+    reprefilled: bool = False     # moved without its KV: the target re-prefilled it
+    kv_tokens: int = 0            # the tokens whose KV the move carried (or the target re-prefilled)
     seconds: float = 0.0
     call: object = None           # the target's Generate stream (its first response read) when moved
 
@@ -68,10 +71,12 @@ async def _source_state(source: Instance, request_id: str, action: int, timeout_
 
 
 async def move_request(request: router_pb2.GenerateRequest, source: Instance, target: Instance,
-                       settings: MoveSettings = MoveSettings()) -> MoveResult:
-    """Move `request` (as the source runs it) from `source` to `target`; never raises for a failed move."""
+                       settings: MoveSettings = MoveSettings(), reprefill: bool = False) -> MoveResult:
+    """Move `request` (as the source runs it) from `source` to `target`; never raises for a failed move.
+    reprefill: move it without its KV (no pre-copy, no delta): the target recomputes its prompt and what it
+    generated, with the same sampling state (MELL's alternative when the link is slower than the prefill)."""
     started = time.perf_counter()
-    result = MoveResult()
+    result = MoveResult(reprefilled=reprefill)
     request_id = request.request_id
     stopped = False
     call = None
@@ -102,7 +107,7 @@ async def move_request(request: router_pb2.GenerateRequest, source: Instance, ta
             copied = upto
             return pulled.kv_bytes
 
-        while result.rounds < settings.max_rounds:
+        while result.rounds < settings.max_rounds and not reprefill:
             full = state.num_computed_tokens // block_size
             if full - copied <= settings.delta_blocks and result.rounds:
                 break
@@ -116,12 +121,14 @@ async def move_request(request: router_pb2.GenerateRequest, source: Instance, ta
         stopped = not state.finished
         if state.finished:
             raise _Finished("it finished on the source first")
-        needed = num_blocks_for(state.num_computed_tokens, block_size)
-        result.kv_bytes_delta = await copy(list(state.block_table), needed, state.num_computed_tokens)
+        result.kv_tokens = state.num_computed_tokens
+        if not reprefill:
+            needed = num_blocks_for(state.num_computed_tokens, block_size)
+            result.kv_bytes_delta = await copy(list(state.block_table), needed, state.num_computed_tokens)
         resumed = router_pb2.GenerateRequest()
         resumed.CopyFrom(request)
         resumed.migrated.output_token_ids[:] = state.output_token_ids
-        resumed.migrated.num_computed_tokens = state.num_computed_tokens
+        resumed.migrated.num_computed_tokens = 0 if reprefill else state.num_computed_tokens
         call = target.generate(resumed)
         first = await call.read()  # no tokens: it runs on the target now
         if first is grpc.aio.EOF or first.finish_reason:
@@ -139,6 +146,7 @@ async def move_request(request: router_pb2.GenerateRequest, source: Instance, ta
             await _quietly(source.migrate_out(request_id, OUT.ABORT))
     result.seconds = time.perf_counter() - started
     log.info("front.move", request_id=request_id, source=source.name, target=target.name, moved=result.moved,
+             reprefill=reprefill,
              error=result.error or None, rounds=result.rounds, kv_bytes_precopied=result.kv_bytes_precopied,
              kv_bytes_delta=result.kv_bytes_delta, downtime_ms=round(result.downtime_s * 1e3, 2),
              seconds=round(result.seconds, 4))

@@ -141,9 +141,9 @@ class Engine:
     async def generate(self, request: GenerationRequest,
                        migrated: tuple[list[int], int] | None = None) -> AsyncIterator[GenerationDelta]:
         """Admit the request (QueueFullError / RequestError / EngineDrainingError raise here) and stream its deltas.
-        migrated: (tokens it generated, tokens cached) of a request moving in from another instance, whose KV
-        blocks were reserved and filled here (InstanceMigrations): it continues with no prefill, and a first
-        delta with no tokens says it runs here (KeyError: nothing reserved under its id)."""
+        migrated: (tokens it generated, tokens cached) of a request moving in from another instance
+        (InstanceMigrations.admit): with its KV reserved and filled here it continues with no prefill, with 0 cached
+        it re-prefills what it had; a first delta with no tokens says it runs here."""
         if self.is_draining:
             raise EngineDrainingError("the server is shutting down and takes no new requests; retry on another "
                                       "replica or after it restarts")
@@ -156,8 +156,7 @@ class Engine:
             self.scheduler.add(Sequence.from_request(request))
             self.num_prompt_tokens += len(request.prompt_token_ids)
         else:
-            seq = self.scheduler.adopt(request.request_id, list(migrated[0]), migrated[1])
-            self.migrations.num_in += 1
+            seq = self.migrations.admit(request, list(migrated[0]), migrated[1])
             stream.push((), seq)  # no tokens: the first delta says it runs here
         self._streams[request.request_id] = stream
         self._no_streams.clear()

@@ -6,7 +6,7 @@ pre-copy round; `stop` parks it at the end of its step in flight (its KV stays, 
 `commit` frees it and ends its stream with finish_reason "migrated"; `abort` schedules it again, its stream going
 on as if nothing happened. Target: `reserve` takes blocks for it, `pull` has every worker copy KV blocks out of the
 source's workers into them (serving goes on), `release` gives them back; Engine.generate(..., migrated=...) then
-adopts it, with no prefill. A layout switch ends every move in progress (Scheduler.cancel_moves), and a freeze
+adopts it, with no prefill (`admit`; or, moved without its KV, it re-prefills here). A layout switch ends every move in progress (Scheduler.cancel_moves), and a freeze
 waits for pulls in flight, so no worker writes a block the switch moves or hands to another request.
 """
 
@@ -121,6 +121,23 @@ class InstanceMigrations:
         if request.stop_strings:
             raise RequestError("a request moving in carries no stop strings (the front router applies them)")
         return self.engine.scheduler.reserve(Sequence.from_request(request), num_tokens)
+
+    def admit(self, request: GenerationRequest, output_token_ids: list[int], num_computed_tokens: int) -> Sequence:
+        """A request moving in starts here: with its KV reserved and filled (`num_computed_tokens` of it), from its
+        next token; with none (0: a move by re-prefill, cheaper than the transfer when the link is slow), it
+        re-prefills its prompt and what it generated, as a preempted request does, and goes on with the same
+        sampling state. KeyError: KV cached but nothing reserved under its id."""
+        if num_computed_tokens:
+            seq = self.engine.scheduler.adopt(request.request_id, output_token_ids, num_computed_tokens)
+        else:
+            if not 0 < len(output_token_ids) < request.max_tokens:
+                raise RequestError(f"{len(output_token_ids)} generated tokens cannot continue a request of "
+                                   f"max_tokens {request.max_tokens}")
+            seq = Sequence.from_request(request)
+            seq.output_token_ids = list(output_token_ids)
+            self.engine.scheduler.add(seq)
+        self.num_in += 1
+        return seq
 
     def release(self, request_id: str) -> None:
         """Give back a reservation whose move failed (nothing if there is none)."""

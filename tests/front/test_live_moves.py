@@ -25,14 +25,14 @@ async def _reference(engine, prompt: list[int], request_id: str, max_tokens: int
     return [t for delta in [d async for d in engine.generate(request)] for t in delta.token_ids]
 
 
-async def _run_with_moves(front, request: GenerationRequest, hops: list[tuple[int, object]]):
+async def _run_with_moves(front, request: GenerationRequest, hops: list[tuple], reprefill: bool = False):
     """Stream the request through the front; after hops[i][0] tokens, move it to hops[i][1] (and wait)."""
     tokens, results = [], []
     async for delta in front.generate(request):
         tokens.extend(delta.token_ids)
         while hops and len(tokens) >= hops[0][0]:
             _, target = hops.pop(0)
-            results.append(await front.move(request.request_id, target))
+            results.append(await front.move(request.request_id, target, reprefill))
     return tokens, results
 
 
@@ -57,6 +57,29 @@ async def test_moves_between_layouts_keep_every_token(instances):
     for engine in instances.engines:  # every block came back
         assert engine.scheduler.block_manager.num_used == 0
         assert not engine.scheduler.parked
+
+
+async def test_seeded_sampling_moves_exactly_by_kv_and_by_reprefill(instances):
+    """A sampled request (temperature, top-p, a seed) keeps its tokens through a KV move and a re-prefill move
+    (its sampling state is the router's: seed and generated count travel with it); the re-prefill costs the
+    target one prefill and carries no KV."""
+    from services.worker.step import SamplingParams
+
+    a, b, c = instances.instances
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
+    request = GenerationRequest("seeded", tuple(PROMPTS[2]), MAX_TOKENS, sampling=sampling)
+    expected = [t for d in [d async for d in instances.engines[0].generate(
+        GenerationRequest("seeded-ref", tuple(PROMPTS[2]), MAX_TOKENS, sampling=sampling))] for t in d.token_ids]
+    prefills = [engine.num_full_prefills for engine in instances.engines]
+    async with open_front(instances, migrate=False) as front:
+        tokens, kv_moves = await _run_with_moves(front, request, [(5, c)])
+        assert tokens == expected and kv_moves[0].moved and not kv_moves[0].reprefilled
+        again = GenerationRequest("seeded-2", tuple(PROMPTS[2]), MAX_TOKENS, sampling=sampling)
+        tokens, reprefills = await _run_with_moves(front, again, [(5, b), (20, c)], reprefill=True)
+        assert tokens == expected
+        assert all(r.moved and r.reprefilled and r.kv_bytes_precopied + r.kv_bytes_delta == 0 for r in reprefills)
+        assert front.totals.reprefilled == 2
+    assert [e.num_full_prefills - p for e, p in zip(instances.engines, prefills)] == [2, 1, 1]
 
 
 async def test_migration_rpcs_refuse_with_precise_codes(instances):

@@ -7,7 +7,6 @@ import pytest
 import pytest_asyncio
 
 from services.front.mover import MoveSettings
-from services.router.contracts import GenerationRequest
 from tests.front.conftest import open_front, open_instances, start_clusters
 from tests.front.test_live_moves import PROMPTS, _reference, _request, _run_with_moves
 
@@ -38,7 +37,7 @@ async def test_a_failed_move_leaves_the_request_running_on_its_source(failing):
         tokens0, results0 = await _run_with_moves(front, _request("pre", PROMPTS[0]), [(8, c)])
         front.settings = type(front.settings)(migrate=False, move=MoveSettings(max_rounds=0))  # straight to stop
         tokens1, results1 = await _run_with_moves(front, _request("post", PROMPTS[1]), [(8, c)])
-        assert front.totals.moves == {"moved": 0, "failed": 2, "finished": 0, "dropped": 0}
+        assert front.totals.moves == {"moved": 0, "failed": 2, "finished": 0, "dropped": 0, "deferred": 0}
     assert (tokens0, tokens1) == tuple(reference)
     assert not results0[0].moved and results0[0].rounds == 0 and "ImportKV" in results0[0].error
     assert not results1[0].moved and results1[0].downtime_s == 0

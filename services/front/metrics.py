@@ -1,0 +1,34 @@
+"""The front router's Prometheus metrics: instances in use, moves by outcome, KV moved, KV per instance."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from services.front.engine import FrontEngine
+
+
+def front_metrics(front: FrontEngine, labels: list[str], label_names: tuple[str, ...]) -> Iterator:
+    """Read from the engine on every scrape."""
+    gauge = GaugeMetricFamily("reconfig:front_instances_in_use", "Instances holding requests now.",
+                              labels=label_names)
+    gauge.add_metric(labels, len(front.in_use()))
+    yield gauge
+    moves = CounterMetricFamily("reconfig:front_migrations", "Live request moves between instances, by outcome.",
+                                labels=(*label_names, "outcome"))
+    for outcome, count in front.totals.moves.items():
+        moves.add_metric([*labels, outcome], count)
+    yield moves
+    moved = CounterMetricFamily("reconfig:front_migration_kv_bytes", "KV bytes moved between instances.",
+                                labels=label_names)
+    moved.add_metric(labels, front.totals.kv_bytes_moved)
+    yield moved
+    usage = GaugeMetricFamily("reconfig:front_instance_kv_tokens", "KV tokens the policy places on each "
+                              "instance.", labels=(*label_names, "instance"))
+    for instance in front.instances:
+        tokens = sum(route.kv_tokens for route in front.requests_on(instance))
+        usage.add_metric([*labels, instance.name], tokens)
+    yield usage
