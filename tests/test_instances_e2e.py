@@ -12,11 +12,13 @@ import time
 
 import pytest
 
+from services.rpc.reconfig.v1 import front_pb2
 from tests.conftest import hf_greedy, make_checkpoint, process_running
 from tests.test_up_e2e import _client, _tokenizer, _wait_ready
 
 pytestmark = pytest.mark.multiprocess
-NUM_TOKENS = 24
+NUM_TOKENS = 16
+STREAM_TOKENS = 120
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +29,10 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stack(checkpoint, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
-    # Steps 40x slower than this tiny model's: a stream is still running when the test drains its instance.
-    env = {**os.environ, "RECONFIG_RUN_DIR": str(run_dir), "RECONFIG_FAULTS": "forward:slow=40"}
+    # Rank 0's steps 30x slower than this tiny model's (some 0.1 s a token): a stream is still running when the test
+    # has drained its instance (reconfigctl starts a Python process). Rank 0 only: a TP peer's measured step
+    # includes its wait for rank 0, so slowing both would compound.
+    env = {**os.environ, "RECONFIG_RUN_DIR": str(run_dir), "RECONFIG_FAULTS": "forward:rank=0:slow=30"}
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--model", str(checkpoint), "--instances", "2", "--workers", "2",
          "--instance-topologies", "tp1pp2,tp2pp1", "--http-port", "0", "--front-grpc-port", "0",
@@ -49,6 +53,20 @@ def stack(checkpoint, tmp_path_factory):
         process.wait(30)
 
 
+def _front_stub(info):
+    import grpc
+
+    from services.rpc.reconfig.v1 import front_pb2_grpc
+
+    return front_pb2_grpc.FrontStub(grpc.insecure_channel(info["front_grpc_address"]))
+
+
+def _metadata(info):
+    from services.rpc.auth import auth_metadata, read_token_file
+
+    return auth_metadata(read_token_file(info["token_file"]))
+
+
 def _reconfigctl(env, *args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "services.controller.cli", *args], env=env, capture_output=True,
                           text=True, timeout=60)
@@ -67,14 +85,16 @@ def test_front_serves_transformers_tokens_and_drains_live(stack, checkpoint):
     listed = json.loads(_reconfigctl(env, "instances", "--json").stdout)
     assert [i["name"] for i in listed["instances"]] == ["i0", "i1"] and listed["policy"] == "mell"
     # A stream in flight while its instance is drained: it moves live to the other layout and ends the same.
-    stream = client.completions.create(model=model, prompt=prompt, max_tokens=NUM_TOKENS, temperature=0,
+    expected, _ = hf_greedy(checkpoint, [prompt], STREAM_TOKENS)
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=STREAM_TOKENS, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})
     chunks = iter(stream)
     text = next(chunks).choices[0].text
-    listed = json.loads(_reconfigctl(env, "instances", "--json").stdout)
-    busy = next((i["name"] for i in listed["instances"] if i.get("state") == "in_use"), listed)
+    busy = next(i.name for i in _front_stub(info).ListInstances(front_pb2.ListInstancesRequest(), timeout=10,
+                                                                 metadata=_metadata(info)).instances
+                if i.state == "in_use")
     drained = _reconfigctl(env, "instances", "drain", busy)
-    assert drained.returncode == 0, drained.stderr
+    assert drained.returncode == 0 and "moved 1 requests" in drained.stdout, (drained.stdout, drained.stderr)
     text += "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
     assert text == _tokenizer(checkpoint).decode(expected[0])
     states = {i["name"]: i.get("state", "") for i in json.loads(_reconfigctl(env, "instances", "--json").stdout)

@@ -43,8 +43,8 @@ from services.worker.step import TokenLogprob
 log = structlog.get_logger(__name__)
 
 _STATUS = {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH}
-_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
-         grpc.StatusCode.UNKNOWN)
+_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)  # the instance's router is gone
+PROBE_INTERVAL_S = 2.0  # how often an instance found down is asked whether it is back
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,8 +189,9 @@ class FrontEngine:
         try:
             response = await route.call.read()
         except grpc.aio.AioRpcError as exc:
-            if exc.code() not in _LOST or self.is_draining:
-                raise RequestError(f"instance {route.instance.name}: {exc.details()}") from None
+            if exc.code() not in _LOST or self.is_draining:  # the instance failed this request: say so, end it
+                return router_pb2.GenerateResponse(finish_reason="error", error=f"instance {route.instance.name}: "
+                                                   f"{exc.code().name}: {exc.details()}")
             await self._replace(route, f"{exc.code().name}: {exc.details()}")
             return None
         if response is grpc.aio.EOF:
@@ -294,12 +295,25 @@ class FrontEngine:
 
     # ---- the policy loop -----------------------------------------------------------------------------------------
     async def _policy_loop(self) -> None:
+        next_probe = time.monotonic()
         while True:
             await asyncio.sleep(self.settings.interval_s)  # noqa: ASYNC110 (the policy's period)
             try:
                 self._tick()
             except Exception:  # noqa: BLE001 (one bad tick must not end placement and moves)
                 log.exception("front.policy_tick_failed")
+            if time.monotonic() >= next_probe:
+                next_probe = time.monotonic() + PROBE_INTERVAL_S
+                await asyncio.gather(*(self._probe(i) for i in self.instances if not i.is_up))
+
+    async def _probe(self, instance: Instance) -> None:
+        """An instance found down takes requests again once its router answers."""
+        try:
+            await instance.refresh(timeout_s=1.0)
+        except grpc.aio.AioRpcError:
+            return
+        instance.is_up = True
+        log.info("front.instance_back", instance=instance.name, topology=instance.topology)
 
     def _tick(self) -> None:
         now = time.monotonic()

@@ -55,7 +55,7 @@ class Instance:
     async def refresh(self, timeout_s: float = 10.0) -> router_pb2.RouterStats:
         """Stats, and the capacity and layout they give (a switch changes both)."""
         stats = await self.stub.Stats(router_pb2.StatsRequest(), timeout=timeout_s, metadata=self.metadata,
-                                      wait_for_ready=True)
+                                      wait_for_ready=self.is_up)
         self.topology = stats.topology
         if stats.block_size:
             self.block_size = stats.block_size

@@ -84,3 +84,20 @@ def test_gpu_override_reserves_one_device_per_worker():
         assert services[worker]["ipc"] == "service:weightstore"  # the override keeps the base settings
     assert device_ids == ["0", "1", "2", "3"]
     assert "deploy" not in services["router"]
+
+
+def test_instances_override_adds_a_second_instance_and_the_front_router():
+    services = _config(COMPOSE_FILE, ROOT / "deploy" / "docker-compose.instances.yml")["services"]
+    second = [f"worker-b{rank}" for rank in range(4)]
+    assert set(services) == {"weightstore", *WORKERS, "router", "controller", "weightstore-b", *second, "router-b",
+                             "controller-b", "front"}
+    assert all("test" in services[name]["healthcheck"] for name in services)
+    # Instance i1 is its own world: its workers share its weight store's memory and TCP store, not i0's.
+    assert all(services[w]["ipc"] == "service:weightstore-b" for w in second)
+    assert all("--store-host weightstore-b --store-port 29500" in " ".join(services[w]["command"]) for w in second)
+    assert [services[w]["environment"]["WORKER_RANK"] for w in second] == ["0", "1", "2", "3"]
+    front = services["front"]["command"]
+    assert front[front.index("--instances") + 1] == "router:50052,router-b:50052"
+    assert front[front.index("--token-file") + 1] == "/run/secrets/control_token"
+    assert {p["target"] for p in services["front"]["ports"]} == {8080}
+    assert set(services["front"]["depends_on"]) == {"router", "router-b"}

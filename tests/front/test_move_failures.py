@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import pytest_asyncio
 
 from services.front.mover import MoveSettings
-from tests.front.conftest import open_front, open_instances, start_clusters
+from services.router.grpc_server import start_router_grpc
+from tests.front.conftest import TOKEN, open_front, open_instances, start_clusters
 from tests.front.test_live_moves import PROMPTS, _reference, _request, _run_with_moves
 
 pytestmark = pytest.mark.asyncio
@@ -67,3 +70,10 @@ async def test_a_lost_instance_loses_only_its_requests_kv(failing):
         assert [tokens[0], tokens[1]] == reference
         assert front.totals.replaced == 1 and not b.is_up
         assert front.is_ready  # the front router lives on over a and c
+        # b's router comes back on its port: the front finds it (it probes instances it lost) and places there again.
+        port = int(b.address.rsplit(":", 1)[1])
+        failing.servers[1], _ = await start_router_grpc(failing.engines[1], "127.0.0.1", port, TOKEN)
+        deadline = asyncio.get_running_loop().time() + 30
+        while not b.is_up:
+            assert asyncio.get_running_loop().time() < deadline, "the front never found b back"
+            await asyncio.sleep(0.05)  # noqa: ASYNC110 (polls the condition under test, with a deadline)
