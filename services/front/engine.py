@@ -97,7 +97,7 @@ class FrontEngine:
                                                                           max_instances=len(self.instances)))
         self._last_tick = time.monotonic()  # the time-average counts from here
         self._task = asyncio.create_task(self._policy_loop(), name="front-policy")
-        log.info("front.ready", instances=[f"{i.name}={i.address} {i.topology}" for i in self.instances],
+        log.info("front.started", instances=[f"{i.name}={i.address} {i.topology}" for i in self.instances],
                  policy=self.settings.policy, capacity_tokens=capacity)
 
     async def drain(self, grace_s: float) -> int:

@@ -3,9 +3,6 @@ Front gRPC service (ListInstances, DrainInstance) that `reconfigctl instances` c
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +14,7 @@ from services.front.engine import FrontEngine, FrontSettings, MoveRefused
 from services.front.instances import Instance
 from services.front.mover import MoveSettings
 from services.model.tokenizer import Tokenizer
-from services.router.api.server import DEFAULT_KEEP_ALIVE_S, HttpServer, bind_http_socket
+from services.router.api.server import DEFAULT_KEEP_ALIVE_S, serve_until_signal
 from services.router.kv_scheduler import POLICY_NAMES
 from services.rpc.auth import TokenAuthInterceptor, generate_token, protect_all
 from services.rpc.errors import ErrorInterceptor
@@ -106,33 +103,13 @@ def build_front(config: FrontConfig) -> FrontEngine:
 
 async def serve_front(config: FrontConfig, on_ready: Callable[[dict], None] | None = None) -> None:
     """Serve HTTP + the Front gRPC until SIGTERM/SIGINT; then drain and stop."""
-    from services.router.api.app import ApiConfig, create_app
-
     engine = build_front(config)
     await engine.start()
-    app = create_app(engine, ApiConfig(model_name=engine.model_name, api_key=config.api_key))
-    http_socket = bind_http_socket(config.host, config.http_port)
-    http = HttpServer(app, config.http_keep_alive_s, is_draining=lambda: engine.is_draining)
-    http_task = await http.start(http_socket)
     grpc_server, grpc_port = await start_front_grpc(engine, config.host, config.grpc_port, config.token)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    ready = {"http_port": http_socket.getsockname()[1], "grpc_port": grpc_port}
-    log.info("front.serving", **ready, instances=len(config.instance_addresses), policy=config.policy)
-    if on_ready is not None:
-        on_ready(ready)
-    try:
-        await asyncio.wait([asyncio.ensure_future(stop.wait()), http_task], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        unfinished = await engine.drain(config.shutdown_grace_s)
-        http.should_exit = True
-        await grpc_server.stop(grace=2.0)
-        await engine.stop()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(http_task, 5)
-        log.info("front.stopped", unfinished=unfinished)
+    await serve_until_signal(engine, grpc_server, grpc_port, host=config.host, http_port=config.http_port,
+                             api_key=config.api_key, keep_alive_s=config.http_keep_alive_s,
+                             shutdown_grace_s=config.shutdown_grace_s, service="front", on_ready=on_ready,
+                             instances=len(config.instance_addresses), policy=config.policy)
 
 
 def run_front(config: FrontConfig, ready=None) -> None:

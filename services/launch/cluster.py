@@ -253,34 +253,30 @@ class LocalCluster:
     def stop_services(self, names: tuple[str, ...], timeout_s: float = 10.0) -> None:
         """SIGTERM the named service processes and wait for them (SIGKILL past the timeout); forget them."""
         group = [p for n, _, p in self._processes if n in names]
-        for process in group:
-            if process.is_alive():
-                os.kill(process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for process in group:
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                process.kill()
-                process.join(5)
+        _terminate(group, timeout_s)
         self._processes = [entry for entry in self._processes if entry[2] not in group]
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM tier by tier, newest first (services, workers, then the weightstore, which unlinks its
         segments); SIGKILL whatever lingers past the timeout."""
         for tier in sorted({tier for _, tier, _ in self._processes}, reverse=True):
-            group = [p for _, t, p in self._processes if t == tier]
-            for process in group:
-                if process.is_alive():
-                    os.kill(process.pid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
-            for process in group:
-                process.join(max(0.0, deadline - time.monotonic()))
-                if process.is_alive():
-                    log.warning("cluster.kill", pid=process.pid)
-                    process.kill()
-                    process.join(5)
+            _terminate([p for _, t, p in self._processes if t == tier], timeout_s)
         self._processes.clear()
         self._store = None
         # A child killed with SIGKILL could not unlink its segments: remove whatever has a dead owner.
         cleanup_stale_segments()
         cleanup_stale_kv_segments()
+
+
+def _terminate(group: list[mp.process.BaseProcess], timeout_s: float) -> None:
+    """SIGTERM every process of the group, wait up to timeout_s for all, SIGKILL what lingers."""
+    for process in group:
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for process in group:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            log.warning("cluster.kill", pid=process.pid)
+            process.kill()
+            process.join(5)

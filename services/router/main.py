@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +11,7 @@ import structlog
 from services.launch.driver import Driver
 from services.model.spec import ModelSpec
 from services.model.tokenizer import Tokenizer
-from services.router.api.server import DEFAULT_KEEP_ALIVE_S, HttpServer, bind_http_socket
+from services.router.api.server import DEFAULT_KEEP_ALIVE_S, serve_until_signal
 from services.router.config import SchedulerConfig
 from services.router.engine import Engine
 from services.router.expert_balance import EplbSettings
@@ -74,35 +71,14 @@ async def build_engine(config: RouterConfig) -> Engine:
 
 async def serve_router(config: RouterConfig, on_ready: Callable[[dict], None] | None = None) -> None:
     """Serve HTTP + gRPC until SIGTERM/SIGINT; then drain (services.router.api.server), and stop the engine."""
-    from services.router.api.app import ApiConfig, create_app
     from services.router.grpc_server import start_router_grpc
 
     engine = await build_engine(config)
-    app = create_app(engine, ApiConfig(model_name=engine.model_name, api_key=config.api_key))
-    http_socket = bind_http_socket(config.host, config.http_port)
-    http = HttpServer(app, config.http_keep_alive_s, is_draining=lambda: engine.is_draining)
-    http_task = await http.start(http_socket)
     grpc_server, grpc_port = await start_router_grpc(engine, config.host, config.grpc_port, config.token)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    ready = {"http_port": http_socket.getsockname()[1], "grpc_port": grpc_port}
-    log.info("router.ready", **ready, model=engine.model_name, topology=str(engine.topology))
-    if on_ready is not None:
-        on_ready(ready)
-    try:
-        await asyncio.wait([asyncio.ensure_future(stop.wait()), http_task], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        # Drain first: admitted requests finish over open connections while new ones get 503 (Connection: close);
-        # only then does the server stop listening and close its idle connections.
-        unfinished = await engine.drain(config.shutdown_grace_s)
-        http.should_exit = True
-        await grpc_server.stop(grace=2.0)
-        await engine.stop()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(http_task, 5)
-        log.info("router.stopped", unfinished=unfinished)
+    await serve_until_signal(engine, grpc_server, grpc_port, host=config.host, http_port=config.http_port,
+                             api_key=config.api_key, keep_alive_s=config.http_keep_alive_s,
+                             shutdown_grace_s=config.shutdown_grace_s, service="router", on_ready=on_ready,
+                             topology=str(engine.topology))
 
 
 def run_router(config: RouterConfig, ready=None) -> None:

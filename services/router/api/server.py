@@ -130,3 +130,40 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     return sock
+
+
+async def serve_until_signal(engine, grpc_server, grpc_port: int, *, host: str, http_port: int, api_key: str | None,
+                             keep_alive_s: float, shutdown_grace_s: float, service: str,
+                             on_ready: Callable[[dict], None] | None = None, **fields) -> None:
+    """Serve the OpenAI API over `engine` (and its already started gRPC server) until SIGTERM/SIGINT or the HTTP
+    server ends; then drain: admitted requests finish over open connections while new ones get 503
+    (Connection: close), and only then do the servers stop listening and the engine stop."""
+    import signal
+
+    import structlog
+
+    from services.router.api.app import ApiConfig, create_app
+
+    log = structlog.get_logger(service)
+    app = create_app(engine, ApiConfig(model_name=engine.model_name, api_key=api_key))
+    http_socket = bind_http_socket(host, http_port)
+    http = HttpServer(app, keep_alive_s, is_draining=lambda: engine.is_draining)
+    http_task = await http.start(http_socket)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    ready = {"http_port": http_socket.getsockname()[1], "grpc_port": grpc_port}
+    log.info(f"{service}.ready", **ready, model=engine.model_name, **fields)
+    if on_ready is not None:
+        on_ready(ready)
+    try:
+        await asyncio.wait([asyncio.ensure_future(stop.wait()), http_task], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        unfinished = await engine.drain(shutdown_grace_s)
+        http.should_exit = True
+        await grpc_server.stop(grace=2.0)
+        await engine.stop()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(http_task, 5)
+        log.info(f"{service}.stopped", unfinished=unfinished)
