@@ -4,7 +4,6 @@ official openai client with transformers' tokens, `reconfigctl instances` lists 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import pytest
 
 from services.rpc.reconfig.v1 import front_pb2
 from tests.conftest import hf_greedy, make_checkpoint, process_running
-from tests.test_up_e2e import _client, _tokenizer, _wait_ready
+from tests.test_up_e2e import _client, _tokenizer, launch_up, stop_up
 
 pytestmark = pytest.mark.multiprocess
 NUM_TOKENS = 16
@@ -28,29 +27,15 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(checkpoint, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("run")
     # Rank 0's steps 30x slower than this tiny model's (some 0.1 s a token): a stream is still running when the test
     # has drained its instance (reconfigctl starts a Python process). Rank 0 only: a TP peer's measured step
     # includes its wait for rank 0, so slowing both would compound.
-    env = {**os.environ, "RECONFIG_RUN_DIR": str(run_dir), "RECONFIG_FAULTS": "forward:rank=0:slow=30"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--model", str(checkpoint), "--instances", "2", "--workers", "2",
-         "--instance-topologies", "tp1pp2,tp2pp1", "--http-port", "0", "--front-grpc-port", "0",
-         "--kv-cache-mb", "4", "--block-size", "4"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stack_file = run_dir / "stack.json"
-    deadline = time.monotonic() + 120
-    while not stack_file.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"reconfig up --instances did not start: {process.communicate()[1][-3000:]}")
-        time.sleep(0.2)
-    info = json.loads(stack_file.read_text())
-    _wait_ready(info["router_http_address"])
+    process, info, env = launch_up(
+        ["--model", str(checkpoint), "--instances", "2", "--workers", "2", "--instance-topologies", "tp1pp2,tp2pp1",
+         "--http-port", "0", "--front-grpc-port", "0", "--kv-cache-mb", "4", "--block-size", "4"],
+        tmp_path_factory.mktemp("run"), {"RECONFIG_FAULTS": "forward:rank=0:slow=30"})
     yield process, info, env
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        process.wait(30)
+    stop_up(process)
 
 
 def _front_stub(info):

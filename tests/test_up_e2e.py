@@ -25,17 +25,12 @@ def checkpoint(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("e2e") / "llama-e2e", "llama", seed=7)
 
 
-@pytest.fixture(scope="module")
-def stack(checkpoint, tmp_path_factory):
-    """A running `reconfig up` process and its stack file."""
-    run_dir = tmp_path_factory.mktemp("run")
-    env = {**os.environ, "RECONFIG_RUN_DIR": str(run_dir)}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--model", str(checkpoint), "--workers", "4",
-         "--topology", "tp2pp2", "--http-port", "0", "--grpc-port", "0", "--controller-port", "0", "--controller-metrics-port", "0",
-         "--kv-cache-mb", "4", "--block-size", "4"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+def launch_up(args: list[str], run_dir, extra_env: dict[str, str] | None = None):
+    """Start `reconfig up ARGS` (in `run_dir`) and wait until its stack file exists and its API is ready; returns
+    the process, the stack file's content and the environment reconfigctl needs."""
+    env = {**os.environ, "RECONFIG_RUN_DIR": str(run_dir), **(extra_env or {})}
+    process = subprocess.Popen([sys.executable, "-m", "services.cli", "up", *args], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
     stack_file = run_dir / "stack.json"
     deadline = time.monotonic() + 120
     while not stack_file.exists():
@@ -45,10 +40,24 @@ def stack(checkpoint, tmp_path_factory):
         time.sleep(0.2)
     info = json.loads(stack_file.read_text())
     _wait_ready(info["router_http_address"])
-    yield process, info, env
+    return process, info, env
+
+
+def stop_up(process) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
-        process.wait(30)
+        process.wait(60)
+
+
+@pytest.fixture(scope="module")
+def stack(checkpoint, tmp_path_factory):
+    """A running `reconfig up` process and its stack file."""
+    process, info, env = launch_up(
+        ["--model", str(checkpoint), "--workers", "4", "--topology", "tp2pp2", "--http-port", "0", "--grpc-port", "0",
+         "--controller-port", "0", "--controller-metrics-port", "0", "--kv-cache-mb", "4", "--block-size", "4"],
+        tmp_path_factory.mktemp("run"))
+    yield process, info, env
+    stop_up(process)
 
 
 def _wait_ready(base: str) -> None:

@@ -31,19 +31,12 @@ def instance_topologies(topology: str, instances: int, per_instance: str = "") -
     return layouts
 
 
-class _Stop(Exception):
-    pass
-
-
-def _raise_stop(signum, frame) -> None:
-    raise _Stop(signal.Signals(signum).name)
-
-
 def up_instances(config) -> int:
     """Start the instances and the front router; supervise until Ctrl-C/SIGTERM (0) or the front dies (1)."""
     from services.controller.server import ControllerConfig, run_controller
     from services.front.server import FrontConfig, run_front
     from services.launch.stackfile import StackFile, run_dir
+    from services.launch.up import StopRequested, raise_stop
     from services.model.converted import ConsoleProgress
     from services.model.presets import resolve_model
     from services.router.main import RouterConfig, run_router
@@ -55,7 +48,7 @@ def up_instances(config) -> int:
     token_file = run_dir() / "token"
     write_token_file(token_file, token)
     threads = max(1, (os.cpu_count() or 1) // (config.instances * config.workers))
-    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     clusters: list[LocalCluster] = []
     entries: list[dict] = []
     stack_file = None
@@ -105,7 +98,7 @@ def up_instances(config) -> int:
               f"  instances    reconfigctl instances   (drain: reconfigctl instances drain NAME)\n"
               f"Ctrl-C stops the stack.", flush=True)
         return _supervise(clusters, entries)
-    except _Stop as stop:
+    except StopRequested as stop:
         print(f"reconfig up: {stop} received; stopping the stack", file=sys.stderr, flush=True)
         return 0
     except ClusterError as exc:

@@ -180,12 +180,12 @@ def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--device cuda: run every step eagerly, no CUDA graphs for decode steps [off]")
 
 
-class _Stop(Exception):
-    pass
+class StopRequested(Exception):
+    """Ctrl-C or SIGTERM reached the launcher (raise_stop is its signal handler)."""
 
 
-def _raise_stop(signum, frame) -> None:
-    raise _Stop(signal.Signals(signum).name)
+def raise_stop(signum, frame) -> None:
+    raise StopRequested(signal.Signals(signum).name)
 
 
 def up(config: UpConfig) -> int:
@@ -213,7 +213,7 @@ def up(config: UpConfig) -> int:
     ))
     token_file = run_dir() / "token"
     write_token_file(token_file, token)
-    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     stack_file = None
     started = time.perf_counter()
     try:
@@ -278,7 +278,7 @@ def up(config: UpConfig) -> int:
                 print(f"reconfig up: {', '.join(dead)} exited; stopping the stack", file=sys.stderr, flush=True)
                 return 1
             time.sleep(0.25)
-    except _Stop as stop:
+    except StopRequested as stop:
         print(f"reconfig up: {stop} received; stopping the stack", file=sys.stderr, flush=True)
         return 0
     except ClusterError as exc:
