@@ -6,8 +6,9 @@ pre-copy round; `stop` parks it at the end of its step in flight (its KV stays, 
 `commit` frees it and ends its stream with finish_reason "migrated"; `abort` schedules it again, its stream going
 on as if nothing happened. Target: `reserve` takes blocks for it, `pull` has every worker copy KV blocks out of the
 source's workers into them (serving goes on), `release` gives them back; Engine.generate(..., migrated=...) then
-adopts it, with no prefill (`admit`; or, moved without its KV, it re-prefills here). A layout switch ends every move in progress (Scheduler.cancel_moves), and a freeze
-waits for pulls in flight, so no worker writes a block the switch moves or hands to another request.
+adopts it with no prefill (`admit`; or, moved without its KV, it re-prefills here). A layout switch ends every
+move in progress (Scheduler.cancel_moves), and a freeze waits for pulls in flight, so no worker writes a block the
+switch moves or hands to another request.
 """
 
 from __future__ import annotations

@@ -97,7 +97,8 @@ async def test_migration_rpcs_refuse_with_precise_codes(instances):
             await a.migrate_out("nobody", router_pb2.MigrateOutRequest.EXPORT)
         assert error.value.code() is grpc.StatusCode.NOT_FOUND
         with pytest.raises(grpc.aio.AioRpcError) as error:
-            await a.migrate_in(router_pb2.MigrateInRequest(request_id="nobody", action=router_pb2.MigrateInRequest.PULL))
+            await a.migrate_in(router_pb2.MigrateInRequest(request_id="nobody",
+                                                           action=router_pb2.MigrateInRequest.PULL))
         assert error.value.code() is grpc.StatusCode.NOT_FOUND
         wire = request_to_pb(_request("x", PROMPTS[0]))
         with pytest.raises(grpc.aio.AioRpcError) as error:
