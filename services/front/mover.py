@@ -10,6 +10,7 @@ reconfig's 2D KV plan, so the two instances may run different layouts).
 A failure anywhere gives the reservation back and, once stopped, lets the request go on at the source: a move
 that does not complete leaves the request running where it was. A move by re-prefill skips 1 and the copy of 2:
 the target recomputes the request's prompt and what it generated (as after a preemption), with its sampling state.
+A request the source preempted back to its waiting queue has no KV to carry: it moves by re-prefill.
 """
 
 from __future__ import annotations
@@ -122,6 +123,11 @@ async def move_request(request: router_pb2.GenerateRequest, source: Instance, ta
         if state.finished:
             raise _Finished("it finished on the source first")
         result.kv_tokens = state.num_computed_tokens
+        if not state.num_computed_tokens and not reprefill:  # preempted on the source: no KV to carry
+            if reserved:
+                await target.migrate_in(IN(request_id=request_id, action=IN.RELEASE))
+            reprefill = result.reprefilled = True
+            result.kv_tokens = len(request.prompt_token_ids) + len(state.output_token_ids) - 1
         if not reprefill:
             needed = num_blocks_for(state.num_computed_tokens, block_size)
             result.kv_bytes_delta = await copy(list(state.block_table), needed, state.num_computed_tokens)

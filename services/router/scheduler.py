@@ -261,10 +261,10 @@ class Scheduler:
         return True
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        if seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-        elif self.parked.pop(seq.request_id, None) is not None:
+        if self.parked.pop(seq.request_id, None) is not None:
             self._moving_in.discard(seq.request_id)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
         else:
             self.running.remove(seq)
         seq.status = status
@@ -399,12 +399,19 @@ class Scheduler:
 
     # ---- live migration between instances (services.router.migration drives these) ------------------------------
     def park(self, request_id: str) -> bool:
-        """Stop scheduling a decoding sequence, keeping its KV blocks (it moves out): now when it is between
+        """Stop scheduling a sequence that moves out: a decoding one keeps its KV blocks, now when it is between
         steps (True), else once its step in flight returns (False; it is not scheduled meanwhile, and a step that
-        finishes it leaves it finished, not parked). KeyError: unknown; ValueError: not decoding or parked."""
+        finishes it leaves it finished, not parked); one preempted back to the waiting queue after it generated
+        has no KV (it can move only by re-prefill) and parks at once. KeyError: unknown; ValueError: not decoding
+        or preempted, or parked already."""
         seq = self._sequences[request_id]
-        if (seq.status is not SequenceStatus.RUNNING or request_id in self.parked or request_id in self._parking
-                or seq.is_prefill):
+        if request_id in self.parked or request_id in self._parking:
+            raise ValueError(f"{request_id} is moving already")
+        if seq.status is SequenceStatus.WAITING and seq.output_token_ids and not seq.num_computed_tokens:
+            self.waiting.remove(seq)
+            self.parked[request_id] = seq
+            return True
+        if seq.status is not SequenceStatus.RUNNING or seq.is_prefill:
             raise ValueError(f"{request_id} is not a decoding request")
         if request_id in self._inflight_ids:
             self._parking.add(request_id)
@@ -418,7 +425,10 @@ class Scheduler:
         if request_id in self._moving_in or request_id not in self.parked:
             raise KeyError(request_id)
         seq = self.parked.pop(request_id)
-        bisect.insort(self.running, seq, key=self._age)
+        if seq.status is SequenceStatus.WAITING:  # preempted: back to the front of the queue, as it was
+            self.waiting.appendleft(seq)
+        else:
+            bisect.insort(self.running, seq, key=self._age)
         return seq
 
     def cancel_park(self, request_id: str) -> None:

@@ -127,3 +127,36 @@ def test_a_layout_change_cancels_moves_in_progress():
     scheduler.rebind(16)
     assert not scheduler.parked and scheduler.get("in") is None and scheduler.get("out") in scheduler.running
     assert scheduler.block_manager.num_used == len(scheduler.get("out").block_ids)
+
+
+def test_a_preempted_request_parks_without_kv_and_moves_by_reprefill():
+    """Preempted back to the waiting queue after it generated, a request parks at once (no KV); unparked it goes
+    back to the front of the queue; moved, the target re-prefills prompt + outputs and the outputs are exact."""
+    a, b = make_scheduler(block_size=4), make_scheduler(block_size=4)
+    wa, wb = PagedWorkers(a.block_manager), PagedWorkers(b.block_manager)
+    a.add(seq_of("x", prompt_of(3, 6), 12))
+    a.add(seq_of("y", prompt_of(4, 5), 12))
+    for _ in range(3):
+        batch = a.schedule()
+        a.on_batch_done(batch, wa.run(batch))
+    a.freeze()
+    a.preempt_all()  # both lose their KV and wait, first in the queue
+    a.unfreeze()
+    assert a.park("x") and list(a.waiting) == [a.get("y")] and a.get("x").block_ids == []
+    a.unpark("x")
+    assert [s.request_id for s in a.waiting] == ["x", "y"]
+    assert a.park("x")
+    seq = a.get("x")
+    moved = Sequence("x", list(seq.prompt_token_ids), seq.max_tokens, seq.sampling, seq.stop_token_ids,
+                     output_token_ids=list(seq.output_token_ids))
+    b.add(moved)  # what InstanceMigrations.admit does for a move without KV
+    a.finish("x", SequenceStatus.FINISHED_ABORTED)
+    outputs = {}
+    for scheduler, worker in ((a, wa), (b, wb)):
+        while scheduler.has_unfinished:
+            batch = scheduler.schedule()
+            for update in scheduler.on_batch_done(batch, worker.run(batch)):
+                if update.finished:
+                    outputs[update.seq.request_id] = list(update.seq.output_token_ids)
+    assert outputs == {"x": expected_output(prompt_of(3, 6), 12), "y": expected_output(prompt_of(4, 5), 12)}
+    assert a.block_manager.num_used == 0 and b.block_manager.num_used == 0
