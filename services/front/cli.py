@@ -1,5 +1,5 @@
-"""`reconfigctl instances [list | drain NAME | undrain NAME]`: the front router's instances (`reconfig up
---instances N`)."""
+"""`reconfigctl instances [list | drain NAME | undrain NAME | add ADDRESS | remove NAME]`: the front router's
+instances (`reconfig up --instances N`)."""
 
 from __future__ import annotations
 
@@ -33,9 +33,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     sub = instances.add_subparsers(dest="instances_command")
     sub.add_parser("list", parents=[common], help="every instance: layout, state, requests, KV (the default)")
     for name, text in (("drain", "move an instance's requests live onto a standby one and take it out of service"),
-                       ("undrain", "put a drained instance back in service")):
+                       ("undrain", "put a drained instance back in service"),
+                       ("remove", "stop serving a drained instance that holds no request")):
         command = sub.add_parser(name, parents=[common], help=text)
         command.add_argument("name", help="the instance (i0, i1, ...)")
+    add = sub.add_parser("add", parents=[common], help="serve another instance (its router's gRPC address)")
+    add.add_argument("address", help="host:port of the instance's router gRPC")
 
 
 def _target(args: argparse.Namespace) -> tuple[str, str]:
@@ -78,6 +81,15 @@ def instances_command(args: argparse.Namespace) -> int:
             if command == "list":
                 reply = stub.ListInstances(front_pb2.ListInstancesRequest(), timeout=args.timeout, metadata=metadata)
                 text = format_instances(reply)
+            elif command == "add":
+                reply = stub.AddInstance(front_pb2.AddInstanceRequest(address=args.address), timeout=args.timeout,
+                                         metadata=metadata)
+                text = (f"{reply.name}: {reply.state} ({reply.topology}, {reply.capacity_tokens} KV tokens) at "
+                        f"{reply.address}")
+            elif command == "remove":
+                reply = stub.RemoveInstance(front_pb2.RemoveInstanceRequest(name=args.name), timeout=args.timeout,
+                                            metadata=metadata)
+                text = f"{args.name}: removed"
             else:
                 reply = stub.DrainInstance(front_pb2.DrainInstanceRequest(name=args.name, drain=command == "drain"),
                                            timeout=args.timeout, metadata=metadata)

@@ -267,6 +267,47 @@ class FrontEngine:
         moved = sum(1 for r in results if r.moved)
         return moved, len(results) - moved, instance
 
+    async def add_instance(self, address: str) -> Instance:
+        """Serve another instance from now on (on standby until the policy needs one). ValueError: it cannot serve
+        this front's requests (block size, KV, context); grpc.aio.AioRpcError: it does not answer."""
+        names = {i.name for i in self.instances}
+        name = next(f"i{n}" for n in range(len(self.instances) + 1) if f"i{n}" not in names)
+        instance = Instance(name, address, self.instances[0].token, is_up=False)  # not up yet: fail fast
+        try:
+            await instance.connect(timeout_s=10.0)
+            stats = await instance.refresh()
+            instance.is_up = True
+            block_size, capacity = self.instances[0].block_size, self.policy.config.capacity
+            if instance.block_size != block_size:
+                raise ValueError(f"{address} has KV blocks of {instance.block_size} tokens, this front {block_size}")
+            if instance.capacity_tokens < capacity:
+                raise ValueError(f"{address} holds {instance.capacity_tokens} KV tokens, the policy's instances "
+                                 f"{capacity}")
+            if stats.max_model_len < self.max_model_len:
+                raise ValueError(f"{address} takes requests of {stats.max_model_len} tokens, this front "
+                                 f"{self.max_model_len}")
+        except BaseException:
+            await instance.close()
+            raise
+        self.instances.append(instance)  # the slots see it as standby
+        self.policy.set_max_instances(len(self.instances))
+        log.info("front.instance_added", instance=name, address=address, topology=instance.topology)
+        return instance
+
+    async def remove_instance(self, name: str) -> None:
+        """Stop serving a drained instance that holds no request. KeyError: none of that name; MoveRefused: not
+        drained, or requests run there."""
+        instance = next((i for i in self.instances if i.name == name), None)
+        if instance is None:
+            raise KeyError(name)
+        if not instance.is_drained or self.requests_on(instance) or self.slots.slot_of(instance) is not None:
+            raise MoveRefused(f"{name} must be drained and hold no request before it is removed "
+                              "(reconfigctl instances drain)")
+        self.instances.remove(instance)
+        self.policy.set_max_instances(len(self.instances))
+        await instance.close()
+        log.info("front.instance_removed", instance=name)
+
     def instance_states(self) -> list[dict]:
         """Each instance as reconfigctl shows it."""
         states = []

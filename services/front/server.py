@@ -80,6 +80,23 @@ class FrontServicer(front_pb2_grpc.FrontServicer):
                                                instance=instance_status_pb(state))
 
 
+    async def AddInstance(self, request, context):  # noqa: N802
+        try:
+            instance = await self.engine.add_instance(request.address)
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{request.address} does not answer: {exc.details()}")
+        return instance_status_pb(next(s for s in self.engine.instance_states() if s["name"] == instance.name))
+
+    async def RemoveInstance(self, request, context):  # noqa: N802
+        try:
+            await self.engine.remove_instance(request.name)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no instance named {request.name!r}")
+        except MoveRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return front_pb2.RemoveInstanceResponse()
+
+
 async def start_front_grpc(engine: FrontEngine, host: str, port: int, token: str | None
                            ) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token or generate_token(), protect_all),

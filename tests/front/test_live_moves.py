@@ -121,3 +121,33 @@ async def test_migration_rpcs_refuse_with_precise_codes(instances):
     finally:
         await a.close()
     assert instances.engines[0].scheduler.block_manager.num_used == 0
+
+
+async def test_an_instance_added_at_runtime_serves_and_a_drained_one_is_removed(instances):
+    """The front starts over a and b; c (another layout) is added while it serves, takes a request moved to it,
+    then is drained (its request moves on live) and removed. Refusals: removing a serving instance, adding one
+    that does not answer."""
+    import grpc
+
+    from services.front.engine import MoveRefused
+
+    a, b, c = instances.instances
+    reference = await _reference(instances.engines[0], PROMPTS[1], "ref-added")
+    opened = type(instances)(instances.engines, [a, b], instances.model_dir, instances.servers)
+    async with open_front(opened, migrate=False) as front:
+        added = await front.add_instance(c.address)
+        assert added.name not in ("a", "b") and added.topology == "tp1pp2" and front.policy.config.max_instances == 3
+        with pytest.raises(grpc.aio.AioRpcError):
+            await front.add_instance("127.0.0.1:9")  # nothing listens there
+        tokens = []
+        async for delta in front.generate(_request("added", PROMPTS[1])):
+            tokens.extend(delta.token_ids)
+            if len(tokens) >= 5 and not front.totals.moves["moved"]:
+                assert (await front.move("added", added)).moved
+                with pytest.raises(MoveRefused):
+                    await front.remove_instance(added.name)  # serving
+                moved, failed, _ = await front.drain_instance(added.name)
+                assert (moved, failed) == (1, 0)
+        assert tokens == reference
+        await front.remove_instance(added.name)
+        assert [i.name for i in front.instances] == ["a", "b"] and front.policy.config.max_instances == 2

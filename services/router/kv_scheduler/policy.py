@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
@@ -95,6 +96,12 @@ class BasePolicy:
     def drain_migrations(self) -> list[Migration]:
         """Moves decided since the last call, redundant ones cancelled, at most one per request."""
         return self.cluster.drain()
+
+    def set_max_instances(self, max_instances: int | None) -> None:
+        """Instances may be added or removed while it runs (the front router's operator): the cap from now on
+        (instances already open stay, even past a lower cap)."""
+        config = dataclasses.replace(self.config, max_instances=max_instances)  # validated again
+        self.config = self.cluster.config = config
 
     def pin(self, request_id: str, instance_id: str | None) -> str:
         """Record where a request really is, with no migration: a move the caller could not carry out (it is still

@@ -47,6 +47,16 @@ class FrontStub:
                 request_serializer=reconfig_dot_v1_dot_front__pb2.DrainInstanceRequest.SerializeToString,
                 response_deserializer=reconfig_dot_v1_dot_front__pb2.DrainInstanceResponse.FromString,
                 _registered_method=True)
+        self.AddInstance = channel.unary_unary(
+                '/reconfig.v1.Front/AddInstance',
+                request_serializer=reconfig_dot_v1_dot_front__pb2.AddInstanceRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_front__pb2.InstanceStatus.FromString,
+                _registered_method=True)
+        self.RemoveInstance = channel.unary_unary(
+                '/reconfig.v1.Front/RemoveInstance',
+                request_serializer=reconfig_dot_v1_dot_front__pb2.RemoveInstanceRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_front__pb2.RemoveInstanceResponse.FromString,
+                _registered_method=True)
 
 
 class FrontServicer:
@@ -72,6 +82,23 @@ class FrontServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddInstance(self, request, context):
+        """Serve another instance from now on: its router's address (started elsewhere: another `reconfig
+        up`, or its services on another host). It starts on standby. INVALID_ARGUMENT: another block size,
+        less KV than the policy's instances, or a shorter context; UNAVAILABLE: it does not answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveInstance(self, request, context):
+        """Stop serving a drained instance that holds no request (its processes are the operator's).
+        FAILED_PRECONDITION: not drained, or requests still run there.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FrontServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -84,6 +111,16 @@ def add_FrontServicer_to_server(servicer, server):
                     servicer.DrainInstance,
                     request_deserializer=reconfig_dot_v1_dot_front__pb2.DrainInstanceRequest.FromString,
                     response_serializer=reconfig_dot_v1_dot_front__pb2.DrainInstanceResponse.SerializeToString,
+            ),
+            'AddInstance': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddInstance,
+                    request_deserializer=reconfig_dot_v1_dot_front__pb2.AddInstanceRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_front__pb2.InstanceStatus.SerializeToString,
+            ),
+            'RemoveInstance': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveInstance,
+                    request_deserializer=reconfig_dot_v1_dot_front__pb2.RemoveInstanceRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_front__pb2.RemoveInstanceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -143,6 +180,60 @@ class Front:
             '/reconfig.v1.Front/DrainInstance',
             reconfig_dot_v1_dot_front__pb2.DrainInstanceRequest.SerializeToString,
             reconfig_dot_v1_dot_front__pb2.DrainInstanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddInstance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Front/AddInstance',
+            reconfig_dot_v1_dot_front__pb2.AddInstanceRequest.SerializeToString,
+            reconfig_dot_v1_dot_front__pb2.InstanceStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveInstance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Front/RemoveInstance',
+            reconfig_dot_v1_dot_front__pb2.RemoveInstanceRequest.SerializeToString,
+            reconfig_dot_v1_dot_front__pb2.RemoveInstanceResponse.FromString,
             options,
             channel_credentials,
             insecure,
