@@ -30,6 +30,7 @@ from services.front.route import Route
 from services.front.slots import Slots
 from services.front.mover import MoveResult, MoveSettings, move_request
 from services.model.tokenizer import Tokenizer
+from services.router.block_manager import num_blocks_for
 from services.router.contracts import (
     EngineDrainingError, EngineStats, GenerationDelta, GenerationRequest, QueueFullError, RequestError, SwitchTotals,
 )
@@ -89,8 +90,7 @@ class FrontEngine:
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
     async def start(self) -> None:
-        await asyncio.gather(*(instance.connect() for instance in self.instances))
-        stats = await asyncio.gather(*(instance.refresh() for instance in self.instances))
+        stats = await asyncio.gather(*(instance.connect() for instance in self.instances))
         capacity = min(instance.capacity_tokens for instance in self.instances)
         self.max_model_len = min(s.max_model_len for s in stats)
         self.policy = make_policy(self.settings.policy, KVSchedulerConfig(capacity=capacity,
@@ -243,9 +243,7 @@ class FrontEngine:
         """Take an instance out of service: its slot moves to a standby instance, and so do its running requests,
         live. (moved, failed, it); KeyError: no such instance; MoveRefused: no standby instance to take its
         place. drain=False puts it back in service."""
-        instance = next((i for i in self.instances if i.name == name), None)
-        if instance is None:
-            raise KeyError(name)
+        instance = self._instance(name)
         if not drain:
             instance.is_drained = False
             return 0, 0, instance
@@ -274,8 +272,7 @@ class FrontEngine:
         name = next(f"i{n}" for n in range(len(self.instances) + 1) if f"i{n}" not in names)
         instance = Instance(name, address, self.instances[0].token, is_up=False)  # not up yet: fail fast
         try:
-            await instance.connect(timeout_s=10.0)
-            stats = await instance.refresh()
+            stats = await instance.connect(timeout_s=10.0)
             instance.is_up = True
             block_size, capacity = self.instances[0].block_size, self.policy.config.capacity
             if instance.block_size != block_size:
@@ -297,9 +294,7 @@ class FrontEngine:
     async def remove_instance(self, name: str) -> None:
         """Stop serving a drained instance that holds no request. KeyError: none of that name; MoveRefused: not
         drained, or requests run there."""
-        instance = next((i for i in self.instances if i.name == name), None)
-        if instance is None:
-            raise KeyError(name)
+        instance = self._instance(name)
         if not instance.is_drained or self.requests_on(instance) or self.slots.slot_of(instance) is not None:
             raise MoveRefused(f"{name} must be drained and hold no request before it is removed "
                               "(reconfigctl instances drain)")
@@ -307,6 +302,13 @@ class FrontEngine:
         self.policy.set_max_instances(len(self.instances))
         await instance.close()
         log.info("front.instance_removed", instance=name)
+
+    def _instance(self, name: str) -> Instance:
+        """The instance of that name (KeyError: none)."""
+        instance = next((i for i in self.instances if i.name == name), None)
+        if instance is None:
+            raise KeyError(name)
+        return instance
 
     def instance_states(self) -> list[dict]:
         """Each instance as reconfigctl shows it."""
@@ -323,7 +325,7 @@ class FrontEngine:
         return states
 
     def _unbind_released(self) -> None:
-        self.slots.release_unused(self.policy.instances(), {id(route.instance) for route in self._routes.values()})
+        self.slots.release_unused(self.policy.instances(), {id(instance) for instance in self.in_use()})
 
     def requests_on(self, instance: Instance) -> list[Route]:
         """The requests running on an instance now."""
@@ -465,8 +467,7 @@ class FrontEngine:
     def _policy_tokens(self, route: Route) -> int:
         """The KV an instance holds for the request: whole blocks, with room for its next token."""
         block_size = self.instances[0].block_size or 1
-        tokens = -(-(route.kv_tokens + 1) // block_size) * block_size
-        return min(tokens, self.policy.config.capacity)
+        return min(num_blocks_for(route.kv_tokens + 1, block_size) * block_size, self.policy.config.capacity)
 
     # ---- reporting -----------------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -42,10 +42,11 @@ class Instance:
     def metadata(self) -> tuple:
         return auth_metadata(self.token) if self.token else ()
 
-    async def connect(self, timeout_s: float = 30.0) -> None:
-        """Open the channel and read the instance's capacity and layout (waits for it to answer)."""
+    async def connect(self, timeout_s: float = 30.0) -> router_pb2.RouterStats:
+        """Open the channel and read the instance's capacity and layout (waits for it to answer while it is up);
+        returns the Stats they came from."""
         self.open()
-        await self.refresh(timeout_s)
+        return await self.refresh(timeout_s)
 
     def open(self) -> None:
         """Open the channel (nothing is sent yet)."""

@@ -98,9 +98,7 @@ class InstanceMigrations:
                 self._unpark_quietly(request_id)
                 raise TimeoutError(f"{request_id} did not reach a step boundary within {timeout_s:g} s")
             await self.engine.wait_step(remaining)
-        if seq.is_finished or request_id not in scheduler.parked:
-            return _state(seq, finished=True), await self.kv_source()
-        return _state(seq), await self.kv_source()
+        return _state(seq, finished=request_id not in scheduler.parked), await self.kv_source()
 
     def commit(self, request_id: str) -> None:
         """The request runs on another instance now: free its blocks and end its stream here ("migrated")."""

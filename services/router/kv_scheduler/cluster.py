@@ -67,23 +67,19 @@ class Cluster:
     # -- instances -------------------------------------------------------------------------
     def open(self) -> int:
         """Open a new (empty) instance and return its index."""
-        if self.config.max_instances is not None and len(self.loads) >= self.config.max_instances:
-            raise SchedulerError(f"all {self.config.max_instances} instances are in use")
+        self._check_room()
         if self._free_slots:
             index = heapq.heappop(self._free_slots)
         else:
             index, self._next_slot = self._next_slot, self._next_slot + 1
-        self.loads[index] = 0
-        self.members[index] = {}
-        self.class_counts[index] = [0] * len(SizeClass)
+        self._activate(index)
         return index
 
     def reopen(self, index: int) -> None:
         """Open the released slot `index` again (a request the caller could not move is still there)."""
         if index in self.loads:
             return
-        if self.config.max_instances is not None and len(self.loads) >= self.config.max_instances:
-            raise SchedulerError(f"all {self.config.max_instances} instances are in use")
+        self._check_room()
         if index in self._free_slots:
             self._free_slots.remove(index)
             heapq.heapify(self._free_slots)
@@ -91,6 +87,13 @@ class Cluster:
             self._free_slots.extend(range(self._next_slot, index))
             heapq.heapify(self._free_slots)
             self._next_slot = index + 1
+        self._activate(index)
+
+    def _check_room(self) -> None:
+        if self.config.max_instances is not None and len(self.loads) >= self.config.max_instances:
+            raise SchedulerError(f"all {self.config.max_instances} instances are in use")
+
+    def _activate(self, index: int) -> None:
         self.loads[index] = 0
         self.members[index] = {}
         self.class_counts[index] = [0] * len(SizeClass)
