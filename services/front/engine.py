@@ -83,6 +83,7 @@ class FrontEngine:
         self._routes: dict[str, Route] = {}
         self.slots = Slots(instances)  # policy instance ids -> the instances they are bound to
         self._moves: set[asyncio.Task] = set()
+        self._kv_unreachable: set[tuple[str, str]] = set()  # (source, target) whose KV moves were refused
         self._task: asyncio.Task | None = None
         self._last_tick = time.monotonic()
         self._room = asyncio.Event()  # set when a request left (room for one waiting to be placed)
@@ -299,6 +300,7 @@ class FrontEngine:
             raise MoveRefused(f"{name} must be drained and hold no request before it is removed "
                               "(reconfigctl instances drain)")
         self.instances.remove(instance)
+        self._kv_unreachable = {pair for pair in self._kv_unreachable if name not in pair}
         self.policy.set_max_instances(len(self.instances))
         await instance.close()
         log.info("front.instance_removed", instance=name)
@@ -410,6 +412,10 @@ class FrontEngine:
         route.moving = True
         return await self._move(route, target, reprefill=reprefill)
 
+    def _by_reprefill(self, source: Instance, target: Instance, chosen: bool) -> bool:
+        """A move goes by re-prefill where chosen, or where the target could not read the source's KV before."""
+        return chosen or (source.name, target.name) in self._kv_unreachable
+
     async def _move(self, route: Route, target: Instance, policy_source: str | None = None,
                     reprefill: bool = False) -> MoveResult:
         """Move the request; keep the policy's view true: a policy move that failed is pinned back on its
@@ -417,13 +423,16 @@ class FrontEngine:
         source, source_call = route.instance, route.latest_call
         successor = route.successors[id(source_call)] = asyncio.get_running_loop().create_future()
         try:
-            result = await move_request(route.wire, source, target, self.settings.move, reprefill)
+            result = await move_request(route.wire, source, target, self.settings.move,
+                                        self._by_reprefill(source, target, reprefill))
         except BaseException:
             route.successors.pop(id(source_call), None)
             raise
         finally:
             route.moving = False
         request_id = route.request.request_id
+        if result.kv_unreachable:
+            self._kv_unreachable.add((source.name, target.name))
         if result.moved:
             route.instance, route.latest_call = target, result.call
             successor.set_result(result.call)

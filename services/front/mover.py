@@ -10,7 +10,9 @@ reconfig's 2D KV plan, so the two instances may run different layouts).
 A failure anywhere gives the reservation back and, once stopped, lets the request go on at the source: a move
 that does not complete leaves the request running where it was. A move by re-prefill skips 1 and the copy of 2:
 the target recomputes the request's prompt and what it generated (as after a preemption), with its sampling state.
-A request the source preempted back to its waiting queue has no KV to carry: it moves by re-prefill.
+A request the source preempted back to its waiting queue has no KV to carry: it moves by re-prefill. So does one
+whose KV the target cannot read (FAILED_PRECONDITION on the first pull: another host, a GPU pool); the result says
+so (`kv_unreachable`), and the front sends that pair's later moves by re-prefill from the start.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class MoveResult:
     downtime_s: float = 0.0       # stop to commit: the request made no progress meanwhile
     reprefilled: bool = False     # moved without its KV: the target re-prefilled it
     kv_tokens: int = 0            # the tokens whose KV the move carried (or the target re-prefilled)
+    kv_unreachable: bool = False  # the target could not read the source's KV: it moved by re-prefill instead
     seconds: float = 0.0
     call: object = None           # the target's Generate stream (its first response read) when moved
 
@@ -60,6 +63,10 @@ class _Failed(Exception):
 
 class _Finished(_Failed):
     """The source no longer has the request: it ended before the front read its end."""
+
+
+class _Unreachable(Exception):
+    """The target cannot read the source's KV pools (FAILED_PRECONDITION): the move goes on by re-prefill."""
 
 
 async def _source_state(source: Instance, request_id: str, action: int, timeout_s: float = 30.0):
@@ -102,19 +109,37 @@ async def move_request(request: router_pb2.GenerateRequest, source: Instance, ta
                 reserved = list(grown.block_ids)
             if upto <= copied:
                 return 0
-            pulled = await target.migrate_in(IN(request_id=request_id, action=IN.PULL, source=state.source,
-                                                src_block_ids=table[copied:upto],
-                                                dst_block_ids=reserved[copied:upto]))
+            try:
+                pulled = await target.migrate_in(IN(request_id=request_id, action=IN.PULL, source=state.source,
+                                                    src_block_ids=table[copied:upto],
+                                                    dst_block_ids=reserved[copied:upto]))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.FAILED_PRECONDITION and not copied:
+                    raise _Unreachable(exc.details()) from None
+                raise
             copied = upto
             return pulled.kv_bytes
+
+        async def carry_no_kv(why: str) -> None:  # from here on, a move by re-prefill
+            nonlocal reprefill
+            if reserved:
+                await target.migrate_in(IN(request_id=request_id, action=IN.RELEASE))
+            reprefill = result.reprefilled = True
+            log.info("front.move_by_reprefill", request_id=request_id, source=source.name, target=target.name,
+                     why=why)
 
         while result.rounds < settings.max_rounds and not reprefill:
             full = state.num_computed_tokens // block_size
             if full - copied <= settings.delta_blocks and result.rounds:
                 break
             # Reserve a little past today's KV: the request decodes on while the rounds run.
-            result.kv_bytes_precopied += await copy(list(state.block_table), full,
-                                                    state.num_computed_tokens + 2 * block_size)
+            try:
+                result.kv_bytes_precopied += await copy(list(state.block_table), full,
+                                                        state.num_computed_tokens + 2 * block_size)
+            except _Unreachable as exc:
+                result.kv_unreachable = True
+                await carry_no_kv(str(exc))
+                break
             result.rounds += 1
             state = await _source_state(source, request_id, OUT.EXPORT)
         stop_at = time.perf_counter()
@@ -122,15 +147,17 @@ async def move_request(request: router_pb2.GenerateRequest, source: Instance, ta
         stopped = not state.finished
         if state.finished:
             raise _Finished("it finished on the source first")
-        result.kv_tokens = state.num_computed_tokens
         if not state.num_computed_tokens and not reprefill:  # preempted on the source: no KV to carry
-            if reserved:
-                await target.migrate_in(IN(request_id=request_id, action=IN.RELEASE))
-            reprefill = result.reprefilled = True
-            result.kv_tokens = len(request.prompt_token_ids) + len(state.output_token_ids) - 1
+            await carry_no_kv("preempted on the source")
         if not reprefill:
             needed = num_blocks_for(state.num_computed_tokens, block_size)
-            result.kv_bytes_delta = await copy(list(state.block_table), needed, state.num_computed_tokens)
+            try:
+                result.kv_bytes_delta = await copy(list(state.block_table), needed, state.num_computed_tokens)
+            except _Unreachable as exc:
+                result.kv_unreachable = True
+                await carry_no_kv(str(exc))
+        result.kv_tokens = (len(request.prompt_token_ids) + len(state.output_token_ids) - 1 if reprefill
+                            else state.num_computed_tokens)
         resumed = router_pb2.GenerateRequest()
         resumed.CopyFrom(request)
         resumed.migrated.output_token_ids[:] = state.output_token_ids

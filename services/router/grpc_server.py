@@ -39,6 +39,9 @@ ADMIN_METHODS = tuple(f"/{_SERVICE}/{name}" for name in ("Freeze", "Rebind", "Re
                                                                    "MigrateIn"))
 DEFAULT_FREEZE_TIMEOUT_S = 60.0
 MAX_KV_BLOCKS = 1 << 22       # the block manager lists its free ids: a larger capacity is a bad request, not a GiB
+# A worker's answers to ImportKV that the router passes on as they are: the source's KV is out of this worker's reach
+# (another host, a GPU pool), or the request does not fit this pool.
+_WORKER_REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
 
 
 class AdminEngine(EngineProtocol, Protocol):
@@ -290,8 +293,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if request.action == router_pb2.MigrateInRequest.PULL:
                 if len(request.src_block_ids) != len(request.dst_block_ids):
                     raise ValueError("src_block_ids and dst_block_ids must have the same length")
-                pulled = await migrations.pull(request.request_id, request.source, request.src_block_ids,
-                                               request.dst_block_ids)
+                try:
+                    pulled = await migrations.pull(request.request_id, request.source, request.src_block_ids,
+                                                   request.dst_block_ids)
+                except grpc.aio.AioRpcError as exc:  # a worker's refusal keeps its code (the mover reads it)
+                    if exc.code() not in _WORKER_REFUSALS:
+                        raise
+                    await context.abort(exc.code(), f"worker: {exc.details()}")
                 return router_pb2.MigrateInResponse(kv_bytes=pulled.kv_bytes, seconds=pulled.seconds)
             generation = request_from_pb(request.request, self.engine.tokenizer)
             return router_pb2.MigrateInResponse(block_ids=migrations.reserve(generation, request.num_tokens))

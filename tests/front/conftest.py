@@ -29,15 +29,19 @@ def front_checkpoint(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def start_clusters(checkpoint, layouts=LAYOUTS, faults: tuple[str, ...] = ("", "", ""), kv_cache_bytes=1 << 20):
-    """A LocalCluster per instance; the first one's weight store serves them all (as `reconfig up --instances`)."""
+def start_clusters(checkpoint, layouts=LAYOUTS, faults: tuple[str, ...] = ("", "", ""), kv_cache_bytes=1 << 20,
+                   device: str = "cpu"):
+    """A LocalCluster per instance; the first one's weight store serves them all (as `reconfig up --instances`).
+    device="cuda": every instance's workers on GPU 0 (tests/gpu)."""
     with contextlib.ExitStack() as stack:
         clusters: list[LocalCluster] = []
         for (topology, workers), fault in zip(layouts, faults):
+            gpu = dict(device="cuda", gpus=(0,), gpu_sharing=workers > 1, collective_timeout_s=30) \
+                if device == "cuda" else {}
             clusters.append(stack.enter_context(LocalCluster(ClusterConfig(
                 model=str(checkpoint), num_workers=workers, topology=topology, kv_cache_bytes=kv_cache_bytes,
                 block_size=4, candidate_topologies=(topology,), num_threads=1, faults=fault,
-                weightstore_address=clusters[0].weightstore_address if clusters else ""))))
+                weightstore_address=clusters[0].weightstore_address if clusters else "", **gpu))))
         yield clusters
 
 

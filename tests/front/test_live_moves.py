@@ -151,3 +151,42 @@ async def test_an_instance_added_at_runtime_serves_and_a_drained_one_is_removed(
         assert tokens == reference
         await front.remove_instance(added.name)
         assert [i.name for i in front.instances] == ["a", "b"] and front.policy.config.max_instances == 2
+
+
+async def test_a_move_whose_kv_the_target_cannot_read_goes_by_reprefill(instances, monkeypatch):
+    """Instance a says its KV lives on another host (as a source across hosts or in a GPU pool would): the
+    target's workers refuse the pull (FAILED_PRECONDITION, passed on by its router), the move goes on by
+    re-prefill with exact tokens, and the next move on that pair re-prefills from the start (no reservation)."""
+    from services.rpc.reconfig.v1.router_pb2 import MigrateInRequest as IN
+
+    a, b, _ = instances.instances
+    export = a.migrate_out
+
+    async def elsewhere(request_id, action, timeout_s=30.0):
+        state = await export(request_id, action, timeout_s)
+        state.source.hostname = "another-host"
+        return state
+
+    asked_b = []
+    migrate_in = b.migrate_in
+
+    async def counted(request, timeout_s=60.0):
+        asked_b.append(request.action)
+        return await migrate_in(request, timeout_s)
+
+    monkeypatch.setattr(a, "migrate_out", elsewhere)
+    monkeypatch.setattr(b, "migrate_in", counted)
+    expected = [await _reference(instances.engines[0], p, f"far-ref-{i}") for i, p in enumerate(PROMPTS[2:])]
+    async with open_front(instances, migrate=False) as front:
+        first, first_moves = await _run_with_moves(front, _request("far-1", PROMPTS[2]), [(9, b)])
+        assert first == expected[0]
+        assert first_moves[0].moved and first_moves[0].reprefilled and first_moves[0].kv_unreachable
+        assert asked_b.count(IN.PULL) == 1  # refused once
+        asked_b.clear()
+        second, second_moves = await _run_with_moves(front, _request("far-2", PROMPTS[3]), [(9, b)])
+        assert second == expected[1]
+        assert second_moves[0].moved and second_moves[0].reprefilled and not second_moves[0].kv_unreachable
+        assert IN.RESERVE not in asked_b and IN.PULL not in asked_b  # straight to re-prefill
+        assert front.totals.reprefilled == 2 and front.totals.kv_bytes_moved == 0
+    for engine in instances.engines:
+        assert engine.scheduler.block_manager.num_used == 0

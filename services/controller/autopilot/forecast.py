@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from statsmodels.tsa.holtwinters import ExponentialSmoothing
 
 MODELS = ("seasonal", "trend", "mean")  # from the richest to the fallback of last resort
 
@@ -136,6 +135,9 @@ def _fitted_models(history: np.ndarray, config: ForecastConfig, horizon: int) ->
 
 def _fit(model: str, history: np.ndarray, config: ForecastConfig, horizon: int) -> np.ndarray | None:
     """Counts per bucket for the next `horizon` buckets, or None if the fit failed or is not finite."""
+    # Imported here: a stack that never forecasts (the GPU image has no statsmodels) does not need it.
+    from statsmodels.tsa.holtwinters import ExponentialSmoothing
+
     options = dict(seasonal="add", seasonal_periods=config.season_buckets,
                    initialization_method="legacy-heuristic") if model == "seasonal" else \
         dict(initialization_method="estimated")

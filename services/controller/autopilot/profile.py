@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from scipy.optimize import nnls
 
 from services.model.cache import default_cache_dir
 from services.topology import Topology
@@ -252,6 +251,8 @@ class Profile:
 def fit_layout(layout: str, decode: Sequence[DecodeSample], prefill: Sequence[PrefillSample], kv_blocks: int,
                block_size: int, num_workers: int, kv_pools: int = 1) -> LayoutModel:
     """Non-negative least squares of the step model over one layout's samples (ValueError without decode ones)."""
+    from scipy.optimize import nnls  # here: only calibration fits (the GPU image has no scipy)
+
     rows = [s for s in decode if s.layout == layout]
     if not rows:
         raise ValueError(f"no decode samples for {layout}")
