@@ -97,12 +97,14 @@ async def move_request(request: router_pb2.GenerateRequest, source: Instance, ta
         copied = 0  # leading blocks of the request already copied
         reserved: list[int] = []
 
-        epoch = state.kv_epoch
+        epoch = (state.kv_epoch, state.pool_epoch)
 
         async def copy(table, upto: int, num_tokens: int) -> int:
             nonlocal reserved, copied, epoch
-            if state.kv_epoch != epoch:  # preempted on the source since: what was copied is stale
-                copied, epoch = 0, state.kv_epoch
+            # Preempted on the source since, or the source froze (a switch may have replaced the pools a pull read
+            # from): what was copied is stale.
+            if (state.kv_epoch, state.pool_epoch) != epoch:
+                copied, epoch = 0, (state.kv_epoch, state.pool_epoch)
             if len(reserved) < upto:
                 grown = await target.migrate_in(IN(request_id=request_id, action=IN.RESERVE, request=request,
                                                    num_tokens=min(limit, max(num_tokens, upto * block_size))))

@@ -172,15 +172,16 @@ class Driver:
         stages = {i.pp_rank: i.layer_end - i.layer_start for i in self.infos if i.num_kv_blocks > 0}
         return [stages[stage] for stage in sorted(stages)]
 
-    async def kv_pools(self) -> dict[int, dict[int, str]]:
-        """Each active worker's KV pool (rank -> layer -> shared-memory segment; empty off CPU), for another
-        instance to read (live request migration)."""
+    async def kv_pools(self) -> dict[int, worker_pb2.PeerPool]:
+        """Each active worker's KV pool by rank (layer -> shared-memory segment on CPU, -> CUDA IPC handle on a
+        GPU), for another instance on this host to read (live request migration)."""
         topology = self.infos[0].topology if self.infos else ""
         replies = await asyncio.gather(*(stream.stub.PrepareSwitch(
-            worker_pb2.PrepareSwitchRequest(topology=topology), timeout=30, metadata=self.metadata)
-            for stream in self._streams))
+            worker_pb2.PrepareSwitchRequest(topology=topology, export_cuda_ipc=True), timeout=30,
+            metadata=self.metadata) for stream in self._streams))
         ranks = [i.rank for i in self.infos if i.num_kv_blocks > 0]
-        return {rank: dict(reply.kv_segments) for rank, reply in zip(ranks, replies)}
+        return {rank: worker_pb2.PeerPool(kv_segments=reply.kv_segments, kv_cuda_ipc=reply.kv_cuda_ipc)
+                for rank, reply in zip(ranks, replies)}
 
     async def import_kv(self, request: worker_pb2.ImportKVRequest) -> int:
         """Every active worker copies the request's blocks from another instance's pools; the bytes copied."""

@@ -77,6 +77,7 @@ class Engine:
         self._task: asyncio.Task | None = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_freezes = 0  # a switch (even rolled back) may give the workers new pools: moves out copy again
         self.num_step_errors = 0
         self.num_full_prefills = 0  # prefills from position 0: once per request unless it was preempted
         self.switches = SwitchTotals()  # layout switches the controller reported (record_switch)
@@ -218,6 +219,7 @@ class Engine:
         """
         _check_seconds("lease_s", lease_s)
         self._is_held = True
+        self.num_freezes += 1
         self.scheduler.freeze()
         if self._expert_commit is not None:  # EPLB's commit step will not go out: that rebalance aborts
             epoch, done = self._expert_commit

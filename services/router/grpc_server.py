@@ -281,7 +281,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.MigrateOutResponse(
             block_table=state.block_table, num_computed_tokens=state.num_computed_tokens,
             output_token_ids=state.output_token_ids, source=source, finished=state.finished,
-            kv_epoch=state.kv_epoch)
+            kv_epoch=state.kv_epoch, pool_epoch=state.pool_epoch)
 
     async def MigrateIn(self, request, context):  # noqa: N802
         """The target side of a live move from another instance: reserve, pull or release."""

@@ -47,6 +47,7 @@ class RequestKV:
     output_token_ids: tuple[int, ...]  # what it generated so far
     finished: bool = False             # it finished before it could stop
     kv_epoch: int = 0                  # its prefills so far: a preemption drops the KV and changes it
+    pool_epoch: int = 0                # the instance's freezes so far: a switch may give the workers new pools
 
     def full_blocks(self, block_size: int) -> tuple[int, ...]:
         """The blocks no later step changes (full of cached tokens): what a pre-copy round may copy."""
@@ -67,7 +68,7 @@ class InstanceMigrations:
         self._pulls = 0
         self._no_pulls = asyncio.Event()
         self._no_pulls.set()
-        self._source: tuple[object, worker_pb2.KVSource] | None = None  # (the driver it was read from, it)
+        self._source: tuple[tuple, worker_pb2.KVSource] | None = None  # ((driver, freezes) it was read at, it)
         self.num_out = 0          # moves committed out of / adopted into this instance
         self.num_in = 0
         self.kv_bytes_in = 0
@@ -79,7 +80,7 @@ class InstanceMigrations:
         seq = self._sequence(request_id)
         if request_id in self.engine.scheduler.parked:
             raise MigrationRefused(f"{request_id} is already moving")
-        return _state(seq), await self.kv_source()
+        return self._state(seq), await self.kv_source()
 
     async def stop(self, request_id: str, timeout_s: float) -> tuple[RequestKV, worker_pb2.KVSource]:
         """Park the request at the end of its step in flight (TimeoutError past timeout_s: it goes on here);
@@ -98,10 +99,12 @@ class InstanceMigrations:
                 self._unpark_quietly(request_id)
                 raise TimeoutError(f"{request_id} did not reach a step boundary within {timeout_s:g} s")
             await self.engine.wait_step(remaining)
-        return _state(seq, finished=request_id not in scheduler.parked), await self.kv_source()
+        return self._state(seq, finished=request_id not in scheduler.parked), await self.kv_source()
 
     def commit(self, request_id: str) -> None:
-        """The request runs on another instance now: free its blocks and end its stream here ("migrated")."""
+        """The request runs on another instance now: free its blocks and end its stream here ("migrated").
+        Refused while frozen: a switch under way may have given the workers new pools after the last pull."""
+        self._check_not_frozen()
         if request_id not in self.engine.scheduler.parked or self.engine.scheduler.is_moving_in(request_id):
             raise KeyError(request_id)
         self.engine.scheduler.finish(request_id, SequenceStatus.FINISHED_ABORTED)
@@ -173,15 +176,20 @@ class InstanceMigrations:
 
     # ---- helpers -----------------------------------------------------------------------------------------------
     async def kv_source(self) -> worker_pb2.KVSource:
-        """Where this instance's KV lives (read once per set of workers: a switch's rebind replaces the driver)."""
+        """Where this instance's KV lives (read again after every freeze: a switch, even a rolled-back one, may give
+        the workers new pools, and with them new segments and IPC handles)."""
         driver = self.engine.driver
-        if self._source is None or self._source[0] is not driver:
+        read_at = (id(driver), self.engine.num_freezes)
+        if self._source is None or self._source[0] != read_at:
             pools = await driver.kv_pools()
-            self._source = (driver, worker_pb2.KVSource(
-                topology=str(self.engine.topology), layer_partition=driver.layer_partition(),
-                pools={index: worker_pb2.PeerPool(kv_segments=segments) for index, segments in pools.items()},
+            self._source = (read_at, worker_pb2.KVSource(
+                topology=str(self.engine.topology), layer_partition=driver.layer_partition(), pools=pools,
                 block_size=driver.block_size, hostname=socket.gethostname()))
         return self._source[1]
+
+    def _state(self, seq: Sequence, finished: bool = False) -> RequestKV:
+        return RequestKV(tuple(seq.block_ids), seq.num_computed_tokens, tuple(seq.output_token_ids),
+                         finished or seq.is_finished, seq.num_prefills, self.engine.num_freezes)
 
     def _sequence(self, request_id: str) -> Sequence:
         seq = self.engine.scheduler.get(request_id)
@@ -202,8 +210,3 @@ class InstanceMigrations:
         else:
             scheduler.cancel_park(request_id)
         self.engine.wake()
-
-
-def _state(seq: Sequence, finished: bool = False) -> RequestKV:
-    return RequestKV(tuple(seq.block_ids), seq.num_computed_tokens, tuple(seq.output_token_ids),
-                     finished or seq.is_finished, seq.num_prefills)

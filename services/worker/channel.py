@@ -3,6 +3,8 @@
 Every rank calls `exchange` once per layer with what it sends and what it receives (a collective step):
 - `ShmChannel` (CPU, one host): KV pools live in shared memory; a receiver maps the sender's pool and reads the
   blocks straight out of it by block id (one copy, no staging, no RPC). Sends are no-ops.
+- `CudaIpcChannel` (GPU, one host, another instance's workers): the same reads out of a peer's GPU pool opened
+  through its CUDA IPC handle (live request migration between instances).
 - `DistChannel` (torch.distributed): point-to-point send/recv of the sliced blocks over the world's device group —
   gloo between CPU hosts, NCCL between GPUs on one node or many (the multi-node path). A transfer carries the
   blocks of its (src_pool, dst_pool) block map, packed in the map's order.
@@ -18,6 +20,7 @@ import torch
 
 from services.topology import KVMigrationPlan, KVTransfer
 from services.weightstore.shm import ShmSegment
+from services.worker.cuda_ipc import OpenedHandle
 from services.worker.parallel import ParallelState
 
 
@@ -47,17 +50,16 @@ class Source:
     by_block_id: bool
 
 
-class ShmChannel:
-    """Receivers copy straight out of the senders' shared-memory pools."""
+class _PeerPoolChannel:
+    """Receivers copy straight out of the senders' pools, each mapped by the receiver for one layer. Sends are
+    no-ops. Subclasses say how a peer's pool of a layer is mapped (`_attach`: a flat tensor and its closer)."""
 
     needs_outgoing = False  # peers read the pools themselves
 
-    def __init__(self, pools: dict[int, dict[int, str]], plan: KVMigrationPlan, block_size: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
-        self.pools = pools  # rank -> layer -> segment name (PrepareSwitch)
+    def __init__(self, plan: KVMigrationPlan, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
         self.plan = plan
         self.block_size, self.head_dim, self.dtype = block_size, head_dim, dtype
-        self._open: dict[int, ShmSegment] = {}  # this layer's peer pools, closed at the next layer
+        self._open: dict[int, tuple[torch.Tensor, object]] = {}  # this layer's peer pools, closed at the next
 
     def exchange(self, layer, outgoing, incoming):
         """Map each sender's pool for this layer: the caller copies straight out of it (no staging copy)."""
@@ -66,27 +68,57 @@ class ShmChannel:
         for transfer in incoming:
             if transfer.src_rank not in self._open:
                 self._open[transfer.src_rank] = self._attach(transfer.src_rank, layer)
-            pool = self._view(self._open[transfer.src_rank], transfer.src_rank)
+            pool = self._view(self._open[transfer.src_rank][0], transfer.src_rank)
             received[transfer] = Source(pool, transfer.src_head_offset, by_block_id=True)
         return received
 
-    def _attach(self, rank: int, layer: int) -> ShmSegment:
+    def _attach(self, rank: int, layer: int) -> tuple[torch.Tensor, object]:
+        raise NotImplementedError
+
+    def _view(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        num_heads = len(self.plan.old_local_kv_heads(rank))
+        per_block = 2 * self.block_size * num_heads * self.head_dim
+        count = flat.numel()
+        return flat[:count - count % per_block].view(2, -1, self.block_size, num_heads, self.head_dim)
+
+    def close(self) -> None:
+        for _, mapping in self._open.values():
+            mapping.close()
+        self._open.clear()
+
+
+class ShmChannel(_PeerPoolChannel):
+    """CPU, one host: the senders' pools are shared-memory segments (PrepareSwitch's kv_segments)."""
+
+    def __init__(self, pools: dict[int, dict[int, str]], plan: KVMigrationPlan, block_size: int, head_dim: int,
+                 dtype: torch.dtype) -> None:
+        super().__init__(plan, block_size, head_dim, dtype)
+        self.pools = pools  # rank -> layer -> segment name
+
+    def _attach(self, rank: int, layer: int) -> tuple[torch.Tensor, ShmSegment]:
         name = self.pools.get(rank, {}).get(layer)
         if not name:
             raise RuntimeError(f"rank {rank} reported no KV segment for layer {layer}")
-        return ShmSegment.attach(name, readonly=True, copy_on_write=True)  # reads never touch the peer
-
-    def _view(self, segment: ShmSegment, rank: int) -> torch.Tensor:
-        num_heads = len(self.plan.old_local_kv_heads(rank))
-        per_block = 2 * self.block_size * num_heads * self.head_dim
+        segment = ShmSegment.attach(name, readonly=True, copy_on_write=True)  # reads never touch the peer
         count = segment.size // self.dtype.itemsize
-        flat = torch.frombuffer(segment.buffer, dtype=self.dtype, count=count - count % per_block)
-        return flat.view(2, -1, self.block_size, num_heads, self.head_dim)
+        return torch.frombuffer(segment.buffer, dtype=self.dtype, count=count), segment
 
-    def close(self) -> None:
-        for segment in self._open.values():
-            segment.close()
-        self._open.clear()
+
+class CudaIpcChannel(_PeerPoolChannel):
+    """GPU, one host, another process (another instance's workers): the senders' pools are opened through their
+    CUDA IPC handles (PrepareSwitch's kv_cuda_ipc) and read on this worker's device."""
+
+    def __init__(self, handles: dict[int, dict[int, bytes]], plan: KVMigrationPlan, block_size: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(plan, block_size, head_dim, dtype)
+        self.handles, self.device = handles, device  # rank -> layer -> IPC handle
+
+    def _attach(self, rank: int, layer: int) -> tuple[torch.Tensor, OpenedHandle]:
+        handle = self.handles.get(rank, {}).get(layer)
+        if not handle:
+            raise RuntimeError(f"rank {rank} reported no CUDA IPC handle for layer {layer}")
+        opened = OpenedHandle(handle, self.dtype, self.device)
+        return opened.tensor, opened
 
 
 class DistChannel:

@@ -1,7 +1,8 @@
 """The worker-side paged KV cache: one tensor per local layer, sized from a memory budget.
 
 On CPU every layer lives in its own POSIX shared-memory segment, so a peer worker can copy a layer's blocks
-straight out of it during a live reconfiguration (one memcpy, no staging, no RPC).
+straight out of it during a live reconfiguration (one memcpy, no staging, no RPC). On a GPU a worker of another
+instance on the same host reads a layer through its CUDA IPC handle instead (live request migration).
 """
 
 from __future__ import annotations
@@ -9,9 +10,13 @@ from __future__ import annotations
 import itertools
 import os
 
+import structlog
 import torch
 
 from services.weightstore.shm import ShmSegment, cleanup_stale_segments, segment_name
+from services.worker.cuda_ipc import IpcUnavailable, export_handle
+
+log = structlog.get_logger(__name__)
 
 KV_SEGMENT_PREFIX = "reconfig-kv-"
 _serial = itertools.count()
@@ -39,6 +44,7 @@ class KVLayer:
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         self.segment: ShmSegment | None = None
+        self._ipc_handle = b""  # a GPU layer's CUDA IPC handle, taken when first asked for
         if device.type == "cpu":
             num_bytes = max(1, int(torch.Size(shape).numel()) * dtype.itemsize)
             self.segment = ShmSegment.create(segment_name(os.getpid(), next(_serial), KV_SEGMENT_PREFIX), num_bytes)
@@ -51,9 +57,17 @@ class KVLayer:
     def segment_name(self) -> str:
         return self.segment.name if self.segment is not None else ""
 
+    @property
+    def cuda_ipc_handle(self) -> bytes:
+        """A GPU layer's CUDA IPC handle (cuda_ipc.py), for a worker of another instance on this host; b"" on CPU."""
+        if not self._ipc_handle and self.tensor is not None and self.tensor.device.type == "cuda":
+            self._ipc_handle = export_handle(self.tensor)
+        return self._ipc_handle
+
     def free(self) -> None:
         """Release the storage (the tensor must not be used afterwards)."""
         self.tensor = None
+        self._ipc_handle = b""
         if self.segment is not None:
             self.segment.unlink()
             self.segment.close()
@@ -106,6 +120,16 @@ class KVCache:
     def segment_names(self) -> dict[int, str]:
         """Global layer id -> shared-memory segment name (for peers mapping this cache)."""
         return {layer: kv.segment_name for layer, kv in self._layers.items()}
+
+    def cuda_ipc_handles(self) -> dict[int, bytes]:
+        """Global layer id -> CUDA IPC handle of a GPU cache ({} on CPU), for another instance's workers."""
+        if self.device.type != "cuda":
+            return {}
+        try:
+            return {layer: kv.cuda_ipc_handle for layer, kv in self._layers.items() if kv.tensor is not None}
+        except IpcUnavailable as exc:  # the importer refuses, and the move goes by re-prefill
+            log.warning("worker.kv_not_exportable", error=str(exc))
+            return {}
 
     @property
     def num_bytes(self) -> int:

@@ -4,8 +4,9 @@ pool (live request migration between instances, MELL).
 The source instance may run another layout: the 2D plan (layers x KV heads) from the source's placement to this
 instance's says which source worker holds each slice this worker needs; the source's worker ranks are put past
 this world's (`SOURCE_RANK_BASE + active index`) so that no transfer reads as local. Blocks change ids (the
-source's ids -> the ones this router reserved); the copy reads the source pools in shared memory (one memcpy per
-run of blocks, nothing on the source's steps) and writes only the reserved blocks, which no step uses yet.
+source's ids -> the ones this router reserved); the copy reads the source pools where they are, in shared memory
+(CPU) or through their CUDA IPC handles (GPU; one host, either way): one copy per run of blocks, nothing on the
+source's steps, and it writes only the reserved blocks, which no step uses yet.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.model.spec import ModelShape
 from services.topology import Placement, Topology, place, plan_kv_migration
-from services.worker.channel import ShmChannel
+from services.worker.channel import CudaIpcChannel, ShmChannel
 from services.worker.kv_cache import KVCache
 from services.worker.kv_migration import MigrationStats, fill_layer, pool_blocks
 
@@ -34,14 +35,32 @@ class KVSourceSpec:
 
     topology: Topology
     layer_partition: tuple[int, ...] | None
-    pools: dict[int, dict[int, str]]  # source active index -> layer -> shared-memory segment
+    pools: dict[int, dict[int, str]]  # source active index -> layer -> shared-memory segment (CPU)
     block_size: int
     hostname: str
+    cuda_ipc: dict[int, dict[int, bytes]] = field(default_factory=dict)  # index -> layer -> IPC handle (GPU)
 
     @classmethod
     def from_pb(cls, pb) -> KVSourceSpec:
         return cls(Topology.parse(pb.topology), tuple(pb.layer_partition) or None,
-                   {index: dict(pool.kv_segments) for index, pool in pb.pools.items()}, pb.block_size, pb.hostname)
+                   {index: dict(pool.kv_segments) for index, pool in pb.pools.items()}, pb.block_size, pb.hostname,
+                   {index: dict(pool.kv_cuda_ipc) for index, pool in pb.pools.items() if pool.kv_cuda_ipc})
+
+    def channel(self, plan, cache: KVCache):
+        """How this worker reads the source's pools: shared memory between CPU pools, CUDA IPC between GPU ones
+        (ImportRefused for a mix, or a GPU source that exported no handles)."""
+        ranks = range(self.topology.num_workers)
+        if cache.device.type == "cpu":
+            if self.cuda_ipc or not all(any(self.pools.get(i, {}).values()) for i in ranks):
+                raise ImportRefused("the source's KV is not in shared memory (a GPU pool) and this worker's is: "
+                                    "an import between them needs the distributed channel")
+            return ShmChannel({SOURCE_RANK_BASE + i: pool for i, pool in self.pools.items()}, plan,
+                              cache.block_size, cache.head_dim, cache.dtype)
+        if sorted(self.cuda_ipc) != list(ranks):
+            raise ImportRefused("the source exported no CUDA IPC handles of its KV (a CPU pool, or an older "
+                                "worker): an import onto this GPU worker needs them")
+        return CudaIpcChannel({SOURCE_RANK_BASE + i: pool for i, pool in self.cuda_ipc.items()}, plan,
+                              cache.block_size, cache.head_dim, cache.dtype, cache.device)
 
 
 def import_kv(source: KVSourceSpec, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
@@ -55,12 +74,9 @@ def import_kv(source: KVSourceSpec, src_block_ids: Sequence[int], dst_block_ids:
         raise ValueError(f"{len(src_block_ids)} source block ids but {len(dst_block_ids)} target ones")
     if source.block_size != cache.block_size:
         raise ValueError(f"the source's blocks hold {source.block_size} tokens, this worker's {cache.block_size}")
-    if cache.device.type != "cpu":
-        raise ImportRefused("this worker's KV is not in shared memory (GPU): an import between instances needs "
-                            "the distributed channel")
     if source.hostname != socket.gethostname():
-        raise ImportRefused(f"the source's KV is on host {source.hostname!r}, not this one: shared memory is read "
-                            "only on one host")
+        raise ImportRefused(f"the source's KV is on host {source.hostname!r}, not this one: shared memory and CUDA "
+                            "IPC handles are read only on one host")
     if bad := [b for b in dst_block_ids if not 0 <= b < cache.num_blocks]:
         raise ValueError(f"target block ids {bad[:4]} are outside this pool of {cache.num_blocks} blocks")
     source_placement = place(source.topology, shape, source.layer_partition, num_redundant_experts)
@@ -69,10 +85,9 @@ def import_kv(source: KVSourceSpec, src_block_ids: Sequence[int], dst_block_ids:
         raise ValueError(f"the source lists no KV pool for its workers {missing}")
     plan = plan_kv_migration(source_placement, source_ranks, live, list(range(live.topology.num_workers)))
     stats = MigrationStats()
+    channel = source.channel(plan, cache)
     if src_block_ids:
         maps = pool_blocks({(0, 0): (list(src_block_ids), list(dst_block_ids))})
-        channel = ShmChannel({SOURCE_RANK_BASE + i: pool for i, pool in source.pools.items()}, plan,
-                             cache.block_size, cache.head_dim, cache.dtype)
         try:
             for layer in plan.new_local_layers(rank):
                 transfers = [t for t in plan.for_layer(layer) if t.dst_rank == rank]

@@ -17,6 +17,7 @@ from services.model.spec import ModelSpec
 from services.topology import Topology
 from services.worker.config import WorkerConfig
 from services.weightstore.client import fetch_manifest
+from services.worker.cuda_ipc import preload_cuda_ipc
 from services.worker.faults import FAULTS
 from services.worker.kv_cache import cleanup_stale_kv_segments
 from services.worker.shard import WorkerShard, worker_device
@@ -38,6 +39,7 @@ async def serve_worker(config: WorkerConfig, ready: Connection | None = None) ->
     backend = device_backend(config.device, config.gpu_sharing)
     if config.device == "cuda":  # before any group: NCCL binds each rank to the current device
         torch.cuda.set_device(worker_device(config))
+        preload_cuda_ipc()  # not on a live move's first pull
     parallel = await asyncio.to_thread(
         ParallelState, config.rank, config.world_size, config.store_host, config.store_port, backend,
         config.collective_timeout_s, config.join,

@@ -300,8 +300,9 @@ class WorkerShard:
         topology = Topology.parse(request.topology)
         partition = tuple(request.layer_partition) or None
         segments = self.runner.kv_cache.segment_names() if self.runner else {}
+        ipc = self.runner.kv_cache.cuda_ipc_handles() if self.runner and request.export_cuda_ipc else {}
         return worker_pb2.PrepareSwitchResponse(
-            num_kv_blocks=self.num_kv_blocks_in(topology, partition), kv_segments=segments,
+            num_kv_blocks=self.num_kv_blocks_in(topology, partition), kv_segments=segments, kv_cuda_ipc=ipc,
             is_candidate=topology in self.parallel.candidates, block_size=self.config.block_size,
             kv_dtype_bytes=self.dtype.itemsize, num_kv_blocks_now=self.runner.kv_cache.num_blocks if self.runner else 0,
         )

@@ -190,3 +190,55 @@ async def test_a_move_whose_kv_the_target_cannot_read_goes_by_reprefill(instance
         assert front.totals.reprefilled == 2 and front.totals.kv_bytes_moved == 0
     for engine in instances.engines:
         assert engine.scheduler.block_manager.num_used == 0
+
+
+async def test_a_source_that_froze_during_a_move_has_its_kv_copied_again(instances, monkeypatch):
+    """The source freezes and resumes (as a switch or a rolled-back one does, which may give its workers new
+    pools) after the pre-copy and before the stop: the stop's pool epoch differs, so the mover copies every block
+    again, and the tokens stay exact. A commit while the source is frozen is refused (UNAVAILABLE)."""
+    import grpc
+
+    from services.rpc.reconfig.v1.router_pb2 import MigrateInRequest as IN
+    from services.rpc.reconfig.v1.router_pb2 import MigrateOutRequest as OUT
+
+    a, b, _ = instances.instances
+    source_engine = instances.engines[0]
+    expected = await _reference(source_engine, PROMPTS[2], "froze-ref")
+    pulled: list[list[int]] = []
+    migrate_out, migrate_in = a.migrate_out, b.migrate_in
+
+    async def freezing(request_id, action, timeout_s=30.0):
+        if action == OUT.STOP and not pulled[1:]:
+            await source_engine.freeze(10)
+            source_engine.resume()
+        return await migrate_out(request_id, action, timeout_s)
+
+    async def recorded(request, timeout_s=60.0):
+        if request.action == IN.PULL:
+            pulled.append(list(request.src_block_ids))
+        return await migrate_in(request, timeout_s)
+
+    monkeypatch.setattr(a, "migrate_out", freezing)
+    monkeypatch.setattr(b, "migrate_in", recorded)
+    async with open_front(instances, migrate=False) as front:
+        tokens, moves = await _run_with_moves(front, _request("froze", PROMPTS[2]), [(9, b)])
+    assert tokens == expected and moves[0].moved and not moves[0].reprefilled
+    assert len(pulled) == 2 and pulled[1][:len(pulled[0])] == pulled[0]  # the delta started over from block 0
+
+    await a.connect()
+    try:
+        async with open_front(instances, migrate=False) as front:
+            stream = front.generate(_request("frozen-commit", PROMPTS[0]))
+            await anext(stream)
+            await migrate_out("frozen-commit", OUT.STOP)
+            await source_engine.freeze(10)
+            try:
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await migrate_out("frozen-commit", OUT.COMMIT)
+                assert error.value.code() is grpc.StatusCode.UNAVAILABLE
+            finally:
+                source_engine.resume()
+            await migrate_out("frozen-commit", OUT.ABORT)  # it goes on at its source
+            assert len([t async for d in stream for t in d.token_ids]) == MAX_TOKENS - 1
+    finally:
+        await a.close()

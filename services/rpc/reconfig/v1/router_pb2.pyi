@@ -29,20 +29,22 @@ class MigrateOutRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., action: _Optional[_Union[MigrateOutRequest.Action, str]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class MigrateOutResponse(_message.Message):
-    __slots__ = ("block_table", "num_computed_tokens", "output_token_ids", "source", "finished", "kv_epoch")
+    __slots__ = ("block_table", "num_computed_tokens", "output_token_ids", "source", "finished", "kv_epoch", "pool_epoch")
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     KV_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    POOL_EPOCH_FIELD_NUMBER: _ClassVar[int]
     block_table: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     source: _worker_pb2.KVSource
     finished: bool
     kv_epoch: int
-    def __init__(self, block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., source: _Optional[_Union[_worker_pb2.KVSource, _Mapping]] = ..., finished: _Optional[bool] = ..., kv_epoch: _Optional[int] = ...) -> None: ...
+    pool_epoch: int
+    def __init__(self, block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., source: _Optional[_Union[_worker_pb2.KVSource, _Mapping]] = ..., finished: _Optional[bool] = ..., kv_epoch: _Optional[int] = ..., pool_epoch: _Optional[int] = ...) -> None: ...
 
 class MigrateInRequest(_message.Message):
     __slots__ = ("request_id", "action", "num_tokens", "source", "src_block_ids", "dst_block_ids", "request")

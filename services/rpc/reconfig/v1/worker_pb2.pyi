@@ -132,12 +132,14 @@ class RegroupResponse(_message.Message):
     def __init__(self, previous_rank: _Optional[int] = ..., kv_intact: _Optional[bool] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class PrepareSwitchRequest(_message.Message):
-    __slots__ = ("topology", "layer_partition")
+    __slots__ = ("topology", "layer_partition", "export_cuda_ipc")
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     LAYER_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     topology: str
     layer_partition: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ...) -> None: ...
+    export_cuda_ipc: bool
+    def __init__(self, topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ..., export_cuda_ipc: _Optional[bool] = ...) -> None: ...
 
 class StageSwitchRequest(_message.Message):
     __slots__ = ("operation_id", "topology", "layer_partition")
@@ -195,7 +197,7 @@ class StageSwitchResponse(_message.Message):
     def __init__(self, staged: _Optional[bool] = ..., seconds: _Optional[float] = ..., weight_bytes_loaded: _Optional[int] = ..., weight_bytes_reused: _Optional[int] = ...) -> None: ...
 
 class PrepareSwitchResponse(_message.Message):
-    __slots__ = ("num_kv_blocks", "kv_segments", "is_candidate", "block_size", "kv_dtype_bytes", "num_kv_blocks_now")
+    __slots__ = ("num_kv_blocks", "kv_segments", "is_candidate", "block_size", "kv_dtype_bytes", "num_kv_blocks_now", "kv_cuda_ipc")
     class KvSegmentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -203,22 +205,31 @@ class PrepareSwitchResponse(_message.Message):
         key: int
         value: str
         def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    class KvCudaIpcEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: bytes
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[bytes] = ...) -> None: ...
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     IS_CANDIDATE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_NOW_FIELD_NUMBER: _ClassVar[int]
+    KV_CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     kv_segments: _containers.ScalarMap[int, str]
     is_candidate: bool
     block_size: int
     kv_dtype_bytes: int
     num_kv_blocks_now: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., kv_segments: _Optional[_Mapping[int, str]] = ..., is_candidate: _Optional[bool] = ..., block_size: _Optional[int] = ..., kv_dtype_bytes: _Optional[int] = ..., num_kv_blocks_now: _Optional[int] = ...) -> None: ...
+    kv_cuda_ipc: _containers.ScalarMap[int, bytes]
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., kv_segments: _Optional[_Mapping[int, str]] = ..., is_candidate: _Optional[bool] = ..., block_size: _Optional[int] = ..., kv_dtype_bytes: _Optional[int] = ..., num_kv_blocks_now: _Optional[int] = ..., kv_cuda_ipc: _Optional[_Mapping[int, bytes]] = ...) -> None: ...
 
 class PeerPool(_message.Message):
-    __slots__ = ("kv_segments",)
+    __slots__ = ("kv_segments", "kv_cuda_ipc")
     class KvSegmentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -226,9 +237,18 @@ class PeerPool(_message.Message):
         key: int
         value: str
         def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    class KvCudaIpcEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: bytes
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[bytes] = ...) -> None: ...
     KV_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    KV_CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     kv_segments: _containers.ScalarMap[int, str]
-    def __init__(self, kv_segments: _Optional[_Mapping[int, str]] = ...) -> None: ...
+    kv_cuda_ipc: _containers.ScalarMap[int, bytes]
+    def __init__(self, kv_segments: _Optional[_Mapping[int, str]] = ..., kv_cuda_ipc: _Optional[_Mapping[int, bytes]] = ...) -> None: ...
 
 class ApplySwitchRequest(_message.Message):
     __slots__ = ("operation_id", "topology", "layer_partition", "num_kv_blocks", "used_block_ids", "peers", "kv_channel", "old_ranks", "drop_kv", "block_maps", "precopied")
