@@ -116,7 +116,7 @@ async def precopy_kv(workers: list[worker_pb2_grpc.WorkerStub], router: router_p
     of the target copies them into its staged pool). Returns what the freeze needs, or why no worker can pre-copy
     here (a str: nothing is left to undo but the staged pools)."""
     prepared, capacity = await prepare_workers(workers, target, timeout(), metadata)
-    peers = {rank: worker_pb2.PeerPool(kv_segments=p.kv_segments) for rank, p in enumerate(prepared)}
+    peers = peer_pools(prepared)
     receivers = workers[: target.topology.num_workers]
     rounds = copied_bytes = 0
     while rounds < PRECOPY_MAX_ROUNDS:
@@ -145,7 +145,13 @@ async def prepare_workers(workers: list[worker_pb2_grpc.WorkerStub], target: Swi
                           metadata: tuple = ()) -> tuple[list[worker_pb2.PrepareSwitchResponse], int]:
     """PREPARING_WORKERS: every worker's pool and target capacity; the capacity is the smallest active one."""
     request = worker_pb2.PrepareSwitchRequest(topology=str(target.topology),
-                                              layer_partition=target.layer_partition or ())
+                                              layer_partition=target.layer_partition or (), export_cuda_ipc=True)
     prepared = list(await asyncio.gather(*(w.PrepareSwitch(request, timeout=timeout, metadata=metadata)
                                            for w in workers)))
     return prepared, min(p.num_kv_blocks for p in prepared if p.num_kv_blocks > 0)
+
+
+def peer_pools(prepared: list[worker_pb2.PrepareSwitchResponse]) -> dict[int, worker_pb2.PeerPool]:
+    """Each worker's KV pool as its peers read it (by world rank: the order of `prepared`)."""
+    return {rank: worker_pb2.PeerPool(kv_segments=p.kv_segments, kv_cuda_ipc=p.kv_cuda_ipc, hostname=p.hostname,
+                                      cuda_ipc=p.cuda_ipc) for rank, p in enumerate(prepared)}

@@ -25,6 +25,7 @@ from services.router.contracts import PRECOPY_PHASE, STAGING_PHASE
 from services.controller.staging import (
     Precopy,
     SwitchTarget,
+    peer_pools,
     planned_reloads,
     precopy_kv,
     precopy_refusal,
@@ -359,7 +360,7 @@ async def apply_workers(workers: list[worker_pb2_grpc.WorkerStub], target: Switc
     request = worker_pb2.ApplySwitchRequest(
         operation_id=operation_id, topology=str(target.topology), layer_partition=target.layer_partition or (),
         num_kv_blocks=capacity, used_block_ids=used_block_ids, kv_channel=kv_channel,
-        peers={rank: worker_pb2.PeerPool(kv_segments=p.kv_segments) for rank, p in enumerate(prepared)},
+        peers=peer_pools(prepared),
         old_ranks=old_ranks, drop_kv=drop_kv, block_maps=block_maps, precopied=precopied,
     )
     results = await asyncio.gather(*(w.ApplySwitch(request, timeout=timeout, metadata=metadata) for w in workers),

@@ -35,6 +35,11 @@ class KVChannel(Protocol):
         incoming transfer's data can be read. Called by every rank for every layer, in the same order."""
         ...
 
+    def settle(self) -> None:
+        """Return once every copy out of a peer's memory queued so far is done (before the world agrees that a
+        layer is read, which lets its senders free it)."""
+        ...
+
     def close(self) -> None:
         ...
 
@@ -81,6 +86,9 @@ class _PeerPoolChannel:
         count = flat.numel()
         return flat[:count - count % per_block].view(2, -1, self.block_size, num_heads, self.head_dim)
 
+    def settle(self) -> None:
+        pass  # CPU copies are done when they return
+
     def close(self) -> None:
         for _, mapping in self._open.values():
             mapping.close()
@@ -120,6 +128,9 @@ class CudaIpcChannel(_PeerPoolChannel):
         opened = OpenedHandle(handle, self.dtype, self.device)
         return opened.tensor, opened
 
+    def settle(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()  # the copies read the peers' memory until they end
+
 
 class DistChannel:
     """torch.distributed point-to-point over the world's device group: gloo on CPU, NCCL across GPUs, gloo staged
@@ -143,6 +154,9 @@ class DistChannel:
         self.parallel.exchange([(data, transfer.dst_rank) for transfer, data in outgoing],
                                [(received[transfer].tensor, transfer.src_rank) for transfer in incoming], tag=layer)
         return received
+
+    def settle(self) -> None:
+        pass  # the received slices are this rank's own buffers
 
     def close(self) -> None:
         pass

@@ -181,6 +181,7 @@ def migrate_kv(plan: KVMigrationPlan, rank: int, old_cache: KVCache | None, new_
                 fault(layer)
             if fresh is not None:
                 fill_layer(fresh, [t for t in transfers if moves(t)], rank, old_cache, received, maps, layer, stats)
+            channel.settle()
         except Exception as exc:  # this rank's part failed: tell the others instead of leaving them waiting
             error = f"{type(exc).__name__}: {exc}"
         broken: BaseException | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KVCache, num_blocks_for_budget
 from services.worker.kv_import import KVSourceSpec, import_kv
 from services.worker.kv_precopy import StagedKV, finish_precopy
-from services.worker.channel import DistChannel, KVChannel, ShmChannel
+from services.worker.channel import CudaIpcChannel, DistChannel, KVChannel, ShmChannel
+from services.worker.cuda_ipc import preload_cuda_ipc
 from services.worker.faults import FAULTS
 from services.worker.expert_balance import ExpertBalancer
 from services.worker.kv_migration import (
@@ -301,8 +303,11 @@ class WorkerShard:
         partition = tuple(request.layer_partition) or None
         segments = self.runner.kv_cache.segment_names() if self.runner else {}
         ipc = self.runner.kv_cache.cuda_ipc_handles() if self.runner and request.export_cuda_ipc else {}
+        # It reads peers' GPU pools (CuPy is there) and its own pool, if any, exported its handles.
+        can_ipc = self.device.type == "cuda" and preload_cuda_ipc() and (self.runner is None or bool(ipc))
         return worker_pb2.PrepareSwitchResponse(
             num_kv_blocks=self.num_kv_blocks_in(topology, partition), kv_segments=segments, kv_cuda_ipc=ipc,
+            hostname=socket.gethostname(), cuda_ipc=can_ipc,
             is_candidate=topology in self.parallel.candidates, block_size=self.config.block_size,
             kv_dtype_bytes=self.dtype.itemsize, num_kv_blocks_now=self.runner.kv_cache.num_blocks if self.runner else 0,
         )
@@ -460,6 +465,7 @@ class WorkerShard:
         self._bind_balancer()
         self.prepare_steps()
         log.info("worker.switched", operation_id=request.operation_id, topology=str(target),
+                 kv_channel=type(channel).__name__ if channel is not None else None,
                  kv_received=stats.bytes_received, kv_local=stats.bytes_local, weights_loaded=loaded,
                  weights_reused=reused, weights_resharded=resharded, migrate_s=round(stats.seconds, 4),
                  reload_s=round(reload_seconds, 4), apply_s=round(apply_seconds, 4),
@@ -486,12 +492,17 @@ class WorkerShard:
             return
         reverse = plan_kv_migration(plan.new, plan.new_ranks, plan.old, plan.old_ranks)
         back_maps = reverse_block_maps(block_maps_from_proto(request.block_maps))
-        pools = self.parallel.all_gather_object(new_cache.segment_names() if new_cache else {})  # CPU group
+        ipc = request.kv_channel == "ipc" or (not request.kv_channel and self._ipc_between(request.peers))
+        pools = self.parallel.all_gather_object(  # on the CPU group
+            (new_cache.segment_names(), new_cache.cuda_ipc_handles() if ipc else {}) if new_cache else ({}, {}))
         back = worker_pb2.ApplySwitchRequest()
         back.CopyFrom(request)
-        back.ClearField("peers")
-        for peer, segments in enumerate(pools):
-            back.peers[peer].kv_segments.update(segments)
+        for peer, (segments, handles) in enumerate(pools):
+            pool = back.peers[peer]
+            pool.kv_segments.clear()
+            pool.kv_segments.update(segments)
+            pool.kv_cuda_ipc.clear()
+            pool.kv_cuda_ipc.update(handles)
         migrate_kv(reverse, self.rank, new_cache, old.kv_cache if old else None, list(request.used_block_ids),
                    self._channel(back, reverse, back_maps), self.agree, layers=list(layers), block_maps=back_maps)
         if new_cache is not None:
@@ -505,16 +516,28 @@ class WorkerShard:
 
     def _channel(self, request: worker_pb2.ApplySwitchRequest, plan, block_maps: BlockMaps | None = None
                  ) -> KVChannel:
-        """shm between CPU workers of one host (the default on CPU), torch.distributed otherwise (its receive
-        buffers hold each pool pair's blocks: `block_maps`, or every used block when ids are kept)."""
-        kind = request.kv_channel or ("shm" if self.device.type == "cpu" else "dist")
+        """shm between CPU workers of one host (the default on CPU); CUDA IPC between GPU workers of one host that
+        all can (the default there); torch.distributed otherwise (its receive buffers hold each pool pair's
+        blocks: `block_maps`, or every used block when ids are kept). Every rank decides alike: from the same
+        peers."""
+        kind = request.kv_channel or ("shm" if self.device.type == "cpu" else
+                                      "ipc" if self._ipc_between(request.peers) else "dist")
         if kind == "shm":
             return self._shm_channel(request.peers, plan)
+        if kind == "ipc":
+            return CudaIpcChannel({r: dict(pool.kv_cuda_ipc) for r, pool in request.peers.items()}, plan,
+                                  self.config.block_size, self.spec.head_dim, self.dtype, self.device)
         if kind == "dist":
             counts = block_counts(identity_block_maps(request.used_block_ids) if block_maps is None else block_maps)
             return DistChannel(self.parallel, counts, self.config.block_size, self.spec.head_dim, self.dtype,
                                self.device)
-        raise ValueError(f"kv_channel {kind!r} is not one of: shm, dist")
+        raise ValueError(f"kv_channel {kind!r} is not one of: shm, ipc, dist")
+
+    def _ipc_between(self, peers) -> bool:
+        """Every worker of the world is a GPU worker on this host that reads and exports CUDA IPC."""
+        here = socket.gethostname()
+        return (self.device.type == "cuda" and len(peers) == self.parallel.world_size
+                and all(pool.cuda_ipc and pool.hostname == here for pool in peers.values()))
 
     def _shm_channel(self, peers, plan) -> ShmChannel:
         """Reads of the peers' pools (PeerPool messages by rank: PrepareSwitch's segments)."""

@@ -197,7 +197,7 @@ class StageSwitchResponse(_message.Message):
     def __init__(self, staged: _Optional[bool] = ..., seconds: _Optional[float] = ..., weight_bytes_loaded: _Optional[int] = ..., weight_bytes_reused: _Optional[int] = ...) -> None: ...
 
 class PrepareSwitchResponse(_message.Message):
-    __slots__ = ("num_kv_blocks", "kv_segments", "is_candidate", "block_size", "kv_dtype_bytes", "num_kv_blocks_now", "kv_cuda_ipc")
+    __slots__ = ("num_kv_blocks", "kv_segments", "is_candidate", "block_size", "kv_dtype_bytes", "num_kv_blocks_now", "kv_cuda_ipc", "hostname", "cuda_ipc")
     class KvSegmentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,8 @@ class PrepareSwitchResponse(_message.Message):
     KV_DTYPE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_NOW_FIELD_NUMBER: _ClassVar[int]
     KV_CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     kv_segments: _containers.ScalarMap[int, str]
     is_candidate: bool
@@ -226,10 +228,12 @@ class PrepareSwitchResponse(_message.Message):
     kv_dtype_bytes: int
     num_kv_blocks_now: int
     kv_cuda_ipc: _containers.ScalarMap[int, bytes]
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., kv_segments: _Optional[_Mapping[int, str]] = ..., is_candidate: _Optional[bool] = ..., block_size: _Optional[int] = ..., kv_dtype_bytes: _Optional[int] = ..., num_kv_blocks_now: _Optional[int] = ..., kv_cuda_ipc: _Optional[_Mapping[int, bytes]] = ...) -> None: ...
+    hostname: str
+    cuda_ipc: bool
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., kv_segments: _Optional[_Mapping[int, str]] = ..., is_candidate: _Optional[bool] = ..., block_size: _Optional[int] = ..., kv_dtype_bytes: _Optional[int] = ..., num_kv_blocks_now: _Optional[int] = ..., kv_cuda_ipc: _Optional[_Mapping[int, bytes]] = ..., hostname: _Optional[str] = ..., cuda_ipc: _Optional[bool] = ...) -> None: ...
 
 class PeerPool(_message.Message):
-    __slots__ = ("kv_segments", "kv_cuda_ipc")
+    __slots__ = ("kv_segments", "kv_cuda_ipc", "hostname", "cuda_ipc")
     class KvSegmentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -246,9 +250,13 @@ class PeerPool(_message.Message):
         def __init__(self, key: _Optional[int] = ..., value: _Optional[bytes] = ...) -> None: ...
     KV_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     KV_CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     kv_segments: _containers.ScalarMap[int, str]
     kv_cuda_ipc: _containers.ScalarMap[int, bytes]
-    def __init__(self, kv_segments: _Optional[_Mapping[int, str]] = ..., kv_cuda_ipc: _Optional[_Mapping[int, bytes]] = ...) -> None: ...
+    hostname: str
+    cuda_ipc: bool
+    def __init__(self, kv_segments: _Optional[_Mapping[int, str]] = ..., kv_cuda_ipc: _Optional[_Mapping[int, bytes]] = ..., hostname: _Optional[str] = ..., cuda_ipc: _Optional[bool] = ...) -> None: ...
 
 class ApplySwitchRequest(_message.Message):
     __slots__ = ("operation_id", "topology", "layer_partition", "num_kv_blocks", "used_block_ids", "peers", "kv_channel", "old_ranks", "drop_kv", "block_maps", "precopied")
