@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -88,6 +89,51 @@ def test_front_serves_transformers_tokens_and_drains_live(stack, checkpoint):
     refused = _reconfigctl(env, "instances", "drain", "i9")
     assert refused.returncode == 2 and "NOT_FOUND" in refused.stderr
     assert _reconfigctl(env, "instances", "undrain", busy).returncode == 0
+
+
+def test_an_instance_started_at_runtime_serves_and_stops(stack, checkpoint):
+    """`reconfigctl instances start` launches a third instance (its own workers, router, controller) on standby;
+    with the other two drained it serves a request with transformers' tokens; `stop` refuses it while it is in
+    service and the first instance always (the weight store), then stops it: its processes are gone."""
+    _, info, env = stack
+    started = _reconfigctl(env, "instances", "start", "--timeout", "120")  # the first instance's layout
+    assert started.returncode == 0 and started.stdout.startswith("i2: standby (tp1pp2"), (started.stdout,
+                                                                                           started.stderr)
+    stack_file = json.loads((Path(env["RECONFIG_RUN_DIR"]) / "stack.json").read_text())
+    launched = {name[len("i2-"):]: pid for name, pid in stack_file["pids"].items() if name.startswith("i2-")}
+    assert {"router", "controller"} <= set(launched) and len(launched) >= 4, launched  # + its 2 workers
+    pids = list(launched.values())
+    assert all(process_running(pid) for pid in pids)
+    for name in ("i0", "i1"):
+        assert _reconfigctl(env, "instances", "drain", name).returncode == 0
+    try:
+        prompt = [3, 9, 27, 81, 5]
+        expected, _ = hf_greedy(checkpoint, [prompt], NUM_TOKENS)
+        client = _client(info)
+        chunks = iter(client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
+                                                max_tokens=NUM_TOKENS, temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True}))
+        text = next(chunks).choices[0].text  # it runs: on i2, the only instance in service
+        listed = {i.name: i for i in _front_stub(info).ListInstances(front_pb2.ListInstancesRequest(), timeout=10,
+                                                                     metadata=_metadata(info)).instances}
+        assert listed["i2"].state == "in_use" and listed["i2"].num_requests == 1
+        text += "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+        assert text == _tokenizer(checkpoint).decode(expected[0])
+    finally:
+        for name in ("i0", "i1"):
+            assert _reconfigctl(env, "instances", "undrain", name).returncode == 0
+    refused = _reconfigctl(env, "instances", "stop", "i2")
+    assert refused.returncode == 2 and "FAILED_PRECONDITION" in refused.stderr
+    assert _reconfigctl(env, "instances", "drain", "i2").returncode == 0
+    kept = _reconfigctl(env, "instances", "stop", "i0")
+    assert kept.returncode == 2 and "weight store" in kept.stderr
+    stopped = _reconfigctl(env, "instances", "stop", "i2")
+    assert stopped.returncode == 0, stopped.stderr
+    assert [i["name"] for i in json.loads(_reconfigctl(env, "instances", "--json").stdout)["instances"]] == ["i0", "i1"]
+    deadline = time.monotonic() + 30
+    while alive := [pid for pid in pids if process_running(pid)]:
+        assert time.monotonic() < deadline, f"i2's processes outlived its stop: {alive}"
+        time.sleep(0.05)
 
 
 def test_sigterm_stops_every_instance(stack):

@@ -1,5 +1,5 @@
-"""`reconfigctl instances [list | drain NAME | undrain NAME | add ADDRESS | remove NAME]`: the front router's
-instances (`reconfig up --instances N`)."""
+"""`reconfigctl instances [list | drain NAME | undrain NAME | add ADDRESS | remove NAME | start [--topology T] |
+stop NAME]`: the front router's instances (`reconfig up --instances N`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from services.launch.stackfile import StackFile, StackNotFoundError
 from services.rpc.auth import auth_metadata, read_token_file
 from services.rpc.reconfig.v1 import front_pb2, front_pb2_grpc
 
-_REFUSED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
+_REFUSED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.UNIMPLEMENTED)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -34,11 +35,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     sub.add_parser("list", parents=[common], help="every instance: layout, state, requests, KV (the default)")
     for name, text in (("drain", "move an instance's requests live onto a standby one and take it out of service"),
                        ("undrain", "put a drained instance back in service"),
-                       ("remove", "stop serving a drained instance that holds no request")):
+                       ("remove", "stop serving a drained instance that holds no request"),
+                       ("stop", "stop serving a drained instance that holds no request, and stop its processes "
+                                "(reconfig up --instances)")):
         command = sub.add_parser(name, parents=[common], help=text)
         command.add_argument("name", help="the instance (i0, i1, ...)")
     add = sub.add_parser("add", parents=[common], help="serve another instance (its router's gRPC address)")
     add.add_argument("address", help="host:port of the instance's router gRPC")
+    start = sub.add_parser("start", parents=[common], help="start another instance on this host and serve it, on "
+                                                         "standby (reconfig up --instances)")
+    start.add_argument("--topology", default="", help="its layout, e.g. tp1pp2 [the first instance's]")
 
 
 def _target(args: argparse.Namespace) -> tuple[str, str]:
@@ -86,6 +92,15 @@ def instances_command(args: argparse.Namespace) -> int:
                                          metadata=metadata)
                 text = (f"{reply.name}: {reply.state} ({reply.topology}, {reply.capacity_tokens} KV tokens) at "
                         f"{reply.address}")
+            elif command == "start":
+                reply = stub.StartInstance(front_pb2.StartInstanceRequest(topology=args.topology),
+                                           timeout=args.timeout, metadata=metadata)
+                text = (f"{reply.name}: {reply.state} ({reply.topology}, {reply.capacity_tokens} KV tokens) at "
+                        f"{reply.address}")
+            elif command == "stop":
+                reply = stub.StopInstance(front_pb2.StopInstanceRequest(name=args.name), timeout=args.timeout,
+                                          metadata=metadata)
+                text = f"{args.name}: stopped"
             elif command == "remove":
                 reply = stub.RemoveInstance(front_pb2.RemoveInstanceRequest(name=args.name), timeout=args.timeout,
                                             metadata=metadata)

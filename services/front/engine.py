@@ -244,7 +244,7 @@ class FrontEngine:
         """Take an instance out of service: its slot moves to a standby instance, and so do its running requests,
         live. (moved, failed, it); KeyError: no such instance; MoveRefused: no standby instance to take its
         place. drain=False puts it back in service."""
-        instance = self._instance(name)
+        instance = self.instance(name)
         if not drain:
             instance.is_drained = False
             return 0, 0, instance
@@ -266,11 +266,14 @@ class FrontEngine:
         moved = sum(1 for r in results if r.moved)
         return moved, len(results) - moved, instance
 
-    async def add_instance(self, address: str) -> Instance:
-        """Serve another instance from now on (on standby until the policy needs one). ValueError: it cannot serve
-        this front's requests (block size, KV, context); grpc.aio.AioRpcError: it does not answer."""
+    async def add_instance(self, address: str, name: str = "") -> Instance:
+        """Serve another instance from now on (on standby until the policy needs one), named `name` (empty: the
+        first free i<n>). ValueError: it cannot serve this front's requests (block size, KV, context), or the name
+        is taken; grpc.aio.AioRpcError: it does not answer."""
         names = {i.name for i in self.instances}
-        name = next(f"i{n}" for n in range(len(self.instances) + 1) if f"i{n}" not in names)
+        if name in names:
+            raise ValueError(f"an instance is named {name!r} already")
+        name = name or next(f"i{n}" for n in range(len(self.instances) + 1) if f"i{n}" not in names)
         instance = Instance(name, address, self.instances[0].token, is_up=False)  # not up yet: fail fast
         try:
             stats = await instance.connect(timeout_s=10.0)
@@ -295,7 +298,7 @@ class FrontEngine:
     async def remove_instance(self, name: str) -> None:
         """Stop serving a drained instance that holds no request. KeyError: none of that name; MoveRefused: not
         drained, or requests run there."""
-        instance = self._instance(name)
+        instance = self.instance(name)
         if not instance.is_drained or self.requests_on(instance) or self.slots.slot_of(instance) is not None:
             raise MoveRefused(f"{name} must be drained and hold no request before it is removed "
                               "(reconfigctl instances drain)")
@@ -305,7 +308,7 @@ class FrontEngine:
         await instance.close()
         log.info("front.instance_removed", instance=name)
 
-    def _instance(self, name: str) -> Instance:
+    def instance(self, name: str) -> Instance:
         """The instance of that name (KeyError: none)."""
         instance = next((i for i in self.instances if i.name == name), None)
         if instance is None:

@@ -1,5 +1,5 @@
 """The front router process: the OpenAI HTTP API over the instances (services.router.api, unchanged) and the
-Front gRPC service (ListInstances, DrainInstance) that `reconfigctl instances` calls."""
+Front gRPC service (list, drain, add, remove, start, stop instances) that `reconfigctl instances` calls."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import structlog
 
 from services.front.engine import FrontEngine, FrontSettings, MoveRefused
 from services.front.instances import Instance
+from services.front.launcher import InstanceLauncher, LaunchError, Launches, PipeLauncher
 from services.front.mover import MoveSettings
 from services.model.tokenizer import Tokenizer
 from services.router.api.server import DEFAULT_KEEP_ALIVE_S, serve_until_signal
@@ -58,8 +59,12 @@ def instance_status_pb(state: dict) -> front_pb2.InstanceStatus:
 class FrontServicer(front_pb2_grpc.FrontServicer):
     """Thin: the engine decides, this converts."""
 
-    def __init__(self, engine: FrontEngine) -> None:
+    def __init__(self, engine: FrontEngine, launches: Launches | None = None) -> None:
         self.engine = engine
+        self.launches = launches  # None: a front started alone cannot start or stop instances' processes
+
+    def _status(self, name: str) -> front_pb2.InstanceStatus:
+        return instance_status_pb(next(s for s in self.engine.instance_states() if s["name"] == name))
 
     async def ListInstances(self, request, context):  # noqa: N802
         totals = self.engine.totals
@@ -75,17 +80,15 @@ class FrontServicer(front_pb2_grpc.FrontServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no instance named {request.name!r}")
         except MoveRefused as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        state = next(s for s in self.engine.instance_states() if s["name"] == instance.name)
         return front_pb2.DrainInstanceResponse(num_moved=moved, num_failed=failed,
-                                               instance=instance_status_pb(state))
-
+                                               instance=self._status(instance.name))
 
     async def AddInstance(self, request, context):  # noqa: N802
         try:
             instance = await self.engine.add_instance(request.address)
         except grpc.aio.AioRpcError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{request.address} does not answer: {exc.details()}")
-        return instance_status_pb(next(s for s in self.engine.instance_states() if s["name"] == instance.name))
+        return self._status(instance.name)
 
     async def RemoveInstance(self, request, context):  # noqa: N802
         try:
@@ -96,12 +99,38 @@ class FrontServicer(front_pb2_grpc.FrontServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return front_pb2.RemoveInstanceResponse()
 
+    async def StartInstance(self, request, context):  # noqa: N802
+        if self.launches is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this front router was started alone: start the "
+                                "instance's services yourself, then `reconfigctl instances add ADDRESS`")
+        try:
+            instance = await self.launches.start(request.topology)
+        except (LaunchError, grpc.aio.AioRpcError) as exc:
+            details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the instance did not start: {details}")
+        return self._status(instance.name)
 
-async def start_front_grpc(engine: FrontEngine, host: str, port: int, token: str | None
-                           ) -> tuple[grpc.aio.Server, int]:
+    async def StopInstance(self, request, context):  # noqa: N802
+        if self.launches is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this front router was started alone: `reconfigctl "
+                                "instances remove NAME`, then stop the instance's services yourself")
+        try:
+            await self.launches.stop(request.name)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no instance named {request.name!r}")
+        except MoveRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except LaunchError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{request.name} is not served any more, but its "
+                                f"processes did not stop: {exc}")
+        return front_pb2.StopInstanceResponse()
+
+
+async def start_front_grpc(engine: FrontEngine, host: str, port: int, token: str | None,
+                           launches: Launches | None = None) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token or generate_token(), protect_all),
                                            ErrorInterceptor()])
-    front_pb2_grpc.add_FrontServicer_to_server(FrontServicer(engine), server)
+    front_pb2_grpc.add_FrontServicer_to_server(FrontServicer(engine, launches), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"cannot bind the front gRPC server to {host}:{port}")
@@ -118,19 +147,25 @@ def build_front(config: FrontConfig) -> FrontEngine:
     return FrontEngine(instances, Tokenizer.from_dir(model_dir), config.model_name or model_dir.name, settings)
 
 
-async def serve_front(config: FrontConfig, on_ready: Callable[[dict], None] | None = None) -> None:
-    """Serve HTTP + the Front gRPC until SIGTERM/SIGINT; then drain and stop."""
+async def serve_front(config: FrontConfig, on_ready: Callable[[dict], None] | None = None,
+                      launcher: InstanceLauncher | None = None, keep: tuple[str, ...] = ()) -> None:
+    """Serve HTTP + the Front gRPC until SIGTERM/SIGINT; then drain and stop. launcher: starts and stops
+    instances' processes (`reconfig up --instances`), except those in `keep`."""
     engine = build_front(config)
     await engine.start()
-    grpc_server, grpc_port = await start_front_grpc(engine, config.host, config.grpc_port, config.token)
+    launches = Launches(engine, launcher, keep) if launcher is not None else None
+    grpc_server, grpc_port = await start_front_grpc(engine, config.host, config.grpc_port, config.token, launches)
     await serve_until_signal(engine, grpc_server, grpc_port, host=config.host, http_port=config.http_port,
                              api_key=config.api_key, keep_alive_s=config.http_keep_alive_s,
                              shutdown_grace_s=config.shutdown_grace_s, service="front", on_ready=on_ready,
                              instances=len(config.instance_addresses), policy=config.policy)
 
 
-def run_front(config: FrontConfig, ready=None) -> None:
-    """Process target (LocalCluster.spawn_service): serve and report readiness over `ready`."""
+def run_front(config: FrontConfig, launcher_connection=None, keep: tuple[str, ...] = (), ready=None) -> None:
+    """Process target (LocalCluster.spawn_service): serve and report readiness over `ready`; with the launcher's
+    pipe, start and stop instances (all but `keep`)."""
     from services.launch.process import run_service
 
-    run_service("front", serve_front(config, on_ready=ready.send if ready else None), ready)
+    launcher = PipeLauncher(launcher_connection) if launcher_connection is not None else None
+    run_service("front", serve_front(config, on_ready=ready.send if ready else None, launcher=launcher, keep=keep),
+                ready)

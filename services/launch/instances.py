@@ -8,10 +8,13 @@ switches its layout (`reconfigctl instances` lists the addresses).
 
 from __future__ import annotations
 
+import dataclasses
+import multiprocessing as mp
 import os
 import signal
 import sys
 import time
+from multiprocessing.connection import Connection
 
 import structlog
 
@@ -31,15 +34,109 @@ def instance_topologies(topology: str, instances: int, per_instance: str = "") -
     return layouts
 
 
+class InstanceSet:
+    """The processes of each instance of one stack (its cluster of weight store and workers, its router and
+    controller). The first cluster's weight store serves every instance: that instance is never stopped alone."""
+
+    def __init__(self, config, token: str, threads: int) -> None:
+        self.config, self.token, self.threads = config, token, threads
+        self.clusters: dict[str, LocalCluster] = {}
+        self.entries: dict[str, dict] = {}  # name -> {name, router_grpc, controller, topology}
+
+    @property
+    def first(self) -> str:
+        return next(iter(self.clusters))
+
+    def start(self, layout: str, name: str = "") -> dict:
+        """Start an instance of `layout` (its workers load their shards from the shared weight store); its entry.
+        ClusterError if it did not start (whatever started is stopped)."""
+        from services.controller.server import ControllerConfig, run_controller
+        from services.launch.stackfile import run_dir
+        from services.router.main import RouterConfig, run_router
+
+        config, host = self.config, self.config.host
+        name = name or next(f"i{n}" for n in range(len(self.clusters) + 1) if f"i{n}" not in self.clusters)
+        Topology.parse(layout)
+        cluster = LocalCluster(ClusterConfig(
+            model=config.model, num_workers=config.workers, topology=layout, device=config.device,
+            kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size, host=host, token=self.token,
+            num_threads=self.threads,
+            weightstore_address=self.clusters[self.first].weightstore_address if self.clusters else ""))
+        self.clusters[name] = cluster
+        try:
+            cluster.start()
+            router = cluster.spawn_service("router", run_router, RouterConfig(
+                worker_addresses=tuple(cluster.worker_addresses), model_dir=str(cluster.model_dir),
+                model_name=config.model if not os.path.isdir(config.model) else cluster.model_dir.name,
+                host=host, http_port=0, grpc_port=0, token=self.token, max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting))
+            router_grpc = f"{host}:{router['grpc_port']}"
+            controller = cluster.spawn_service("controller", run_controller, ControllerConfig(
+                host=host, port=0, token=self.token, worker_addresses=tuple(cluster.worker_addresses),
+                router_grpc_address=router_grpc, topology=layout, model=config.model,
+                model_dir=str(cluster.model_dir), state_file=str(run_dir() / f"controller-state-{name}.json"),
+                metrics_port=None))
+        except BaseException:
+            if len(self.clusters) > 1:  # the first one's failure ends the stack: stop_all stops it
+                self.clusters.pop(name).stop()
+            raise
+        self.entries[name] = {"name": name, "router_grpc": router_grpc, "topology": layout,
+                              "controller": f"{host}:{controller['port']}"}
+        print(f"reconfig up: instance {name} ({layout}, {config.workers} workers) is up: router {router_grpc}, "
+              f"controller {self.entries[name]['controller']}", flush=True)
+        return self.entries[name]
+
+    def stop(self, name: str, timeout_s: float) -> None:
+        """Stop one instance's processes (not the first: its weight store serves the others)."""
+        from services.launch.stackfile import run_dir
+
+        if name not in self.clusters:
+            raise KeyError(name)
+        if name == self.first:
+            raise ValueError(f"{name} hosts the weight store every instance reads")
+        self.entries.pop(name, None)
+        self.clusters.pop(name).stop(timeout_s=timeout_s)  # services first, then workers
+        (run_dir() / f"controller-state-{name}.json").unlink(missing_ok=True)
+        print(f"reconfig up: instance {name} stopped", flush=True)
+
+    def stop_all(self, timeout_s: float) -> None:
+        from services.launch.stackfile import run_dir
+
+        for name in reversed(list(self.clusters)):  # the first holds the shared weight store: it stops last
+            self.clusters[name].stop(timeout_s=timeout_s)
+            (run_dir() / f"controller-state-{name}.json").unlink(missing_ok=True)
+        self.clusters.clear()
+        self.entries.clear()
+
+    def pids(self) -> dict[str, int]:
+        return {f"{name}-{n}": pid for name, cluster in self.clusters.items() for n, pid in cluster.pids.items()}
+
+    def serve(self, request: dict) -> dict:
+        """One request of the front router's (services.front.launcher): start or stop an instance."""
+        reply = {"id": request.get("id")}
+        try:
+            if request.get("op") == "start":
+                entry = self.start(request.get("topology") or self.entries[self.first]["topology"])
+                reply.update(name=entry["name"], address=entry["router_grpc"])
+            elif request.get("op") == "stop":
+                self.stop(request.get("name", ""), self.config.shutdown_grace_s + 10.0)
+            else:
+                reply["error"] = f"unknown request {request.get('op')!r}"
+        except KeyError as exc:
+            reply["error"] = f"no instance {exc.args[0]!r} was started by this stack"
+        except (ValueError, ClusterError) as exc:
+            reply["error"] = str(exc)
+        return reply
+
+
 def up_instances(config) -> int:
-    """Start the instances and the front router; supervise until Ctrl-C/SIGTERM (0) or the front dies (1)."""
-    from services.controller.server import ControllerConfig, run_controller
+    """Start the instances and the front router; supervise until Ctrl-C/SIGTERM (0) or the front dies (1); start
+    and stop instances when the front router asks (`reconfigctl instances start|stop`)."""
     from services.front.server import FrontConfig, run_front
     from services.launch.stackfile import StackFile, run_dir
     from services.launch.up import StopRequested, raise_stop
     from services.model.converted import ConsoleProgress
     from services.model.presets import resolve_model
-    from services.router.main import RouterConfig, run_router
     from services.rpc.auth import generate_token, write_token_file
 
     layouts = instance_topologies(config.topology, config.instances, config.instance_topologies)
@@ -49,55 +146,34 @@ def up_instances(config) -> int:
     write_token_file(token_file, token)
     threads = max(1, (os.cpu_count() or 1) // (config.instances * config.workers))
     previous = {sig: signal.signal(sig, raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    clusters: list[LocalCluster] = []
-    entries: list[dict] = []
+    instances = InstanceSet(config, token, threads)
     stack_file = None
     started = time.perf_counter()
     try:
-        for index, layout in enumerate(layouts):
-            name = f"i{index}"
-            cluster = LocalCluster(ClusterConfig(
-                model=config.model, num_workers=config.workers, topology=layout, device=config.device,
-                kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size, host=config.host, token=token,
-                num_threads=threads, weightstore_address=clusters[0].weightstore_address if clusters else ""))
-            clusters.append(cluster)
-            cluster.start()
-            router = cluster.spawn_service("router", run_router, RouterConfig(
-                worker_addresses=tuple(cluster.worker_addresses), model_dir=str(cluster.model_dir),
-                model_name=config.model if not os.path.isdir(config.model) else cluster.model_dir.name,
-                host=config.host, http_port=0, grpc_port=0, token=token, max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting))
-            router_grpc = f"{config.host}:{router['grpc_port']}"
-            controller = cluster.spawn_service("controller", run_controller, ControllerConfig(
-                host=config.host, port=0, token=token, worker_addresses=tuple(cluster.worker_addresses),
-                router_grpc_address=router_grpc, topology=layout, model=config.model,
-                model_dir=str(cluster.model_dir), state_file=str(run_dir() / f"controller-state-{name}.json"),
-                metrics_port=None))
-            entries.append({"name": name, "router_grpc": router_grpc, "topology": layout,
-                            "controller": f"{config.host}:{controller['port']}"})
-            print(f"reconfig up: instance {name} ({layout}, {config.workers} workers) is up: router {router_grpc}, "
-                  f"controller {entries[-1]['controller']}", flush=True)
-        front = clusters[0].spawn_service("front", run_front, FrontConfig(
-            instance_addresses=tuple(e["router_grpc"] for e in entries), model_dir=str(clusters[0].model_dir),
-            model_name=config.model if not os.path.isdir(config.model) else clusters[0].model_dir.name,
+        for layout in layouts:
+            instances.start(layout)
+        first = instances.clusters[instances.first]
+        launcher_end, front_end = mp.Pipe()
+        front = first.spawn_service("front", run_front, FrontConfig(
+            instance_addresses=tuple(e["router_grpc"] for e in instances.entries.values()),
+            model_dir=str(first.model_dir),
+            model_name=config.model if not os.path.isdir(config.model) else first.model_dir.name,
             host=config.host, http_port=config.http_port, grpc_port=config.front_grpc_port, token=token,
             api_key=config.api_key, policy=config.policy, http_keep_alive_s=config.http_keep_alive_s,
-            shutdown_grace_s=config.shutdown_grace_s))
+            shutdown_grace_s=config.shutdown_grace_s), front_end, (instances.first,))
         http = f"http://{config.host}:{front['http_port']}"
         stack_file = StackFile(
-            controller_address=entries[0]["controller"], router_http_address=http,
-            router_grpc_address=entries[0]["router_grpc"], token_file=str(token_file),
-            pids={"launcher": os.getpid(), **{f"{e['name']}-{n}": pid for e, c in zip(entries, clusters)
-                                               for n, pid in c.pids.items()}},
+            controller_address=instances.entries[instances.first]["controller"], router_http_address=http,
+            router_grpc_address=instances.entries[instances.first]["router_grpc"], token_file=str(token_file),
             model=config.model, topology=",".join(layouts), started_at=time.time(),
-            front_grpc_address=f"{config.host}:{front['grpc_port']}", instances=entries)
-        stack_file.write()
+            front_grpc_address=f"{config.host}:{front['grpc_port']}")
+        stack_file = _write_stack(stack_file, instances)
         print(f"reconfig is up in {time.perf_counter() - started:.1f}s: {config.instances} instances of "
               f"{config.model} ({', '.join(layouts)}) behind one front router (policy {config.policy})\n"
               f"  OpenAI API   {http}/v1   (metrics {http}/metrics)\n"
-              f"  instances    reconfigctl instances   (drain: reconfigctl instances drain NAME)\n"
+              f"  instances    reconfigctl instances   (drain: reconfigctl instances drain NAME; more: start)\n"
               f"Ctrl-C stops the stack.", flush=True)
-        return _supervise(clusters, entries)
+        return _supervise(instances, launcher_end, stack_file)
     except StopRequested as stop:
         print(f"reconfig up: {stop} received; stopping the stack", file=sys.stderr, flush=True)
         return 0
@@ -107,29 +183,46 @@ def up_instances(config) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if clusters:
-            clusters[0].stop_services(("front",), timeout_s=config.shutdown_grace_s + 10.0)  # it drains first
-        for cluster in reversed(clusters):  # the first holds the shared weight store: it stops last
-            cluster.stop(timeout_s=config.shutdown_grace_s + 10.0)
+        if instances.clusters:  # the front drains first
+            instances.clusters[instances.first].stop_services(("front",), timeout_s=config.shutdown_grace_s + 10.0)
+        instances.stop_all(timeout_s=config.shutdown_grace_s + 10.0)
         if stack_file is not None:
             stack_file.remove()
         token_file.unlink(missing_ok=True)
-        for entry in entries:
-            (run_dir() / f"controller-state-{entry['name']}.json").unlink(missing_ok=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _supervise(clusters: list[LocalCluster], entries: list[dict]) -> int:
-    """Report what dies; an instance's death is the front router's to absorb, the front's ends the stack."""
+def _write_stack(stack_file, instances: InstanceSet):
+    """The stack file with the instances of now (their processes, addresses, layouts), written."""
+    entries = list(instances.entries.values())
+    stack_file = dataclasses.replace(stack_file, pids={"launcher": os.getpid(), **instances.pids()},
+                                     instances=entries, topology=",".join(e["topology"] for e in entries))
+    stack_file.write()
+    return stack_file
+
+
+def _supervise(instances: InstanceSet, requests: Connection | None, stack_file) -> int:
+    """Serve the front router's start/stop requests and report what dies; an instance's death is the front
+    router's to absorb, the front's ends the stack."""
+    first = instances.clusters[instances.first]
     while True:
-        if (lost := clusters[0].reap_dead_service("front")) is not None:
+        if (lost := first.reap_dead_service("front")) is not None:
             print(f"reconfig up: the front router ({lost}) exited; stopping the stack", file=sys.stderr, flush=True)
             return 1
-        for cluster, entry in zip(clusters, entries):
+        for name, cluster in instances.clusters.items():
             gone = [*cluster.reap_dead_workers(),
                     *(lost for service in ("router", "controller") if (lost := cluster.reap_dead_service(service)))]
             if gone:
-                print(f"reconfig up: instance {entry['name']} lost {', '.join(gone)}; the front router places its "
+                print(f"reconfig up: instance {name} lost {', '.join(gone)}; the front router places its "
                       "requests on the other instances", file=sys.stderr, flush=True)
-        time.sleep(0.25)
+        if requests is None:
+            time.sleep(0.25)  # the supervision's pace
+        elif requests.poll(0.25):  # the same pace, answering the front router meanwhile
+            try:
+                request = requests.recv()
+            except EOFError:  # the front is gone: reaped above on the next pass
+                requests = None
+                continue
+            requests.send(instances.serve(request))
+            stack_file = _write_stack(stack_file, instances)

@@ -242,3 +242,29 @@ async def test_a_source_that_froze_during_a_move_has_its_kv_copied_again(instanc
             assert len([t async for d in stream for t in d.token_ids]) == MAX_TOKENS - 1
     finally:
         await a.close()
+
+
+async def test_a_front_started_alone_cannot_start_or_stop_instances(instances):
+    """Without the launcher of `reconfig up --instances`, StartInstance and StopInstance answer UNIMPLEMENTED
+    (they say what to do instead), and nothing changes."""
+    import grpc
+
+    from services.front.server import start_front_grpc
+    from services.rpc.auth import auth_metadata
+    from services.rpc.reconfig.v1 import front_pb2, front_pb2_grpc
+    from tests.front.conftest import TOKEN
+
+    async with open_front(instances, migrate=False) as front:
+        server, port = await start_front_grpc(front, "127.0.0.1", 0, TOKEN)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = front_pb2_grpc.FrontStub(channel)
+                for call, request in ((stub.StartInstance, front_pb2.StartInstanceRequest(topology="tp1pp1")),
+                                      (stub.StopInstance, front_pb2.StopInstanceRequest(name="b"))):
+                    with pytest.raises(grpc.aio.AioRpcError) as error:
+                        await call(request, metadata=auth_metadata(TOKEN), timeout=10)
+                    assert error.value.code() is grpc.StatusCode.UNIMPLEMENTED
+                    assert "instances" in error.value.details()
+        finally:
+            await server.stop(0)
+        assert [i.name for i in front.instances] == ["a", "b", "c"]

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17reconfig/v1/front.proto\x12\x0breconfig.v1\"%\n\x12\x41\x64\x64InstanceRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"%\n\x15RemoveInstanceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x18\n\x16RemoveInstanceResponse\"\x16\n\x14ListInstancesRequest\"\xa0\x01\n\x0eInstanceStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08topology\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x14\n\x0cnum_requests\x18\x05 \x01(\x05\x12\x11\n\tkv_tokens\x18\x06 \x01(\x03\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x07 \x01(\x03\x12\x0c\n\x04slot\x18\x08 \x01(\t\"\x91\x02\n\x15ListInstancesResponse\x12.\n\tinstances\x18\x01 \x03(\x0b\x32\x1b.reconfig.v1.InstanceStatus\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12<\n\x05moves\x18\x03 \x03(\x0b\x32-.reconfig.v1.ListInstancesResponse.MovesEntry\x12\x16\n\x0ekv_bytes_moved\x18\x04 \x01(\x04\x12\x1e\n\x16time_average_instances\x18\x05 \x01(\x01\x12\x14\n\x0cnum_replaced\x18\x06 \x01(\x03\x1a,\n\nMovesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"3\n\x14\x44rainInstanceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"m\n\x15\x44rainInstanceResponse\x12\x11\n\tnum_moved\x18\x01 \x01(\x05\x12\x12\n\nnum_failed\x18\x02 \x01(\x05\x12-\n\x08instance\x18\x03 \x01(\x0b\x32\x1b.reconfig.v1.InstanceStatus2\xdf\x02\n\x05\x46ront\x12V\n\rListInstances\x12!.reconfig.v1.ListInstancesRequest\x1a\".reconfig.v1.ListInstancesResponse\x12V\n\rDrainInstance\x12!.reconfig.v1.DrainInstanceRequest\x1a\".reconfig.v1.DrainInstanceResponse\x12K\n\x0b\x41\x64\x64Instance\x12\x1f.reconfig.v1.AddInstanceRequest\x1a\x1b.reconfig.v1.InstanceStatus\x12Y\n\x0eRemoveInstance\x12\".reconfig.v1.RemoveInstanceRequest\x1a#.reconfig.v1.RemoveInstanceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17reconfig/v1/front.proto\x12\x0breconfig.v1\"(\n\x14StartInstanceRequest\x12\x10\n\x08topology\x18\x01 \x01(\t\"#\n\x13StopInstanceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x16\n\x14StopInstanceResponse\"%\n\x12\x41\x64\x64InstanceRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"%\n\x15RemoveInstanceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x18\n\x16RemoveInstanceResponse\"\x16\n\x14ListInstancesRequest\"\xa0\x01\n\x0eInstanceStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08topology\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x14\n\x0cnum_requests\x18\x05 \x01(\x05\x12\x11\n\tkv_tokens\x18\x06 \x01(\x03\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x07 \x01(\x03\x12\x0c\n\x04slot\x18\x08 \x01(\t\"\x91\x02\n\x15ListInstancesResponse\x12.\n\tinstances\x18\x01 \x03(\x0b\x32\x1b.reconfig.v1.InstanceStatus\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12<\n\x05moves\x18\x03 \x03(\x0b\x32-.reconfig.v1.ListInstancesResponse.MovesEntry\x12\x16\n\x0ekv_bytes_moved\x18\x04 \x01(\x04\x12\x1e\n\x16time_average_instances\x18\x05 \x01(\x01\x12\x14\n\x0cnum_replaced\x18\x06 \x01(\x03\x1a,\n\nMovesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"3\n\x14\x44rainInstanceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"m\n\x15\x44rainInstanceResponse\x12\x11\n\tnum_moved\x18\x01 \x01(\x05\x12\x12\n\nnum_failed\x18\x02 \x01(\x05\x12-\n\x08instance\x18\x03 \x01(\x0b\x32\x1b.reconfig.v1.InstanceStatus2\x85\x04\n\x05\x46ront\x12V\n\rListInstances\x12!.reconfig.v1.ListInstancesRequest\x1a\".reconfig.v1.ListInstancesResponse\x12V\n\rDrainInstance\x12!.reconfig.v1.DrainInstanceRequest\x1a\".reconfig.v1.DrainInstanceResponse\x12K\n\x0b\x41\x64\x64Instance\x12\x1f.reconfig.v1.AddInstanceRequest\x1a\x1b.reconfig.v1.InstanceStatus\x12Y\n\x0eRemoveInstance\x12\".reconfig.v1.RemoveInstanceRequest\x1a#.reconfig.v1.RemoveInstanceResponse\x12O\n\rStartInstance\x12!.reconfig.v1.StartInstanceRequest\x1a\x1b.reconfig.v1.InstanceStatus\x12S\n\x0cStopInstance\x12 .reconfig.v1.StopInstanceRequest\x1a!.reconfig.v1.StopInstanceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,24 +33,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LISTINSTANCESRESPONSE_MOVESENTRY']._loaded_options = None
   _globals['_LISTINSTANCESRESPONSE_MOVESENTRY']._serialized_options = b'8\001'
-  _globals['_ADDINSTANCEREQUEST']._serialized_start=40
-  _globals['_ADDINSTANCEREQUEST']._serialized_end=77
-  _globals['_REMOVEINSTANCEREQUEST']._serialized_start=79
-  _globals['_REMOVEINSTANCEREQUEST']._serialized_end=116
-  _globals['_REMOVEINSTANCERESPONSE']._serialized_start=118
-  _globals['_REMOVEINSTANCERESPONSE']._serialized_end=142
-  _globals['_LISTINSTANCESREQUEST']._serialized_start=144
-  _globals['_LISTINSTANCESREQUEST']._serialized_end=166
-  _globals['_INSTANCESTATUS']._serialized_start=169
-  _globals['_INSTANCESTATUS']._serialized_end=329
-  _globals['_LISTINSTANCESRESPONSE']._serialized_start=332
-  _globals['_LISTINSTANCESRESPONSE']._serialized_end=605
-  _globals['_LISTINSTANCESRESPONSE_MOVESENTRY']._serialized_start=561
-  _globals['_LISTINSTANCESRESPONSE_MOVESENTRY']._serialized_end=605
-  _globals['_DRAININSTANCEREQUEST']._serialized_start=607
-  _globals['_DRAININSTANCEREQUEST']._serialized_end=658
-  _globals['_DRAININSTANCERESPONSE']._serialized_start=660
-  _globals['_DRAININSTANCERESPONSE']._serialized_end=769
-  _globals['_FRONT']._serialized_start=772
-  _globals['_FRONT']._serialized_end=1123
+  _globals['_STARTINSTANCEREQUEST']._serialized_start=40
+  _globals['_STARTINSTANCEREQUEST']._serialized_end=80
+  _globals['_STOPINSTANCEREQUEST']._serialized_start=82
+  _globals['_STOPINSTANCEREQUEST']._serialized_end=117
+  _globals['_STOPINSTANCERESPONSE']._serialized_start=119
+  _globals['_STOPINSTANCERESPONSE']._serialized_end=141
+  _globals['_ADDINSTANCEREQUEST']._serialized_start=143
+  _globals['_ADDINSTANCEREQUEST']._serialized_end=180
+  _globals['_REMOVEINSTANCEREQUEST']._serialized_start=182
+  _globals['_REMOVEINSTANCEREQUEST']._serialized_end=219
+  _globals['_REMOVEINSTANCERESPONSE']._serialized_start=221
+  _globals['_REMOVEINSTANCERESPONSE']._serialized_end=245
+  _globals['_LISTINSTANCESREQUEST']._serialized_start=247
+  _globals['_LISTINSTANCESREQUEST']._serialized_end=269
+  _globals['_INSTANCESTATUS']._serialized_start=272
+  _globals['_INSTANCESTATUS']._serialized_end=432
+  _globals['_LISTINSTANCESRESPONSE']._serialized_start=435
+  _globals['_LISTINSTANCESRESPONSE']._serialized_end=708
+  _globals['_LISTINSTANCESRESPONSE_MOVESENTRY']._serialized_start=664
+  _globals['_LISTINSTANCESRESPONSE_MOVESENTRY']._serialized_end=708
+  _globals['_DRAININSTANCEREQUEST']._serialized_start=710
+  _globals['_DRAININSTANCEREQUEST']._serialized_end=761
+  _globals['_DRAININSTANCERESPONSE']._serialized_start=763
+  _globals['_DRAININSTANCERESPONSE']._serialized_end=872
+  _globals['_FRONT']._serialized_start=875
+  _globals['_FRONT']._serialized_end=1392
 # @@protoc_insertion_point(module_scope)

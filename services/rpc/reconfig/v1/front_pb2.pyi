@@ -6,6 +6,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class StartInstanceRequest(_message.Message):
+    __slots__ = ("topology",)
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    topology: str
+    def __init__(self, topology: _Optional[str] = ...) -> None: ...
+
+class StopInstanceRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class StopInstanceResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class AddInstanceRequest(_message.Message):
     __slots__ = ("address",)
     ADDRESS_FIELD_NUMBER: _ClassVar[int]

@@ -57,6 +57,16 @@ class FrontStub:
                 request_serializer=reconfig_dot_v1_dot_front__pb2.RemoveInstanceRequest.SerializeToString,
                 response_deserializer=reconfig_dot_v1_dot_front__pb2.RemoveInstanceResponse.FromString,
                 _registered_method=True)
+        self.StartInstance = channel.unary_unary(
+                '/reconfig.v1.Front/StartInstance',
+                request_serializer=reconfig_dot_v1_dot_front__pb2.StartInstanceRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_front__pb2.InstanceStatus.FromString,
+                _registered_method=True)
+        self.StopInstance = channel.unary_unary(
+                '/reconfig.v1.Front/StopInstance',
+                request_serializer=reconfig_dot_v1_dot_front__pb2.StopInstanceRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_front__pb2.StopInstanceResponse.FromString,
+                _registered_method=True)
 
 
 class FrontServicer:
@@ -99,6 +109,24 @@ class FrontServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartInstance(self, request, context):
+        """Start a new instance on this host (its workers, router and controller, reading the stack's weight
+        store) and serve it from now on, on standby. Only under `reconfig up --instances N` (UNIMPLEMENTED
+        for a front router started alone); INVALID_ARGUMENT: a bad layout; UNAVAILABLE: it did not start.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopInstance(self, request, context):
+        """Stop serving a drained instance that holds no request and stop its processes (one this stack
+        started). FAILED_PRECONDITION: not drained, requests still run there, or its processes are not
+        this stack's to stop (the first instance hosts the weight store); NOT_FOUND: no such instance.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FrontServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +149,16 @@ def add_FrontServicer_to_server(servicer, server):
                     servicer.RemoveInstance,
                     request_deserializer=reconfig_dot_v1_dot_front__pb2.RemoveInstanceRequest.FromString,
                     response_serializer=reconfig_dot_v1_dot_front__pb2.RemoveInstanceResponse.SerializeToString,
+            ),
+            'StartInstance': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartInstance,
+                    request_deserializer=reconfig_dot_v1_dot_front__pb2.StartInstanceRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_front__pb2.InstanceStatus.SerializeToString,
+            ),
+            'StopInstance': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopInstance,
+                    request_deserializer=reconfig_dot_v1_dot_front__pb2.StopInstanceRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_front__pb2.StopInstanceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -234,6 +272,60 @@ class Front:
             '/reconfig.v1.Front/RemoveInstance',
             reconfig_dot_v1_dot_front__pb2.RemoveInstanceRequest.SerializeToString,
             reconfig_dot_v1_dot_front__pb2.RemoveInstanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartInstance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Front/StartInstance',
+            reconfig_dot_v1_dot_front__pb2.StartInstanceRequest.SerializeToString,
+            reconfig_dot_v1_dot_front__pb2.InstanceStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopInstance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Front/StopInstance',
+            reconfig_dot_v1_dot_front__pb2.StopInstanceRequest.SerializeToString,
+            reconfig_dot_v1_dot_front__pb2.StopInstanceResponse.FromString,
             options,
             channel_credentials,
             insecure,
