@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from services.rpc.reconfig.v1 import front_pb2
@@ -145,3 +146,58 @@ def test_sigterm_stops_every_instance(stack):
     while alive := [pid for pid in pids if pid != process.pid and process_running(pid)]:
         assert time.monotonic() < deadline, f"orphans left behind: {alive}"
         time.sleep(0.05)
+
+
+def test_the_front_starts_an_instance_while_requests_wait_and_stops_it_once_idle(checkpoint, tmp_path):
+    """`reconfig up --instances 1 --max-instances 2`: more long prompts than one instance's KV holds wait at the
+    front; the front starts a second instance (its own processes) for them, every request ends with transformers'
+    tokens, and the new instance, once idle on standby, is stopped again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    process, info, env = launch_up(
+        ["--model", str(checkpoint), "--instances", "1", "--max-instances", "2", "--workers", "1", "--topology",
+         "tp1pp1", "--http-port", "0", "--front-grpc-port", "0", "--kv-cache-mb", "1", "--block-size", "4",
+         "--scale-up-after-s", "0.2", "--standby-stop-s", "1"],
+        tmp_path / "run", {"RECONFIG_FAULTS": "forward:rank=0:slow=30"})
+    try:
+        stub, metadata = _front_stub(info), _metadata(info)
+
+        def served() -> list[str]:
+            return [i.name for i in stub.ListInstances(front_pb2.ListInstancesRequest(), timeout=10,
+                                                       metadata=metadata).instances]
+
+        capacity = stub.ListInstances(front_pb2.ListInstancesRequest(), timeout=10,
+                                      metadata=metadata).instances[0].capacity_tokens
+        prompt = [(13 * i) % 250 + 5 for i in range(200)]
+        count = capacity // 204 + 2  # two more than fit at once (200 prompt tokens + the next one, in blocks of 4)
+        expected, _ = hf_greedy(checkpoint, [prompt], NUM_TOKENS)
+        client = _client(info)
+        model = client.models.list().data[0].id
+
+        def complete(_: int) -> str:
+            return client.completions.create(model=model, prompt=prompt, max_tokens=NUM_TOKENS, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        with ThreadPoolExecutor(count) as pool:
+            texts = pool.map(complete, range(count))
+            seen = set()
+            deadline = time.monotonic() + 120
+            while "i1" not in seen:
+                assert time.monotonic() < deadline, "no instance was started while requests waited"
+                seen.update(served())
+                time.sleep(0.05)
+            texts = list(texts)
+        assert texts == [_tokenizer(checkpoint).decode(expected[0])] * count
+        def scaled() -> dict[str, float]:
+            metrics = httpx.get(f"{info['router_http_address']}/metrics", timeout=10).text
+            return {action: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                    if line.startswith("reconfig:front_instances_autoscaled_total")
+                    for action in ("start", "stop") if f'action="{action}"' in line}
+
+        deadline = time.monotonic() + 60
+        while scaled() != {"start": 1.0, "stop": 1.0}:  # counted once its processes stopped
+            assert time.monotonic() < deadline, f"the idle instance was not stopped: {served()}, {scaled()}"
+            time.sleep(0.05)
+        assert served() == ["i0"]
+    finally:
+        stop_up(process)

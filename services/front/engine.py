@@ -88,6 +88,7 @@ class FrontEngine:
         self._last_tick = time.monotonic()
         self._room = asyncio.Event()  # set when a request left (room for one waiting to be placed)
         self.num_waiting = 0
+        self.autoscaler = None  # services.front.autoscale.Autoscaler where the front starts and stops instances
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -247,6 +248,7 @@ class FrontEngine:
         instance = self.instance(name)
         if not drain:
             instance.is_drained = False
+            self._room.set()  # requests waiting for room may fit there
             return 0, 0, instance
         routes = [r for r in self._routes.values() if r.instance is instance and not r.moving]
         target = None
@@ -292,6 +294,7 @@ class FrontEngine:
             raise
         self.instances.append(instance)  # the slots see it as standby
         self.policy.set_max_instances(len(self.instances))
+        self._room.set()  # requests waiting for room may fit there
         log.info("front.instance_added", instance=name, address=address, topology=instance.topology)
         return instance
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Protocol
@@ -58,8 +59,20 @@ class PipeLauncher:
 
     async def _ask(self, message: dict, timeout_s: float) -> dict:
         async with self._lock:
-            request_id = next(self._ids)
-            return await asyncio.to_thread(self._round_trip, {"id": request_id, **message}, timeout_s)
+            message = {"id": next(self._ids), **message}
+            loop = asyncio.get_running_loop()
+            answer = loop.create_future()
+
+            def round_trip() -> None:  # a daemon thread: a front shutting down never waits for the launcher
+                try:
+                    result, error = self._round_trip(message, timeout_s), None
+                except LaunchError as exc:
+                    result, error = None, exc
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+                    loop.call_soon_threadsafe(_settle, answer, result, error)
+
+            threading.Thread(target=round_trip, name="front-launcher", daemon=True).start()
+            return await answer
 
     def _round_trip(self, message: dict, timeout_s: float) -> dict:
         try:
@@ -73,6 +86,14 @@ class PipeLauncher:
         except (EOFError, OSError) as exc:
             raise LaunchError(f"the launcher is gone ({type(exc).__name__})") from None
         raise LaunchError(f"the launcher did not answer {message['op']} within {timeout_s:.0f} s")
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if not future.done():  # its caller may have been cancelled meanwhile
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
 
 class Launches:

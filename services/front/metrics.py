@@ -1,4 +1,5 @@
-"""The front router's Prometheus metrics: instances in use, moves by outcome, KV moved, KV per instance."""
+"""The front router's Prometheus metrics: instances served and in use, moves by outcome, KV moved, KV per
+instance, instances the front started and stopped by itself."""
 
 from __future__ import annotations
 
@@ -17,6 +18,16 @@ def front_metrics(front: FrontEngine, labels: list[str], label_names: tuple[str,
                               labels=label_names)
     gauge.add_metric(labels, len(front.in_use()))
     yield gauge
+    served = GaugeMetricFamily("reconfig:front_instances", "Instances the front router serves (in use, standby or "
+                               "drained).", labels=label_names)
+    served.add_metric(labels, len(front.instances))
+    yield served
+    if front.autoscaler is not None:
+        scaled = CounterMetricFamily("reconfig:front_instances_autoscaled", "Instances the front router started or "
+                                     "stopped by itself.", labels=(*label_names, "action"))
+        scaled.add_metric([*labels, "start"], front.autoscaler.started)
+        scaled.add_metric([*labels, "stop"], front.autoscaler.stopped)
+        yield scaled
     moves = CounterMetricFamily("reconfig:front_migrations", "Live request moves between instances, by outcome.",
                                 labels=(*label_names, "outcome"))
     for outcome, count in front.totals.moves.items():

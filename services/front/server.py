@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import structlog
 
+from services.front.autoscale import AutoscaleSettings, Autoscaler
 from services.front.engine import FrontEngine, FrontSettings, MoveRefused
 from services.front.instances import Instance
 from services.front.launcher import InstanceLauncher, LaunchError, Launches, PipeLauncher
@@ -42,6 +43,7 @@ class FrontConfig:
     max_precopy_rounds: int = 3
     http_keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
     shutdown_grace_s: float = 5.0
+    autoscale: AutoscaleSettings = AutoscaleSettings()  # start/stop instances by itself (needs the launcher)
 
     def __post_init__(self) -> None:
         if not self.instance_addresses:
@@ -154,11 +156,19 @@ async def serve_front(config: FrontConfig, on_ready: Callable[[dict], None] | No
     engine = build_front(config)
     await engine.start()
     launches = Launches(engine, launcher, keep) if launcher is not None else None
+    autoscaler = None
+    if launches is not None and config.autoscale.enabled:
+        autoscaler = engine.autoscaler = Autoscaler(engine, launches, config.autoscale)
+        autoscaler.start()
     grpc_server, grpc_port = await start_front_grpc(engine, config.host, config.grpc_port, config.token, launches)
-    await serve_until_signal(engine, grpc_server, grpc_port, host=config.host, http_port=config.http_port,
-                             api_key=config.api_key, keep_alive_s=config.http_keep_alive_s,
-                             shutdown_grace_s=config.shutdown_grace_s, service="front", on_ready=on_ready,
-                             instances=len(config.instance_addresses), policy=config.policy)
+    try:
+        await serve_until_signal(engine, grpc_server, grpc_port, host=config.host, http_port=config.http_port,
+                                 api_key=config.api_key, keep_alive_s=config.http_keep_alive_s,
+                                 shutdown_grace_s=config.shutdown_grace_s, service="front", on_ready=on_ready,
+                                 instances=len(config.instance_addresses), policy=config.policy)
+    finally:
+        if autoscaler is not None:
+            await autoscaler.stop()
 
 
 def run_front(config: FrontConfig, launcher_connection=None, keep: tuple[str, ...] = (), ready=None) -> None:

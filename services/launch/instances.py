@@ -144,7 +144,7 @@ def up_instances(config) -> int:
     token = generate_token()
     token_file = run_dir() / "token"
     write_token_file(token_file, token)
-    threads = max(1, (os.cpu_count() or 1) // (config.instances * config.workers))
+    threads = max(1, (os.cpu_count() or 1) // (max(config.instances, config.max_instances) * config.workers))
     previous = {sig: signal.signal(sig, raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     instances = InstanceSet(config, token, threads)
     stack_file = None
@@ -160,7 +160,8 @@ def up_instances(config) -> int:
             model_name=config.model if not os.path.isdir(config.model) else first.model_dir.name,
             host=config.host, http_port=config.http_port, grpc_port=config.front_grpc_port, token=token,
             api_key=config.api_key, policy=config.policy, http_keep_alive_s=config.http_keep_alive_s,
-            shutdown_grace_s=config.shutdown_grace_s), front_end, (instances.first,))
+            shutdown_grace_s=config.shutdown_grace_s, autoscale=config.autoscale_settings()),
+            front_end, (instances.first,))
         http = f"http://{config.host}:{front['http_port']}"
         stack_file = StackFile(
             controller_address=instances.entries[instances.first]["controller"], router_http_address=http,

@@ -58,6 +58,9 @@ class UpConfig:
     instance_topologies: str = ""       # each instance's layout, "tp1pp2,tp2pp1" ("": --topology for all)
     policy: str = "mell"                # the front router's placement policy: mell, bf, wf or lb
     front_grpc_port: int = 50053        # the front router's Front gRPC (reconfigctl instances)
+    max_instances: int = 0              # > 0: the front starts instances up to this many, and stops idle ones
+    scale_up_after_s: float = 2.0       # ... once requests waited this long for room and no instance is on standby
+    standby_stop_s: float = 60.0        # ... an instance on standby this long is stopped (down to --instances)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -76,7 +79,7 @@ class UpConfig:
             load_intents(self.intents)
         if self.instances < 1:
             raise ValueError(f"instances must be >= 1, not {self.instances}")
-        if self.instances > 1:
+        if self.fronted:
             from services.launch.instances import instance_topologies
             from services.router.kv_scheduler import POLICY_NAMES
 
@@ -86,11 +89,23 @@ class UpConfig:
             if self.autopilot != "off":
                 raise ValueError("--autopilot runs on one instance; with --instances, use each instance's "
                                  "controller (reconfigctl instances lists them)")
+            self.autoscale_settings()  # a bad --max-instances fails here
         if self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, not {self.num_redundant_experts}")
         for name in ("eplb_window", "eplb_step_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+
+    def autoscale_settings(self):
+        from services.front.autoscale import AutoscaleSettings
+
+        return AutoscaleSettings(max_instances=self.max_instances, min_instances=self.instances,
+                                 start_after_s=self.scale_up_after_s, stop_after_s=self.standby_stop_s)
+
+    @property
+    def fronted(self) -> bool:
+        """Instances behind a front router (several, or one the front may add to)."""
+        return self.instances > 1 or self.max_instances > 0
 
     @classmethod
     def load(cls, path: Path | None, overrides: dict) -> UpConfig:
@@ -140,6 +155,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=("mell", "bf", "wf", "lb"),
                         help="with --instances: placement policy of the front router [mell]")
     parser.add_argument("--front-grpc-port", type=int, help="with --instances: the front router's gRPC [50053]")
+    parser.add_argument("--max-instances", type=int, metavar="M",
+                        help="the front router starts instances (the first one's layout) while requests wait for "
+                             "room, up to M, and stops those left on standby, down to --instances [off]")
+    parser.add_argument("--scale-up-after-s", type=float,
+                        help="with --max-instances: start one once requests waited this long for room [2]")
+    parser.add_argument("--standby-stop-s", type=float,
+                        help="with --max-instances: stop an instance after this long on standby [60]")
     parser.add_argument("--kv-cache-mb", type=int, help="KV cache per worker, MiB [64]")
     parser.add_argument("--block-size", type=int, help="tokens per KV block [16]")
     parser.add_argument("--api-key", help="require this bearer key on /v1/* (default: none)")
@@ -199,7 +221,7 @@ def up(config: UpConfig) -> int:
     from services.router.main import RouterConfig, run_router
     from services.rpc.auth import generate_token, write_token_file
 
-    if config.instances > 1:
+    if config.fronted:
         from services.launch.instances import up_instances
 
         return up_instances(config)
