@@ -103,6 +103,21 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; RequestError if it can never run, QueueFullError past max_waiting."""
+        self._check_fits(seq)
+        if seq.request_id in self._sequences:
+            raise RequestError(f"request id {seq.request_id!r} is already in use")
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_ids:
+            raise ValueError(f"{seq.request_id} is not a fresh sequence")
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_waiting)",
+                                 retry_after_s=self.config.retry_after_s)
+        self._sequences[seq.request_id] = seq
+        self._admission_index[seq.request_id] = next(self._admission_counter)
+        self.waiting.append(seq)
+
+    def _check_fits(self, seq: Sequence) -> None:
+        """RequestError unless the sequence can ever run here: a prompt, max_tokens >= 0, its whole context within
+        max_model_len, and its most KV within one pool."""
         num_prompt, max_model_len = seq.num_prompt_tokens, self.config.max_model_len
         if num_prompt == 0:
             raise RequestError("the prompt is empty")
@@ -116,16 +131,6 @@ class Scheduler:
         if (needed := self._max_blocks(seq)) > (capacity := self.block_manager.num_blocks_per_rank):
             cache = "the cache has" if self.block_manager.num_ranks == 1 else "each data-parallel rank's cache has"
             raise RequestError(f"the request needs {needed} KV blocks, {cache} {capacity}")
-        if seq.request_id in self._sequences:
-            raise RequestError(f"request id {seq.request_id!r} is already in use")
-        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_ids:
-            raise ValueError(f"{seq.request_id} is not a fresh sequence")
-        if len(self.waiting) >= self.config.max_waiting:
-            raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_waiting)",
-                                 retry_after_s=self.config.retry_after_s)
-        self._sequences[seq.request_id] = seq
-        self._admission_index[seq.request_id] = next(self._admission_counter)
-        self.waiting.append(seq)
 
     def schedule(self) -> ScheduledBatch | None:
         """The next micro-batch from the sequences not in flight; None when frozen or nothing can run.
@@ -457,14 +462,12 @@ class Scheduler:
             seq = self.parked[seq.request_id]
         elif seq.request_id in self._sequences:
             raise RequestError(f"request id {seq.request_id!r} is already in use")
+        if self.block_manager.num_ranks > 1:
+            raise RequestError("moving a request in needs one KV pool: this layout is expert parallel")
+        self._check_fits(seq)  # as add() would: an instance that could never run it says so, not "full"
         if not 0 < num_tokens < seq.num_prompt_tokens + seq.max_tokens:
             raise RequestError(f"{num_tokens} tokens cannot be the KV of a request of {seq.num_prompt_tokens} "
                                f"prompt tokens and max_tokens {seq.max_tokens}")
-        if seq.num_prompt_tokens + seq.max_tokens > self.config.max_model_len:
-            raise RequestError(f"the request needs a context of {seq.num_prompt_tokens + seq.max_tokens} tokens, "
-                               f"this instance's is {self.config.max_model_len}")
-        if self.block_manager.num_ranks > 1:
-            raise RequestError("moving a request in needs one KV pool: this layout is expert parallel")
         seq.num_computed_tokens = max(seq.num_computed_tokens, num_tokens)
         if not self.block_manager.append_slots(seq, 0):
             raise QueueFullError(f"{self.block_manager.num_blocks_needed(seq, 0)} more KV blocks are needed, "

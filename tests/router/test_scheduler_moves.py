@@ -99,18 +99,21 @@ def test_reserve_refuses_what_cannot_run_and_grows_on_a_second_call():
         scheduler.reserve(seq_of("a", prompt_of(0, 5), 3), 8)  # more tokens than the request ever has
     with pytest.raises(RequestError, match="context"):
         scheduler.reserve(seq_of("b", prompt_of(0, 30), 20), 31)
-    ids = scheduler.reserve(seq_of("c", prompt_of(0, 5), 30), 6)
+    with pytest.raises(RequestError, match="KV blocks"):
+        scheduler.reserve(seq_of("f", prompt_of(0, 5), 30), 6)  # 35 tokens: 9 blocks, the pool ever has 6
+    ids = scheduler.reserve(seq_of("c", prompt_of(0, 5), 19), 6)
     assert len(ids) == 2 and scheduler.is_moving_in("c")
-    grown = scheduler.reserve(seq_of("c", prompt_of(0, 5), 30), 13)
+    grown = scheduler.reserve(seq_of("c", prompt_of(0, 5), 19), 13)
     assert grown[:2] == ids and len(grown) == 4
+    assert len(scheduler.reserve(seq_of("e", prompt_of(1, 5), 3), 5)) == 2
     with pytest.raises(QueueFullError):
-        scheduler.reserve(seq_of("c", prompt_of(0, 5), 30), 34)  # 9 blocks of 6
+        scheduler.reserve(seq_of("c", prompt_of(0, 5), 19), 23)  # 6 blocks: 2 more, none free now
     with pytest.raises(RequestError, match="do not fit"):
         scheduler.adopt("c", [1, 2, 3], 6)  # 5 + 3 tokens: 7 cached, not 6
     with pytest.raises(KeyError):
         scheduler.adopt("d", [1], 5)
     scheduler.adopt("c", [1, 2, 3, 4, 5, 6, 7, 8], 12)  # trims the reservation to the KV that came
-    assert len(scheduler.get("c").block_ids) == 3 and scheduler.block_manager.num_used == 3
+    assert len(scheduler.get("c").block_ids) == 3 and scheduler.block_manager.num_used == 3 + 2
 
 
 def test_a_layout_change_cancels_moves_in_progress():
