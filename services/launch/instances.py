@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import os
-import signal
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -132,78 +131,65 @@ class InstanceSet:
 def up_instances(config) -> int:
     """Start the instances and the front router; supervise until Ctrl-C/SIGTERM (0) or the front dies (1); start
     and stop instances when the front router asks (`reconfigctl instances start|stop`)."""
-    from services.front.server import FrontConfig, run_front
-    from services.launch.stackfile import StackFile, run_dir
-    from services.launch.up import StopRequested, raise_stop
+    from services.launch.session import StackSession
     from services.model.converted import ConsoleProgress
     from services.model.presets import resolve_model
-    from services.rpc.auth import generate_token, write_token_file
 
     layouts = instance_topologies(config.topology, config.instances, config.instance_topologies)
     resolve_model(config.model, progress=ConsoleProgress())
-    token = generate_token()
-    token_file = run_dir() / "token"
-    write_token_file(token_file, token)
+    session = StackSession()
     threads = max(1, (os.cpu_count() or 1) // (max(config.instances, config.max_instances) * config.workers))
-    previous = {sig: signal.signal(sig, raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    instances = InstanceSet(config, token, threads)
-    stack_file = None
-    started = time.perf_counter()
-    try:
-        for layout in layouts:
-            instances.start(layout)
-        first = instances.clusters[instances.first]
-        launcher_end, front_end = mp.Pipe()
-        front = first.spawn_service("front", run_front, FrontConfig(
-            instance_addresses=tuple(e["router_grpc"] for e in instances.entries.values()),
-            model_dir=str(first.model_dir),
-            model_name=config.model if not os.path.isdir(config.model) else first.model_dir.name,
-            host=config.host, http_port=config.http_port, grpc_port=config.front_grpc_port, token=token,
-            api_key=config.api_key, policy=config.policy, http_keep_alive_s=config.http_keep_alive_s,
-            shutdown_grace_s=config.shutdown_grace_s, autoscale=config.autoscale_settings()),
-            front_end, (instances.first,))
-        http = f"http://{config.host}:{front['http_port']}"
-        stack_file = StackFile(
-            controller_address=instances.entries[instances.first]["controller"], router_http_address=http,
-            router_grpc_address=instances.entries[instances.first]["router_grpc"], token_file=str(token_file),
-            model=config.model, topology=",".join(layouts), started_at=time.time(),
-            front_grpc_address=f"{config.host}:{front['grpc_port']}")
-        stack_file = _write_stack(stack_file, instances)
-        print(f"reconfig is up in {time.perf_counter() - started:.1f}s: {config.instances} instances of "
-              f"{config.model} ({', '.join(layouts)}) behind one front router (policy {config.policy})\n"
-              f"  OpenAI API   {http}/v1   (metrics {http}/metrics)\n"
-              f"  instances    reconfigctl instances   (drain: reconfigctl instances drain NAME; more: start)\n"
-              f"Ctrl-C stops the stack.", flush=True)
-        return _supervise(instances, launcher_end, stack_file)
-    except StopRequested as stop:
-        print(f"reconfig up: {stop} received; stopping the stack", file=sys.stderr, flush=True)
-        return 0
-    except ClusterError as exc:
-        print(f"reconfig up: {exc}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    instances = InstanceSet(config, session.token, threads)
+
+    def stop() -> None:
+        timeout_s = config.shutdown_grace_s + 10.0
         if instances.clusters:  # the front drains first
-            instances.clusters[instances.first].stop_services(("front",), timeout_s=config.shutdown_grace_s + 10.0)
-        instances.stop_all(timeout_s=config.shutdown_grace_s + 10.0)
-        if stack_file is not None:
-            stack_file.remove()
-        token_file.unlink(missing_ok=True)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            instances.clusters[instances.first].stop_services(("front",), timeout_s=timeout_s)
+        instances.stop_all(timeout_s=timeout_s)
+
+    return session.run(lambda: _serve(config, layouts, instances, session), stop)
 
 
-def _write_stack(stack_file, instances: InstanceSet):
-    """The stack file with the instances of now (their processes, addresses, layouts), written."""
+def _serve(config, layouts: list[str], instances: InstanceSet, session) -> int:
+    from services.front.server import FrontConfig, run_front
+    from services.launch.stackfile import StackFile
+
+    started = time.perf_counter()
+    for layout in layouts:
+        instances.start(layout)
+    first = instances.clusters[instances.first]
+    launcher_end, front_end = mp.Pipe()
+    front = first.spawn_service("front", run_front, FrontConfig(
+        instance_addresses=tuple(e["router_grpc"] for e in instances.entries.values()),
+        model_dir=str(first.model_dir),
+        model_name=config.model if not os.path.isdir(config.model) else first.model_dir.name,
+        host=config.host, http_port=config.http_port, grpc_port=config.front_grpc_port, token=session.token,
+        api_key=config.api_key, policy=config.policy, http_keep_alive_s=config.http_keep_alive_s,
+        shutdown_grace_s=config.shutdown_grace_s, autoscale=config.autoscale_settings()),
+        front_end, (instances.first,))
+    http = f"http://{config.host}:{front['http_port']}"
+    entry = instances.entries[instances.first]
+    stack_file = _write_stack(session, StackFile(
+        controller_address=entry["controller"], router_http_address=http, router_grpc_address=entry["router_grpc"],
+        token_file=str(session.token_file), model=config.model, started_at=time.time(),
+        front_grpc_address=f"{config.host}:{front['grpc_port']}"), instances)
+    scaling = f", up to {config.max_instances} by itself" if config.max_instances else ""
+    print(f"reconfig is up in {time.perf_counter() - started:.1f}s: {config.instances} instances of "
+          f"{config.model} ({', '.join(layouts)}{scaling}) behind one front router (policy {config.policy})\n"
+          f"  OpenAI API   {http}/v1   (metrics {http}/metrics)\n"
+          f"  instances    reconfigctl instances   (drain: reconfigctl instances drain NAME; more: start)\n"
+          f"Ctrl-C stops the stack.", flush=True)
+    return _supervise(instances, launcher_end, session, stack_file)
+
+
+def _write_stack(session, stack_file, instances: InstanceSet):
+    """The stack file with the instances of now (their processes, addresses, layouts), published."""
     entries = list(instances.entries.values())
-    stack_file = dataclasses.replace(stack_file, pids={"launcher": os.getpid(), **instances.pids()},
-                                     instances=entries, topology=",".join(e["topology"] for e in entries))
-    stack_file.write()
-    return stack_file
+    return session.publish(dataclasses.replace(stack_file, pids={"launcher": os.getpid(), **instances.pids()},
+                                               instances=entries, topology=",".join(e["topology"] for e in entries)))
 
 
-def _supervise(instances: InstanceSet, requests: Connection | None, stack_file) -> int:
+def _supervise(instances: InstanceSet, requests: Connection | None, session, stack_file) -> int:
     """Serve the front router's start/stop requests and report what dies; an instance's death is the front
     router's to absorb, the front's ends the stack."""
     first = instances.clusters[instances.first]
@@ -226,4 +212,4 @@ def _supervise(instances: InstanceSet, requests: Connection | None, stack_file) 
                 requests = None
                 continue
             requests.send(instances.serve(request))
-            stack_file = _write_stack(stack_file, instances)
+            stack_file = _write_stack(session, stack_file, instances)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import signal
 import sys
 import time
 import tomllib
@@ -14,7 +13,8 @@ from pathlib import Path
 
 import structlog
 
-from services.launch.cluster import ClusterConfig, ClusterError, LocalCluster
+from services.launch.cluster import ClusterConfig, LocalCluster
+from services.launch.session import StackSession
 from services.topology import parse_gpus
 
 log = structlog.get_logger(__name__)
@@ -202,117 +202,98 @@ def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--device cuda: run every step eagerly, no CUDA graphs for decode steps [off]")
 
 
-class StopRequested(Exception):
-    """Ctrl-C or SIGTERM reached the launcher (raise_stop is its signal handler)."""
-
-
-def raise_stop(signum, frame) -> None:
-    raise StopRequested(signal.Signals(signum).name)
-
-
 def up(config: UpConfig) -> int:
     """Start the stack and supervise it. 0 after Ctrl-C/SIGTERM; 1 if the weightstore or the router died (named on
     stderr). A lost worker does not stop it: the controller recovers, and a replacement is started in join mode; a
     dead controller is started again."""
-    from services.controller.server import ControllerConfig, run_controller
-    from services.launch.stackfile import StackFile, run_dir
+    from services.launch.stackfile import run_dir
     from services.model.converted import ConsoleProgress
     from services.model.presets import resolve_model
-    from services.router.main import RouterConfig, run_router
-    from services.rpc.auth import generate_token, write_token_file
 
     if config.fronted:
         from services.launch.instances import up_instances
 
         return up_instances(config)
     resolve_model(config.model, progress=ConsoleProgress())  # a preset's first use: fetch and convert, with progress
-    token = generate_token()
+    session = StackSession()
     cluster = LocalCluster(ClusterConfig(  # checks the layout and the GPU placement before anything is written
         model=config.model, num_workers=config.workers, topology=config.topology, device=config.device,
         gpus=parse_gpus(config.gpus), gpu_sharing=config.gpu_sharing, enforce_eager=config.enforce_eager,
-        kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size, host=config.host, token=token,
-        num_redundant_experts=config.num_redundant_experts, eplb_window=config.eplb_window,
+        kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size, host=config.host,
+        token=session.token, num_redundant_experts=config.num_redundant_experts, eplb_window=config.eplb_window,
     ))
-    token_file = run_dir() / "token"
-    write_token_file(token_file, token)
-    previous = {sig: signal.signal(sig, raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    stack_file = None
-    started = time.perf_counter()
-    try:
-        cluster.start()
-        router = cluster.spawn_service("router", run_router, RouterConfig(
-            worker_addresses=tuple(cluster.worker_addresses), model_dir=str(cluster.model_dir),
-            model_name=config.model if not os.path.isdir(config.model) else cluster.model_dir.name,
-            host=config.host, http_port=config.http_port, grpc_port=config.grpc_port, token=token,
-            api_key=config.api_key, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting,
-            http_keep_alive_s=config.http_keep_alive_s, shutdown_grace_s=config.shutdown_grace_s,
-            eplb=config.eplb, eplb_step_interval=config.eplb_step_interval,
-        ))
-        router_grpc = f"{config.host}:{router['grpc_port']}"
-        controller_config = ControllerConfig(
-            host=config.host, port=config.controller_port, token=token,
-            worker_addresses=tuple(cluster.worker_addresses), router_grpc_address=router_grpc,
-            topology=config.topology, model=config.model, model_dir=str(cluster.model_dir),
-            state_file=str(run_dir() / "controller-state.json"), staging_budget_mb=config.staging_budget_mb,
-            autopilot=config.autopilot, intents_file=config.intents, metrics_port=config.controller_metrics_port,
-            autopilot_policy=config.autopilot_policy, profile_file=config.profile,
-        )
-        controller = cluster.spawn_service("controller", run_controller, controller_config)
-        http = f"http://{config.host}:{router['http_port']}"
-        stack_file = StackFile(
-            controller_address=f"{config.host}:{controller['port']}", router_http_address=http,
-            router_grpc_address=router_grpc, token_file=str(token_file), pids={"launcher": os.getpid(),
-                                                                                 **cluster.pids},
-            model=config.model, topology=config.topology, started_at=time.time(),
-        )
-        stack_file.write()
-        print(f"reconfig is up in {time.perf_counter() - started:.1f}s: {config.model} on {config.workers} "
-              f"{config.device} workers in {config.topology}\n"
-              f"  OpenAI API   {http}/v1   (health {http}/health, ready {http}/ready, metrics {http}/metrics)\n"
-              f"  router gRPC  {router_grpc}\n"
-              f"  controller   {config.host}:{controller['port']}   (reconfigctl status; autopilot {config.autopilot}: "
-              f"reconfigctl autopilot status; metrics {_metrics_address(config)})\n"
-              f"Ctrl-C stops the stack.", flush=True)
-        while True:
-            for lost in cluster.reap_dead_workers():  # the controller recovers onto the survivors
-                print(f"reconfig up: {lost} exited; the controller moves the stack onto the other workers",
-                      file=sys.stderr, flush=True)
-                if config.replace_lost_workers:
-                    address = cluster.start_joiner()
-                    stack_file = dataclasses.replace(stack_file, pids={"launcher": os.getpid(), **cluster.pids},
-                                                     replacements=[*stack_file.replacements, address])
-                    stack_file.write()
-                    print(f"reconfig up: a replacement worker is ready at {address}; bring it in with "
-                          f"`reconfigctl add-worker {address} --topology {config.topology}`", file=sys.stderr,
-                          flush=True)
-            if (lost := cluster.reap_dead_service("controller")) is not None:
-                # Stateless but for its state file: a new one recovers the members, layout and last operation (a
-                # router it left frozen resumes when the freeze's lease runs out, or by the new one's recovery).
-                print(f"reconfig up: {lost} exited; starting it again", file=sys.stderr, flush=True)
-                controller = cluster.spawn_service("controller", run_controller, controller_config)
-                stack_file = dataclasses.replace(
-                    stack_file, controller_address=f"{config.host}:{controller['port']}",
-                    pids={"launcher": os.getpid(), **cluster.pids})
-                stack_file.write()
-            dead = cluster.dead_processes()
-            if dead:
-                print(f"reconfig up: {', '.join(dead)} exited; stopping the stack", file=sys.stderr, flush=True)
-                return 1
-            time.sleep(0.25)
-    except StopRequested as stop:
-        print(f"reconfig up: {stop} received; stopping the stack", file=sys.stderr, flush=True)
-        return 0
-    except ClusterError as exc:
-        print(f"reconfig up: {exc}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the cleanup
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def stop() -> None:
         cluster.stop(timeout_s=config.shutdown_grace_s + 10.0)  # the router drains before the workers stop
-        if stack_file is not None:
-            stack_file.remove()
-        token_file.unlink(missing_ok=True)
         (run_dir() / "controller-state.json").unlink(missing_ok=True)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+
+    return session.run(lambda: _serve(config, cluster, session), stop)
+
+
+def _serve(config: UpConfig, cluster: LocalCluster, session: StackSession) -> int:
+    """Start the stack's processes and supervise them (see up)."""
+    from services.controller.server import ControllerConfig, run_controller
+    from services.launch.stackfile import StackFile, run_dir
+    from services.router.main import RouterConfig, run_router
+
+    token, token_file = session.token, session.token_file
+    started = time.perf_counter()
+    cluster.start()
+    router = cluster.spawn_service("router", run_router, RouterConfig(
+        worker_addresses=tuple(cluster.worker_addresses), model_dir=str(cluster.model_dir),
+        model_name=config.model if not os.path.isdir(config.model) else cluster.model_dir.name,
+        host=config.host, http_port=config.http_port, grpc_port=config.grpc_port, token=token,
+        api_key=config.api_key, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting,
+        http_keep_alive_s=config.http_keep_alive_s, shutdown_grace_s=config.shutdown_grace_s,
+        eplb=config.eplb, eplb_step_interval=config.eplb_step_interval,
+    ))
+    router_grpc = f"{config.host}:{router['grpc_port']}"
+    controller_config = ControllerConfig(
+        host=config.host, port=config.controller_port, token=token,
+        worker_addresses=tuple(cluster.worker_addresses), router_grpc_address=router_grpc,
+        topology=config.topology, model=config.model, model_dir=str(cluster.model_dir),
+        state_file=str(run_dir() / "controller-state.json"), staging_budget_mb=config.staging_budget_mb,
+        autopilot=config.autopilot, intents_file=config.intents, metrics_port=config.controller_metrics_port,
+        autopilot_policy=config.autopilot_policy, profile_file=config.profile,
+    )
+    controller = cluster.spawn_service("controller", run_controller, controller_config)
+    http = f"http://{config.host}:{router['http_port']}"
+    stack_file = session.publish(StackFile(
+        controller_address=f"{config.host}:{controller['port']}", router_http_address=http,
+        router_grpc_address=router_grpc, token_file=str(token_file), pids={"launcher": os.getpid(),
+                                                                             **cluster.pids},
+        model=config.model, topology=config.topology, started_at=time.time(),
+    ))
+    print(f"reconfig is up in {time.perf_counter() - started:.1f}s: {config.model} on {config.workers} "
+          f"{config.device} workers in {config.topology}\n"
+          f"  OpenAI API   {http}/v1   (health {http}/health, ready {http}/ready, metrics {http}/metrics)\n"
+          f"  router gRPC  {router_grpc}\n"
+          f"  controller   {config.host}:{controller['port']}   (reconfigctl status; autopilot {config.autopilot}: "
+          f"reconfigctl autopilot status; metrics {_metrics_address(config)})\n"
+          f"Ctrl-C stops the stack.", flush=True)
+    while True:
+        for lost in cluster.reap_dead_workers():  # the controller recovers onto the survivors
+            print(f"reconfig up: {lost} exited; the controller moves the stack onto the other workers",
+                  file=sys.stderr, flush=True)
+            if config.replace_lost_workers:
+                address = cluster.start_joiner()
+                stack_file = session.publish(dataclasses.replace(
+                    stack_file, pids={"launcher": os.getpid(), **cluster.pids},
+                    replacements=[*stack_file.replacements, address]))
+                print(f"reconfig up: a replacement worker is ready at {address}; bring it in with "
+                      f"`reconfigctl add-worker {address} --topology {config.topology}`", file=sys.stderr,
+                      flush=True)
+        if (lost := cluster.reap_dead_service("controller")) is not None:
+            # Stateless but for its state file: a new one recovers the members, layout and last operation (a
+            # router it left frozen resumes when the freeze's lease runs out, or by the new one's recovery).
+            print(f"reconfig up: {lost} exited; starting it again", file=sys.stderr, flush=True)
+            controller = cluster.spawn_service("controller", run_controller, controller_config)
+            stack_file = session.publish(dataclasses.replace(
+                stack_file, controller_address=f"{config.host}:{controller['port']}",
+                pids={"launcher": os.getpid(), **cluster.pids}))
+        dead = cluster.dead_processes()
+        if dead:
+            print(f"reconfig up: {', '.join(dead)} exited; stopping the stack", file=sys.stderr, flush=True)
+            return 1
+        time.sleep(0.25)
