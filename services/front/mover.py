@@ -134,10 +134,11 @@ async def move_request(request: router_pb2.GenerateRequest, source: Instance, ta
             full = state.num_computed_tokens // block_size
             if full - copied <= settings.delta_blocks and result.rounds:
                 break
-            # Reserve a little past today's KV: the request decodes on while the rounds run.
+            # Reserve what the policy counted (its KV and room for the next token): more could overfill a target
+            # the policy filled exactly; the rounds and the delta grow the reservation as the request decodes on.
             try:
                 result.kv_bytes_precopied += await copy(list(state.block_table), full,
-                                                        state.num_computed_tokens + 2 * block_size)
+                                                        state.num_computed_tokens + 1)
             except _Unreachable as exc:
                 result.kv_unreachable = True
                 await carry_no_kv(str(exc))
