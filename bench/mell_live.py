@@ -324,27 +324,40 @@ def measured_rates(runs: list[LiveRun]) -> tuple[float, float]:
     return decode_tokens / decode_s, sum(r.num_prompt_tokens for r in records) / prefill_s
 
 
-def simulate_policy(run: LiveRun, workload, block_size: int, bytes_per_token: int, rates: tuple[float, float]):
+def simulate_policy(run: LiveRun, workload, block_size: int, bytes_per_token: int, rates: tuple[float, float],
+                    max_instances: int | None, batch_interval_s: float = 0.0):
     """`reconfig simulate` of the slice with the run's policy and capacity, the given block size (1: KV sizes in
-    exact tokens, as the front feeds its policy) and (decode, prefill) rates."""
+    exact tokens, as the front feeds its policy), (decode, prefill) rates, instance cap (None: none) and batching
+    window (0: every event its own operation)."""
+    from services.router.kv_scheduler.types import KVSchedulerConfig
     from services.simulator.engine import InstanceProfile, SimulationConfig, build_events, simulate
 
     profile = InstanceProfile(kv_capacity_tokens=run.capacity_tokens, kv_bytes_per_token=bytes_per_token,
                               decode_tokens_per_s=rates[0], prefill_tokens_per_s=rates[1], block_size=block_size)
-    return simulate(run.policy, build_events(workload, profile), SimulationConfig(profile=profile))
+    scheduler = KVSchedulerConfig(capacity=run.capacity_tokens, max_instances=max_instances)
+    return simulate(run.policy, build_events(workload, profile), SimulationConfig(
+        profile=profile, scheduler=scheduler, batch_interval_s=batch_interval_s))
 
 
-def simulate_runs(runs: list[LiveRun], workload, block_size: int, bytes_per_token: int) -> dict:
-    """Per policy: at its own run's rates in the instances' blocks ("sim") and in exact tokens ("exact"); and
-    the time-average instances of every policy at one profile pooled over all runs ("pooled")."""
+def simulate_runs(runs: list[LiveRun], workload, block_size: int, bytes_per_token: int, num_instances: int,
+                  interval_s: float) -> dict:
+    """Per policy, capped at the live cluster's instances as its front router is (requests wait for room): at its
+    own run's rates in the instances' blocks ("sim") and in exact tokens ("exact"); the same without the cap
+    ("free", what `reconfig simulate` predicts with instances on demand), and also batched in windows of the front's
+    policy period ("batched": the front hands its policy each period's changes as one step); and the time-average
+    instances of every policy at one profile pooled over all runs ("pooled")."""
     pooled_rates = measured_rates(runs)
-    result = {"rates": {}, "sim": {}, "exact": {}, "pooled": {}, "pooled_rates": pooled_rates}
+    result = {"rates": {}, "sim": {}, "exact": {}, "free": {}, "batched": {}, "pooled": {},
+              "pooled_rates": pooled_rates}
     for run in runs:
         rates = result["rates"][run.policy] = measured_rates([run])
-        result["sim"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates)
-        result["exact"][run.policy] = simulate_policy(run, workload, 1, bytes_per_token, rates)
+        result["sim"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates, num_instances)
+        result["exact"][run.policy] = simulate_policy(run, workload, 1, bytes_per_token, rates, num_instances)
+        result["free"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates, None)
+        result["batched"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates, None,
+                                                        interval_s)
         result["pooled"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token,
-                                                       pooled_rates).mean_instances
+                                                       pooled_rates, num_instances).mean_instances
     return result
 
 
@@ -355,7 +368,7 @@ def _p99(values: list[float]) -> float:
     return float(np.percentile(values, 99)) if values else math.nan
 
 
-def summarize(run: LiveRun, sim, exact, rates: tuple[float, float]) -> dict:
+def summarize(run: LiveRun, sim, exact, free, batched, rates: tuple[float, float]) -> dict:
     ttft = [r.ttft_s for r in run.records if r.ttft_s is not None]
     tpot = [r.tpot_s for r in run.records if r.tpot_s is not None]
     moved = run.moves["moved"]
@@ -371,6 +384,10 @@ def summarize(run: LiveRun, sim, exact, rates: tuple[float, float]) -> dict:
         "policy_step_errors": run.step_errors,
         "sim_exact_instances": exact.mean_instances, "sim_exact_migrations_per_s": exact.migrations_per_s,
         "sim_exact_migrations_by_reason": exact.migrations_by_reason,
+        "sim_waited": sim.num_waited, "sim_mean_wait_s": sim.mean_wait_s,
+        "free_sim_instances": free.mean_instances, "free_sim_peak": free.peak_instances,
+        "free_sim_migrations_per_s": free.migrations_per_s,
+        "batched_sim_instances": batched.mean_instances, "batched_sim_migrations_per_s": batched.migrations_per_s,
         "kv_mb_moved": run.kv_bytes_moved / 1e6,
         "mean_downtime_ms": 1e3 * run.move_downtime_s / moved if moved else 0.0,
         "p99_ttft_ms": 1e3 * _p99(ttft), "p99_tpot_ms": 1e3 * _p99(tpot),
@@ -412,7 +429,12 @@ def policy_notes(row: dict) -> list[str]:
              f"{row['loadavg_before_after'][1]:.1f} after",
              f"  moves asked live {row['decided']}; simulated {row['sim_migrations_by_reason']}; simulated in exact "
              f"tokens: {row['sim_exact_instances']:.2f} instances, {row['sim_exact_migrations_per_s']:.2f} mig/s "
-             f"{row['sim_exact_migrations_by_reason']}"]
+             f"{row['sim_exact_migrations_by_reason']}",
+             f"  simulated at most {row['live_peak_cap']} instances: {row['sim_waited']} requests waited for room "
+             f"(mean {row['sim_mean_wait_s']:.2f} s); without the cap: {row['free_sim_instances']:.2f} instances "
+             f"(peak {row['free_sim_peak']}), {row['free_sim_migrations_per_s']:.2f} mig/s; in windows of the "
+             f"front's policy period: {row['batched_sim_instances']:.2f} instances, "
+             f"{row['batched_sim_migrations_per_s']:.2f} mig/s"]
     if row["move_failures"]:
         lines.append(f"  failed moves: {row['move_failures']}")
     if row["policy_step_errors"]:
@@ -535,6 +557,7 @@ def write_results(config: BenchConfig, described: dict, runs: list[LiveRun], sim
         "runs": [{"policy": run.policy, "samples": run.samples, "simulated": result_json(sims["sim"][run.policy]),
                   "sim_timeline": sims["sim"][run.policy].timeline,
                   "simulated_exact_tokens": result_json(sims["exact"][run.policy]),
+                  "simulated_without_cap": result_json(sims["free"][run.policy]),
                   "requests": [{**asdict(r), "ttft_s": r.ttft_s, "tpot_s": r.tpot_s} for r in run.records]}
                  for run in runs],
     }
@@ -562,9 +585,11 @@ def main(argv: list[str] | None = None) -> int:
     print(slice_lines(config, described, max_model_len), flush=True)
     prompts = make_prompts(workload, config.seed)
     runs = asyncio.run(run_all(config, config.capacity_tokens * bytes_per_token, workload, prompts))
-    sims = simulate_runs(runs, workload, config.block_size, bytes_per_token)
-    rows = {run.policy: summarize(run, sims["sim"][run.policy], sims["exact"][run.policy],
-                                  sims["rates"][run.policy]) for run in runs}
+    sims = simulate_runs(runs, workload, config.block_size, bytes_per_token, config.num_instances, config.interval_s)
+    rows = {run.policy: {**summarize(run, sims["sim"][run.policy], sims["exact"][run.policy],
+                                     sims["free"][run.policy], sims["batched"][run.policy],
+                                     sims["rates"][run.policy]),
+                         "live_peak_cap": config.num_instances} for run in runs}
     report = "\n".join([format_table(list(rows.values())), "", *[line for row in rows.values()
                                                                   for line in policy_notes(row)],
                         "", *policy_ratios(rows, sims["pooled"])])

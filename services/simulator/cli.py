@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     parser.add_argument("--link-gbytes-per-s", type=float, default=25.0, help="migration link bandwidth")
     parser.add_argument("--max-migrations-per-op", type=int, default=10)
+    parser.add_argument("--max-instances", type=int, default=None, metavar="N",
+                        help="at most N instances: a request no instance has room for waits, and runs later")
     parser.add_argument("--batch-ms", type=float, default=0.0, help="batch operations in windows of this many ms")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", metavar="PNG", help="write instances in use over time, all policies")
@@ -55,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size, link_bytes_per_s=args.link_gbytes_per_s * 1e9)
         config = SimulationConfig(
             profile=profile, batch_interval_s=args.batch_ms / 1000.0,
-            scheduler=KVSchedulerConfig(capacity=args.kv_capacity, max_migrations_per_op=args.max_migrations_per_op))
+            scheduler=KVSchedulerConfig(capacity=args.kv_capacity, max_migrations_per_op=args.max_migrations_per_op,
+                                        max_instances=args.max_instances))
         workload = _workload(args)
     except (OSError, ValueError) as error:
         print(f"simulate: {error}", file=sys.stderr)
@@ -66,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
     title = f"{workload.source}: {len(workload)} requests, C={args.kv_capacity} tokens"
     if events.num_rejected:
         title += f" ({events.num_rejected} larger than C skipped)"
+    if args.max_instances is not None:
+        waits = ", ".join(f"{name} {r.num_waited} (mean {r.mean_wait_s:.2f} s)" for name, r in results.items())
+        title += f"; at most {args.max_instances} instances, requests that waited for room: {waits}"
     if args.json:
         print(json.dumps(workload_json(title, results), indent=2))
     else:

@@ -4,17 +4,24 @@ Time model: a request arrives, holds its prompt's KV blocks at once, is prefille
 `prefill_tokens_per_s`, then decodes at `decode_tokens_per_s`; each time decoding needs a new KV
 block the policy gets an update, and at its last token the request departs. Migrations cost no
 time in this model: what they cost is counted (items, requests, bytes over links, re-prefilled tokens).
+With an instance cap (the scheduler's max_instances, as a live front router has), a request no
+instance has room for waits, is retried at each departure (oldest first), and everything it does
+later happens that much later; a growth no instance has room for leaves its instance over
+capacity (live, the instance router would preempt a request there).
 """
 
 from __future__ import annotations
 
+import contextlib
+import heapq
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
 
 from services.router.kv_scheduler.migration_choice import MigrationBudgets, choose_migration_modes
 from services.router.kv_scheduler.policy import make_policy
-from services.router.kv_scheduler.types import KVSchedulerConfig, Request
+from services.router.kv_scheduler.types import KVSchedulerConfig, Request, SchedulerError
 from services.simulator.events import ALLOCATE, DEPART, UPDATE, Events, InstanceProfile, build_events
 
 __all__ = ["InstanceProfile", "SimulationConfig", "SimulationResult", "build_events", "simulate"]
@@ -53,7 +60,8 @@ class SimulationResult:
     final_instances: int
     peak_instances: int
     mean_instances: float
-    mean_instances_lower_bound: float  # time-average of ceil(live KV / C): no policy can do better
+    mean_instances_lower_bound: float  # time-average of ceil(live KV / C): no policy can do better (under an
+    # instance cap it also counts growth no instance had room for, which live instances would preempt)
     memory_utilization: float  # live KV over the capacity of the instances in use, time-averaged
     migrations: int  # requests moved (after coalescing)
     migration_items: int  # item moves (a request or a multi-item of tiny requests)
@@ -65,6 +73,8 @@ class SimulationResult:
     oversized_migrations: int  # migrations beyond one interval's budgets, sent as KV over several
     wall_s: float
     timeline: tuple[tuple[float, int], ...] = ()  # (time, instances in use) at every change
+    num_waited: int = 0  # with an instance cap: requests that waited for room (their later events shift with them)
+    mean_wait_s: float = 0.0  # ... their mean wait
 
     @property
     def migrations_per_s(self) -> float:
@@ -91,6 +101,16 @@ class _Run:
         self.by_reason: dict[str, int] = {}
         self.migrations = self.items = self.migrated_bytes = self.reprefill_tokens = self.oversized = 0
         self.deferred: set[tuple[str, int]] = set()  # migrations that waited at least one interval
+        # An instance cap (max_instances): a request no instance can take waits (FIFO retries at each departure),
+        # and everything it does later happens that much later.
+        self.capped = self.policy.config.max_instances is not None
+        if self.capped and config.batch_interval_s > 0:
+            raise ValueError("an instance cap (max_instances) is simulated event by event: batch_interval_s must be 0")
+        self.waiting: dict[int, tuple[float, int]] = {}  # request -> (arrived at, prompt KV tokens), in order
+        self.held: dict[int, list[tuple[float, int, int]]] = {}  # a waiting request's events (t, kind, kv tokens)
+        self.delay: dict[int, float] = {}  # a placed request that waited -> its wait
+        self.shifted: list[tuple[float, int, int, int, int]] = []  # heap of (t, kind, order, request, kv tokens)
+        self._order = itertools.count()
 
     def _collect(self, migrations: list) -> None:
         self.pending.extend(migrations)
@@ -154,7 +174,7 @@ class _Run:
         allocated = departed = unplaced = 0
         window = self.config.batch_interval_s
         batch, window_end = _Batch(), first_t + window
-        for t, kind, request, kv_tokens in zip(events.time_s, events.kind, events.request, events.kv_tokens):
+        for t, kind, request, kv_tokens in self._in_order(events):
             if window > 0:
                 if t >= window_end:
                     self._advance(window_end)
@@ -164,15 +184,21 @@ class _Run:
                     window_end = first_t + (math.floor((t - first_t) / window) + 1) * window
                 unplaced += batch.add(kind, request, kv_tokens)
                 continue
+            if request < 0:  # an event of a request that waited, at its shifted time
+                request = -1 - request
+            elif self.capped and self._wait_or_shift(t, kind, request, kv_tokens):
+                continue
             self._advance(t)
             if kind == UPDATE:
-                policy.update(ids[request], kv_tokens)
+                self._update(ids[request], kv_tokens)
             elif kind == DEPART:
                 policy.depart(ids[request])
                 departed += 1
-            else:
-                policy.allocate(ids[request], kv_tokens)
+                allocated += self._admit_waiting(t, ids)
+            elif self._allocate(ids[request], kv_tokens):
                 allocated += 1
+            else:
+                self.waiting[request], self.held[request] = (t, kv_tokens), []
             self._observe(t, policy.drain_migrations())
         if window > 0:
             end = max(self.last_t, window_end if events.time_s else first_t)
@@ -181,6 +207,8 @@ class _Run:
             allocated, departed = allocated + placed, departed + gone
             self._observe(end, result.migrations)
         self._plan(final=True)
+        if self.waiting:
+            raise RuntimeError(f"{len(self.waiting)} requests never found room under the instance cap")
         duration = self.last_t - first_t
         area = self.area_instances
         return SimulationResult(
@@ -195,7 +223,63 @@ class _Run:
             reprefill_tokens=self.reprefill_tokens, deferred_migrations=len(self.deferred),
             oversized_migrations=self.oversized,
             wall_s=time.perf_counter() - started, timeline=tuple(self.timeline),
+            num_waited=len(self.delay), mean_wait_s=sum(self.delay.values()) / len(self.delay) if self.delay else 0.0,
         )
+
+    # ---- an instance cap: requests wait for room ------------------------------------------------------------
+    def _in_order(self, events: Events):
+        """The events by time, with the shifted events of requests that waited merged in (as (t, kind) order)."""
+        shifted = self.shifted
+        for event in zip(events.time_s, events.kind, events.request, events.kv_tokens):
+            while shifted and (shifted[0][0], shifted[0][1]) <= (event[0], event[1]):
+                t, kind, _, request, kv_tokens = heapq.heappop(shifted)
+                yield t, kind, -1 - request, kv_tokens  # negative: already shifted
+            yield event
+        while shifted:
+            t, kind, _, request, kv_tokens = heapq.heappop(shifted)
+            yield t, kind, -1 - request, kv_tokens
+
+    def _wait_or_shift(self, t: float, kind: int, request: int, kv_tokens: int) -> bool:
+        """True when the event is not for now: its request waits for room (held), or waited and the event
+        happens later by its wait (queued again, shifted)."""
+        if request in self.held:
+            self.held[request].append((t, kind, kv_tokens))
+            return True
+        if request in self.delay:
+            heapq.heappush(self.shifted, (t + self.delay[request], kind, next(self._order), request, kv_tokens))
+            return True
+        return False
+
+    def _allocate(self, request_id: str, kv_tokens: int) -> bool:
+        try:
+            self.policy.allocate(request_id, kv_tokens)
+        except SchedulerError:
+            if not self.capped:
+                raise
+            with contextlib.suppress(SchedulerError):
+                self.policy.depart(request_id)  # placed on an instance it could not open: undo
+            return False
+        return True
+
+    def _update(self, request_id: str, kv_tokens: int) -> None:
+        try:
+            self.policy.update(request_id, kv_tokens)
+        except SchedulerError:  # its growth needs an instance the cap does not allow: its instance stays overfull
+            if not self.capped:
+                raise
+
+    def _admit_waiting(self, t: float, ids: list[str]) -> int:
+        """Place the waiting requests that fit now, oldest first; their held events happen later by their wait."""
+        placed = 0
+        for request, (arrived, kv_tokens) in list(self.waiting.items()):
+            if not self._allocate(ids[request], kv_tokens):
+                continue
+            del self.waiting[request]
+            wait = self.delay[request] = t - arrived
+            for at, kind, tokens in self.held.pop(request):
+                heapq.heappush(self.shifted, (at + wait, kind, next(self._order), request, tokens))
+            placed += 1
+        return placed
 
 
 class _Batch:

@@ -52,8 +52,8 @@ def result_json(result: SimulationResult) -> dict:
         "migrations_by_reason": result.migrations_by_reason,
         "max_items_per_operation": result.max_items_per_operation, "migrated_bytes": result.migrated_bytes,
         "reprefill_tokens": result.reprefill_tokens, "deferred_migrations": result.deferred_migrations,
-        "oversized_migrations": result.oversized_migrations,
-        "wall_s": result.wall_s,
+        "oversized_migrations": result.oversized_migrations, "num_waited": result.num_waited,
+        "mean_wait_s": result.mean_wait_s, "wall_s": result.wall_s,
     }
 
 

@@ -128,3 +128,28 @@ def test_slow_links_make_the_migration_choice_re_prefill(events):
     assert fast.migrations > 0 and fast.reprefill_tokens == 0
     assert result.reprefill_tokens > 0
     assert result.migrations == fast.migrations  # the choice changes how moves are made, not which
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_an_instance_cap_makes_requests_wait_and_every_one_still_departs(events, name):
+    """With max_instances below what the load needs, no more instances are ever in use; requests that found no
+    room wait (retried oldest first at departures) and run later by their wait; none is lost."""
+    from services.router.kv_scheduler.types import KVSchedulerConfig
+
+    free = simulate(name, events, SimulationConfig(profile=PROFILE))
+    assert free.peak_instances > 2 and free.num_waited == 0
+    capped = simulate(name, events, SimulationConfig(
+        profile=PROFILE, scheduler=KVSchedulerConfig(capacity=PROFILE.kv_capacity_tokens, max_instances=2)))
+    assert capped.peak_instances <= 2
+    assert capped.num_allocated == capped.num_departed == events.num_admitted and capped.final_instances == 0
+    assert capped.num_waited > 0 and capped.mean_wait_s > 0 and capped.duration_s >= free.duration_s
+    assert capped.mean_instances <= 2
+
+
+def test_an_instance_cap_is_simulated_event_by_event():
+    from services.router.kv_scheduler.types import KVSchedulerConfig
+
+    events = build_events(poisson_workload(2.0, 20, 100, 50, seed=1), PROFILE)
+    with pytest.raises(ValueError, match="batch_interval_s"):
+        simulate("mell", events, SimulationConfig(profile=PROFILE, batch_interval_s=0.25, scheduler=KVSchedulerConfig(
+            capacity=PROFILE.kv_capacity_tokens, max_instances=2)))
