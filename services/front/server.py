@@ -3,6 +3,7 @@ Front gRPC service (list, drain, add, remove, start, stop instances) that `recon
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,17 @@ def instance_status_pb(state: dict) -> front_pb2.InstanceStatus:
     return front_pb2.InstanceStatus(**state)
 
 
+@contextlib.asynccontextmanager
+async def _refusals(context, name: str):
+    """An operation on instance `name`: NOT_FOUND when there is none, FAILED_PRECONDITION when it is refused."""
+    try:
+        yield
+    except KeyError:
+        await context.abort(grpc.StatusCode.NOT_FOUND, f"no instance named {name!r}")
+    except MoveRefused as exc:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+
+
 class FrontServicer(front_pb2_grpc.FrontServicer):
     """Thin: the engine decides, this converts."""
 
@@ -76,12 +88,8 @@ class FrontServicer(front_pb2_grpc.FrontServicer):
             time_average_instances=self.engine.time_average_instances(), num_replaced=totals.replaced)
 
     async def DrainInstance(self, request, context):  # noqa: N802
-        try:
+        async with _refusals(context, request.name):
             moved, failed, instance = await self.engine.drain_instance(request.name, request.drain)
-        except KeyError:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no instance named {request.name!r}")
-        except MoveRefused as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return front_pb2.DrainInstanceResponse(num_moved=moved, num_failed=failed,
                                                instance=self._status(instance.name))
 
@@ -93,12 +101,8 @@ class FrontServicer(front_pb2_grpc.FrontServicer):
         return self._status(instance.name)
 
     async def RemoveInstance(self, request, context):  # noqa: N802
-        try:
+        async with _refusals(context, request.name):
             await self.engine.remove_instance(request.name)
-        except KeyError:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no instance named {request.name!r}")
-        except MoveRefused as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return front_pb2.RemoveInstanceResponse()
 
     async def StartInstance(self, request, context):  # noqa: N802
@@ -117,11 +121,8 @@ class FrontServicer(front_pb2_grpc.FrontServicer):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this front router was started alone: `reconfigctl "
                                 "instances remove NAME`, then stop the instance's services yourself")
         try:
-            await self.launches.stop(request.name)
-        except KeyError:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no instance named {request.name!r}")
-        except MoveRefused as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            async with _refusals(context, request.name):
+                await self.launches.stop(request.name)
         except LaunchError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{request.name} is not served any more, but its "
                                 f"processes did not stop: {exc}")
