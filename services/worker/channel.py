@@ -3,8 +3,8 @@
 Every rank calls `exchange` once per layer with what it sends and what it receives (a collective step):
 - `ShmChannel` (CPU, one host): KV pools live in shared memory; a receiver maps the sender's pool and reads the
   blocks straight out of it by block id (one copy, no staging, no RPC). Sends are no-ops.
-- `CudaIpcChannel` (GPU, one host, another instance's workers): the same reads out of a peer's GPU pool opened
-  through its CUDA IPC handle (live request migration between instances).
+- `CudaIpcChannel` (GPU, one host): the same reads out of a peer's GPU pool opened through its CUDA IPC handle
+  (a switch's KV between the GPU workers of one host; live request migration between instances).
 - `DistChannel` (torch.distributed): point-to-point send/recv of the sliced blocks over the world's device group —
   gloo between CPU hosts, NCCL between GPUs on one node or many (the multi-node path). A transfer carries the
   blocks of its (src_pool, dst_pool) block map, packed in the map's order.
@@ -113,8 +113,8 @@ class ShmChannel(_PeerPoolChannel):
 
 
 class CudaIpcChannel(_PeerPoolChannel):
-    """GPU, one host, another process (another instance's workers): the senders' pools are opened through their
-    CUDA IPC handles (PrepareSwitch's kv_cuda_ipc) and read on this worker's device."""
+    """GPU, one host: the senders' pools (other processes': peers in a switch, another instance's workers in a
+    move) are opened through their CUDA IPC handles (PrepareSwitch's kv_cuda_ipc) and read on this device."""
 
     def __init__(self, handles: dict[int, dict[int, bytes]], plan: KVMigrationPlan, block_size: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
