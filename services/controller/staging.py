@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from services.launch.driver import peer_pool
 from services.model.spec import ModelSpec
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.topology import Topology, WeightFlags, place, plan_weight_reload
@@ -153,5 +154,4 @@ async def prepare_workers(workers: list[worker_pb2_grpc.WorkerStub], target: Swi
 
 def peer_pools(prepared: list[worker_pb2.PrepareSwitchResponse]) -> dict[int, worker_pb2.PeerPool]:
     """Each worker's KV pool as its peers read it (by world rank: the order of `prepared`)."""
-    return {rank: worker_pb2.PeerPool(kv_segments=p.kv_segments, kv_cuda_ipc=p.kv_cuda_ipc, hostname=p.hostname,
-                                      cuda_ipc=p.cuda_ipc) for rank, p in enumerate(prepared)}
+    return {rank: peer_pool(p) for rank, p in enumerate(prepared)}

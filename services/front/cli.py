@@ -77,6 +77,10 @@ def format_instances(reply: front_pb2.ListInstancesResponse) -> str:
     return "\n".join(lines)
 
 
+def _status_line(reply: front_pb2.InstanceStatus) -> str:
+    return f"{reply.name}: {reply.state} ({reply.topology}, {reply.capacity_tokens} KV tokens) at {reply.address}"
+
+
 def instances_command(args: argparse.Namespace) -> int:
     try:
         address, token = _target(args)
@@ -90,13 +94,11 @@ def instances_command(args: argparse.Namespace) -> int:
             elif command == "add":
                 reply = stub.AddInstance(front_pb2.AddInstanceRequest(address=args.address), timeout=args.timeout,
                                          metadata=metadata)
-                text = (f"{reply.name}: {reply.state} ({reply.topology}, {reply.capacity_tokens} KV tokens) at "
-                        f"{reply.address}")
+                text = _status_line(reply)
             elif command == "start":
                 reply = stub.StartInstance(front_pb2.StartInstanceRequest(topology=args.topology),
                                            timeout=args.timeout, metadata=metadata)
-                text = (f"{reply.name}: {reply.state} ({reply.topology}, {reply.capacity_tokens} KV tokens) at "
-                        f"{reply.address}")
+                text = _status_line(reply)
             elif command == "stop":
                 reply = stub.StopInstance(front_pb2.StopInstanceRequest(name=args.name), timeout=args.timeout,
                                           metadata=metadata)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from services.front.instances import Instance, request_to_pb
+from services.front.instances import Instance, free_name, request_to_pb
 from services.front.metrics import front_metrics
 from services.front.rates import FrontTotals, average, choose_modes
 from services.front.route import Route
@@ -275,7 +275,7 @@ class FrontEngine:
         names = {i.name for i in self.instances}
         if name in names:
             raise ValueError(f"an instance is named {name!r} already")
-        name = name or next(f"i{n}" for n in range(len(self.instances) + 1) if f"i{n}" not in names)
+        name = name or free_name(names)
         instance = Instance(name, address, self.instances[0].token, is_up=False)  # not up yet: fail fast
         try:
             stats = await instance.connect(timeout_s=10.0)

@@ -18,6 +18,11 @@ from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
+def free_name(taken) -> str:
+    """The first instance name i0, i1, ... not in `taken`."""
+    return next(f"i{n}" for n in range(len(taken) + 1) if f"i{n}" not in taken)
+
+
 @dataclass(eq=False)
 class Instance:
     """One instance router, as the front router sees it."""

@@ -122,11 +122,12 @@ async def move_request(request: router_pb2.GenerateRequest, source: Instance, ta
             copied = upto
             return pulled.kv_bytes
 
-        async def carry_no_kv(why: str) -> None:  # from here on, a move by re-prefill
+        async def carry_no_kv(why: str, unreachable: bool = False) -> None:  # from here on, a move by re-prefill
             nonlocal reprefill
             if reserved:
                 await target.migrate_in(IN(request_id=request_id, action=IN.RELEASE))
             reprefill = result.reprefilled = True
+            result.kv_unreachable = unreachable
             log.info("front.move_by_reprefill", request_id=request_id, source=source.name, target=target.name,
                      why=why)
 
@@ -140,8 +141,7 @@ async def move_request(request: router_pb2.GenerateRequest, source: Instance, ta
                 result.kv_bytes_precopied += await copy(list(state.block_table), full,
                                                         state.num_computed_tokens + 1)
             except _Unreachable as exc:
-                result.kv_unreachable = True
-                await carry_no_kv(str(exc))
+                await carry_no_kv(str(exc), unreachable=True)
                 break
             result.rounds += 1
             state = await _source_state(source, request_id, OUT.EXPORT)
@@ -157,8 +157,7 @@ async def move_request(request: router_pb2.GenerateRequest, source: Instance, ta
             try:
                 result.kv_bytes_delta = await copy(list(state.block_table), needed, state.num_computed_tokens)
             except _Unreachable as exc:
-                result.kv_unreachable = True
-                await carry_no_kv(str(exc))
+                await carry_no_kv(str(exc), unreachable=True)
         result.kv_tokens = (len(request.prompt_token_ids) + len(state.output_token_ids) - 1 if reprefill
                             else state.num_computed_tokens)
         resumed = router_pb2.GenerateRequest()

@@ -75,6 +75,12 @@ class _WorkerStream:
         await self.channel.close()
 
 
+def peer_pool(prepared: worker_pb2.PrepareSwitchResponse) -> worker_pb2.PeerPool:
+    """A worker's KV pool as others read it (its PrepareSwitch answer: segments, IPC handles, host)."""
+    return worker_pb2.PeerPool(kv_segments=prepared.kv_segments, kv_cuda_ipc=prepared.kv_cuda_ipc,
+                               hostname=prepared.hostname, cuda_ipc=prepared.cuda_ipc)
+
+
 class Driver:
     """Sends each step to every active worker and returns the last stage's outputs."""
 
@@ -180,8 +186,7 @@ class Driver:
             worker_pb2.PrepareSwitchRequest(topology=topology, export_cuda_ipc=True), timeout=30,
             metadata=self.metadata) for stream in self._streams))
         ranks = [i.rank for i in self.infos if i.num_kv_blocks > 0]
-        return {rank: worker_pb2.PeerPool(kv_segments=reply.kv_segments, kv_cuda_ipc=reply.kv_cuda_ipc)
-                for rank, reply in zip(ranks, replies)}
+        return {rank: peer_pool(reply) for rank, reply in zip(ranks, replies)}
 
     async def import_kv(self, request: worker_pb2.ImportKVRequest) -> int:
         """Every active worker copies the request's blocks from another instance's pools; the bytes copied."""

@@ -46,15 +46,16 @@ class InstanceSet:
     def first(self) -> str:
         return next(iter(self.clusters))
 
-    def start(self, layout: str, name: str = "") -> dict:
+    def start(self, layout: str) -> dict:
         """Start an instance of `layout` (its workers load their shards from the shared weight store); its entry.
         ClusterError if it did not start (whatever started is stopped)."""
         from services.controller.server import ControllerConfig, run_controller
+        from services.front.instances import free_name
         from services.launch.stackfile import run_dir
         from services.router.main import RouterConfig, run_router
 
         config, host = self.config, self.config.host
-        name = name or next(f"i{n}" for n in range(len(self.clusters) + 1) if f"i{n}" not in self.clusters)
+        name = free_name(self.clusters)
         Topology.parse(layout)
         cluster = LocalCluster(ClusterConfig(
             model=config.model, num_workers=config.workers, topology=layout, device=config.device,
@@ -87,25 +88,23 @@ class InstanceSet:
 
     def stop(self, name: str, timeout_s: float) -> None:
         """Stop one instance's processes (not the first: its weight store serves the others)."""
-        from services.launch.stackfile import run_dir
-
         if name not in self.clusters:
             raise KeyError(name)
         if name == self.first:
             raise ValueError(f"{name} hosts the weight store every instance reads")
-        self.entries.pop(name, None)
-        self.clusters.pop(name).stop(timeout_s=timeout_s)  # services first, then workers
-        (run_dir() / f"controller-state-{name}.json").unlink(missing_ok=True)
+        self._stop(name, timeout_s)
         print(f"reconfig up: instance {name} stopped", flush=True)
 
     def stop_all(self, timeout_s: float) -> None:
+        for name in reversed(list(self.clusters)):  # the first holds the shared weight store: it stops last
+            self._stop(name, timeout_s)
+
+    def _stop(self, name: str, timeout_s: float) -> None:
         from services.launch.stackfile import run_dir
 
-        for name in reversed(list(self.clusters)):  # the first holds the shared weight store: it stops last
-            self.clusters[name].stop(timeout_s=timeout_s)
-            (run_dir() / f"controller-state-{name}.json").unlink(missing_ok=True)
-        self.clusters.clear()
-        self.entries.clear()
+        self.entries.pop(name, None)
+        self.clusters.pop(name).stop(timeout_s=timeout_s)  # services first, then workers
+        (run_dir() / f"controller-state-{name}.json").unlink(missing_ok=True)
 
     def pids(self) -> dict[str, int]:
         return {f"{name}-{n}": pid for name, cluster in self.clusters.items() for n, pid in cluster.pids.items()}

@@ -68,7 +68,7 @@ class InstanceMigrations:
         self._pulls = 0
         self._no_pulls = asyncio.Event()
         self._no_pulls.set()
-        self._source: tuple[tuple, worker_pb2.KVSource] | None = None  # ((driver, freezes) it was read at, it)
+        self._source: tuple[int, worker_pb2.KVSource] | None = None  # (the freeze count it was read at, it)
         self.num_out = 0          # moves committed out of / adopted into this instance
         self.num_in = 0
         self.kv_bytes_in = 0
@@ -177,9 +177,9 @@ class InstanceMigrations:
     # ---- helpers -----------------------------------------------------------------------------------------------
     async def kv_source(self) -> worker_pb2.KVSource:
         """Where this instance's KV lives (read again after every freeze: a switch, even a rolled-back one, may give
-        the workers new pools, and with them new segments and IPC handles)."""
-        driver = self.engine.driver
-        read_at = (id(driver), self.engine.num_freezes)
+        the workers new pools, and with them new segments and IPC handles; the driver itself changes only in a
+        rebind, which needs a freeze)."""
+        driver, read_at = self.engine.driver, self.engine.num_freezes
         if self._source is None or self._source[0] != read_at:
             pools = await driver.kv_pools()
             self._source = (read_at, worker_pb2.KVSource(

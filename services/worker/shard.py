@@ -492,7 +492,7 @@ class WorkerShard:
             return
         reverse = plan_kv_migration(plan.new, plan.new_ranks, plan.old, plan.old_ranks)
         back_maps = reverse_block_maps(block_maps_from_proto(request.block_maps))
-        ipc = request.kv_channel == "ipc" or (not request.kv_channel and self._ipc_between(request.peers))
+        ipc = self._channel_kind(request) == "ipc"
         pools = self.parallel.all_gather_object(  # on the CPU group
             (new_cache.segment_names(), new_cache.cuda_ipc_handles() if ipc else {}) if new_cache else ({}, {}))
         back = worker_pb2.ApplySwitchRequest()
@@ -520,8 +520,7 @@ class WorkerShard:
         all can (the default there); torch.distributed otherwise (its receive buffers hold each pool pair's
         blocks: `block_maps`, or every used block when ids are kept). Every rank decides alike: from the same
         peers."""
-        kind = request.kv_channel or ("shm" if self.device.type == "cpu" else
-                                      "ipc" if self._ipc_between(request.peers) else "dist")
+        kind = self._channel_kind(request)
         if kind == "shm":
             return self._shm_channel(request.peers, plan)
         if kind == "ipc":
@@ -533,11 +532,16 @@ class WorkerShard:
                                self.device)
         raise ValueError(f"kv_channel {kind!r} is not one of: shm, ipc, dist")
 
-    def _ipc_between(self, peers) -> bool:
-        """Every worker of the world is a GPU worker on this host that reads and exports CUDA IPC."""
-        here = socket.gethostname()
-        return (self.device.type == "cuda" and len(peers) == self.parallel.world_size
-                and all(pool.cuda_ipc and pool.hostname == here for pool in peers.values()))
+    def _channel_kind(self, request: worker_pb2.ApplySwitchRequest) -> str:
+        """The request's kv_channel, else shm on CPU, ipc where every worker of the world is a GPU worker on this
+        host that reads and exports CUDA IPC, dist otherwise."""
+        if request.kv_channel:
+            return request.kv_channel
+        if self.device.type == "cpu":
+            return "shm"
+        peers, here = request.peers, socket.gethostname()
+        ipc = len(peers) == self.parallel.world_size and all(p.cuda_ipc and p.hostname == here for p in peers.values())
+        return "ipc" if ipc else "dist"
 
     def _shm_channel(self, peers, plan) -> ShmChannel:
         """Reads of the peers' pools (PeerPool messages by rank: PrepareSwitch's segments)."""
