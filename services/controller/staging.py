@@ -125,7 +125,8 @@ async def precopy_kv(workers: list[worker_pb2_grpc.WorkerStub], router: router_p
             router_pb2.PreCopyBlocksRequest(operation_id=operation_id, num_kv_blocks=capacity),
             timeout=timeout(), metadata=metadata)
         request = worker_pb2.PreCopyKVRequest(operation_id=operation_id, num_kv_blocks=capacity,
-                                              block_ids=blocks.block_ids, peers=peers)
+                                              block_ids=blocks.block_ids, warm_block_ids=blocks.warm_block_ids,
+                                              peers=peers)
         replies = await asyncio.gather(*(w.PreCopyKV(request, timeout=timeout(), metadata=metadata)
                                          for w in receivers), return_exceptions=True)
         if errors := [r for r in replies if isinstance(r, BaseException)]:
@@ -136,7 +137,7 @@ async def precopy_kv(workers: list[worker_pb2_grpc.WorkerStub], router: router_p
         round_bytes = sum(r.kv_bytes_received + r.kv_bytes_local for r in replies)
         copied_bytes += round_bytes
         log.info("controller.precopy_round", operation_id=operation_id, round=rounds, blocks=len(blocks.block_ids),
-                 used=blocks.num_used, bytes=round_bytes, seconds=round(max(r.seconds for r in replies), 4))
+                 warm_blocks=len(blocks.warm_block_ids), used=blocks.num_used, bytes=round_bytes, seconds=round(max(r.seconds for r in replies), 4))
         if rounds > 1 and len(blocks.block_ids) <= PRECOPY_STOP_BLOCKS:
             break
     return Precopy(prepared, capacity, rounds, copied_bytes)

@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.router.contracts import SERVING_PHASES, EngineStats
+from services.router.contracts import PREPARING_PHASES, SERVING_PHASES, EngineStats
 from services.router.grpc_server import stats_from_pb, stats_to_pb
 from services.rpc.reconfig.v1 import controller_pb2
 
@@ -100,13 +100,14 @@ class OperationStatus:
 
     @property
     def downtime_seconds(self) -> float:
-        """Seconds the router was frozen for it (the cutover): every phase but STAGING and PRECOPY (serving)."""
+        """Seconds requests waited for it (the cutover): from the first one the freeze held back to the resume,
+        i.e. every phase but STAGING, PRECOPY and DRAINING (serving)."""
         return sum(s for phase, s in self.phase_seconds.items() if phase not in SERVING_PHASES)
 
     @property
     def staging_seconds(self) -> float:
         """Seconds the switch ran while the router served, before the freeze: STAGING and PRECOPY."""
-        return sum(self.phase_seconds.get(phase, 0.0) for phase in SERVING_PHASES)
+        return sum(self.phase_seconds.get(phase, 0.0) for phase in PREPARING_PHASES)
 
     def to_pb(self) -> controller_pb2.OperationStatus:
         """The wire form."""

@@ -1,5 +1,6 @@
 """The Reconfigure transaction (ReMP): QUIESCING → PREPARING_WORKERS → APPLYING_TOPOLOGY → MIGRATING → REBINDING,
 after STAGING and PRECOPY while serving (strategy "staged": the freeze then only copies the KV delta and swaps).
+The freeze's wait starts as DRAINING (the steps in flight still deliver tokens) until a request first waits for it.
 
 The controller is the only writer of the live layout. One operation runs at a time; operations are idempotent by
 id. A failure before the workers switch (freeze, prepare, capacity rebind) resumes the old layout untouched.
@@ -21,7 +22,7 @@ from services.model.spec import ModelSpec
 from services.rpc.auth import auth_metadata
 from services.rpc.errors import describe_error
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.router.contracts import PRECOPY_PHASE, STAGING_PHASE
+from services.router.contracts import DRAINING_PHASE, PRECOPY_PHASE, STAGING_PHASE
 from services.controller.staging import (
     Precopy,
     SwitchTarget,
@@ -39,7 +40,10 @@ from services.topology import Topology, TopologyError, validate
 
 log = structlog.get_logger(__name__)
 # In order; STAGING and PRECOPY run while the router serves (strategy "staged"), the others inside the freeze.
-PHASES = ("STAGING", "PRECOPY", "QUIESCING", "PREPARING_WORKERS", "APPLYING_TOPOLOGY", "MIGRATING", "REBINDING")
+# The freeze's wait is DRAINING until a request first waits for it (the router says when; serving, no downtime), then
+# QUIESCING until the last step in flight is back.
+PHASES = ("STAGING", "PRECOPY", "DRAINING", "QUIESCING", "PREPARING_WORKERS", "APPLYING_TOPOLOGY", "MIGRATING",
+          "REBINDING")
 FREEZE_LEASE_S = 15.0  # the router waits this long for a renewal before it stops trusting a frozen operation
 
 
@@ -231,7 +235,7 @@ class Reconfigurer:
         """Until APPLYING_TOPOLOGY the operation's deadline bounds every call (and expiring means: restore and
         resume); from there on it is past its commit point and runs to the end (each RPC has its own timeout)."""
         meta = self.metadata
-        progress.enter("QUIESCING")
+        progress.enter(DRAINING_PHASE)
         try:
             frozen = await self.freeze(progress.timeout(self))
         except BaseException:  # a Freeze that timed out may still have frozen the router
@@ -240,7 +244,8 @@ class Reconfigurer:
             raise
         old_capacity, old_dp = frozen.stats.num_kv_blocks_total, self.state.topology.num_kv_pools
         try:
-            progress.enter("PREPARING_WORKERS")
+            # The steps in flight ran on until the first came back (DRAINING, serving); the rest waited (QUIESCING).
+            progress.enter("PREPARING_WORKERS", keep=(DRAINING_PHASE, frozen.drain_seconds, "QUIESCING"))
             if precopy is None:
                 prepared, capacity = await prepare_workers(self.workers, target, progress.timeout(self), meta)
             else:  # asked before the pre-copy: the live pools have not changed since
@@ -289,22 +294,26 @@ class Reconfigurer:
         self.state.set_topology(target.topology, target.layer_partition)  # the workers hold the new layout now
         # Both phases ran in one RPC: the workers say how long selecting groups and allocating took.
         progress.enter("REBINDING", split=("MIGRATING", "APPLYING_TOPOLOGY", max(r.apply_seconds for r in results)))
-        await self.rebind_and_resume(capacity, progress.report(OperationState.SUCCEEDED))
+        await self.rebind_and_resume(capacity, progress.report(OperationState.SUCCEEDED), [r.info for r in results])
         log.info("controller.reconfigured", operation_id=progress.status.operation_id,
                  topology=str(target.topology), phases=progress.status.phase_seconds)
         return progress.finish(OperationState.SUCCEEDED)
 
-    async def rebind_and_resume(self, capacity: int, report: router_pb2.SwitchReport) -> None:
-        """After the commit point: point the router at the members' new layout and resume it. A failure here
-        (a worker died just now) still resumes the router: its first step fails, it stalls, and the recovery
-        takes over; nothing stays frozen."""
-        with_timeout = dict(timeout=self.rpc_timeout_s, metadata=self.metadata)
+    async def rebind_and_resume(self, capacity: int, report: router_pb2.SwitchReport, infos=()) -> None:
+        """After the commit point: point the router at the members' new layout and resume it, in one call (with
+        `infos`, the members' ApplySwitch answers, it need not ask them). A failure here (a worker died just now)
+        still resumes the router: its first step fails, it stalls, and the recovery takes over; nothing stays
+        frozen."""
+        if self._lease is not None:  # no renewal may re-freeze the router after it resumed
+            await self._lease.stop()
         try:
             await self.router.Rebind(router_pb2.RebindRequest(num_kv_blocks=capacity,
-                                                              worker_addresses=self.state.worker_addresses),
-                                     **with_timeout)
-        finally:
+                                                              worker_addresses=self.state.worker_addresses,
+                                                              resume=True, switch=report, worker_infos=infos),
+                                     timeout=self.rpc_timeout_s, metadata=self.metadata)
+        except BaseException:
             await self.resume(report)
+            raise
 
     async def _restore(self, old_capacity: int, old_dp: int, report: router_pb2.SwitchReport) -> None:
         """The old layout serves again: its capacity, and its KV pools with every request's old block ids."""
@@ -401,11 +410,17 @@ class Progress:
         phases[target] = phases.get(target, 0.0) + moved
         self.status = dataclasses.replace(self.status, phase_seconds=phases)
 
-    def enter(self, phase: str, split: tuple[str, str, float] | None = None) -> None:
-        """Close the running phase (moving `split`'s seconds from one closed phase to another) and start `phase`."""
+    def enter(self, phase: str, split: tuple[str, str, float] | None = None,
+              keep: tuple[str, float, str] | None = None) -> None:
+        """Close the running phase and start `phase`. split (source, target, seconds): move that many seconds from
+        one closed phase to another; keep (source, seconds, target): leave at most that many in the source and
+        move the rest to the target."""
         self._close_phase()
         if split is not None:
             self._move_seconds(*split)
+        if keep is not None:
+            source, kept, target = keep
+            self._move_seconds(source, target, max(0.0, self.status.phase_seconds.get(source, 0.0) - kept))
         self.status = dataclasses.replace(self.status, phase=phase)
         self.state.record_operation(self.status)
 

@@ -39,6 +39,11 @@ class _WorkerStream:
         self.call = self.stub.Execute(metadata=self.metadata)
         self.reader = asyncio.create_task(self._read())
 
+    @property
+    def is_open(self) -> bool:
+        """The step stream is open and its reader alive (it has not broken)."""
+        return self.reader is not None and not self.reader.done()
+
     async def _read(self) -> None:
         try:
             while (result := await self.call.read()) is not grpc.aio.EOF:
@@ -101,21 +106,40 @@ class Driver:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    async def connect(self) -> None:
+    async def connect(self, previous: Driver | None = None,
+                      infos: list[worker_pb2.WorkerInfo] | None = None) -> None:
         """Read every worker's info (all at once) and open the step streams of the active ones, each over the
-        channel its info came through (a switch's rebind waits on this: no second connection per worker)."""
-        streams = [_WorkerStream(address, self.metadata) for address in self.addresses]
+        channel its info came through (a switch's rebind waits on this: no second connection per worker).
+
+        previous: the driver this one replaces (a switch's rebind, nothing in flight): the open streams of its
+        workers are shared, not reopened, and step ids go on from its own. It keeps them: close it with
+        keep=self.streams once this one is taken, or close this one with keep=previous.streams if not.
+        infos: the workers' infos, one per address, as they just answered the switch (not asked again)."""
+        if infos is not None and len(infos) != len(self.addresses):
+            raise ValueError(f"{len(infos)} worker infos for {len(self.addresses)} addresses")
+        shared = {stream.address: stream for stream in previous._streams if stream.is_open} if previous else {}
+        streams = [shared.get(address) or _WorkerStream(address, self.metadata) for address in self.addresses]
+        mine = [stream for stream in streams if stream not in shared.values()]
         try:
-            infos = await asyncio.gather(*(self._info(stream) for stream in streams))
+            if infos is None:
+                infos = await asyncio.gather(*(self._info(stream) for stream in streams))
         except BaseException:
-            await asyncio.gather(*(stream.channel.close() for stream in streams), return_exceptions=True)
+            await asyncio.gather(*(stream.channel.close() for stream in mine), return_exceptions=True)
             raise
         self.infos = list(infos)
         self._streams = [stream for stream, info in zip(streams, infos) if info.num_kv_blocks > 0]
         await asyncio.gather(*(stream.channel.close() for stream, info in zip(streams, infos)
-                               if info.num_kv_blocks == 0))
+                               if info.num_kv_blocks == 0 and stream in mine))
         for stream in self._streams:
-            await stream.open()
+            if stream.call is None:
+                await stream.open()
+        if previous is not None:
+            self._step_ids = previous._step_ids
+
+    @property
+    def streams(self) -> tuple[_WorkerStream, ...]:
+        """The step streams of the active workers, in rank order."""
+        return tuple(self._streams)
 
     async def _info(self, stream: _WorkerStream) -> worker_pb2.WorkerInfo:
         try:
@@ -199,6 +223,7 @@ class Driver:
         """Each active worker's model work since this driver connected, by rank."""
         return tuple(self._work[rank] for rank in sorted(self._work))
 
-    async def close(self) -> None:
+    async def close(self, keep: tuple[_WorkerStream, ...] = ()) -> None:
+        """End the step streams and close their channels, except those in `keep` (another driver's now)."""
         streams, self._streams = self._streams, []
-        await asyncio.gather(*(stream.close() for stream in streams))
+        await asyncio.gather(*(stream.close() for stream in streams if stream not in keep))

@@ -59,10 +59,13 @@ class GenerationDelta:
 
 
 # The phases of a switch that run while the router serves: the target's shards built beside the steps, then the
-# KV pre-copied in rounds; every other phase runs frozen, and their sum is the downtime (the cutover).
+# KV pre-copied in rounds, then the start of the freeze until a request first waits for it (the steps in flight
+# run on and deliver their tokens); every other phase runs frozen, and their sum is the downtime (the cutover).
 STAGING_PHASE = "STAGING"
 PRECOPY_PHASE = "PRECOPY"
-SERVING_PHASES = (STAGING_PHASE, PRECOPY_PHASE)
+DRAINING_PHASE = "DRAINING"
+SERVING_PHASES = (STAGING_PHASE, PRECOPY_PHASE, DRAINING_PHASE)
+PREPARING_PHASES = (STAGING_PHASE, PRECOPY_PHASE)  # the staging time: built and copied ahead of the freeze
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,13 +84,13 @@ class SwitchReport:
 
     @property
     def downtime_seconds(self) -> float:
-        """Freeze to resume (the cutover): every phase but STAGING and PRECOPY, during which the router served."""
+        """First held request to resume (the cutover): every phase but the serving ones."""
         return sum(s for phase, s in self.phase_seconds.items() if phase not in SERVING_PHASES)
 
     @property
     def staging_seconds(self) -> float:
         """Before the freeze, while serving: STAGING and PRECOPY."""
-        return sum(self.phase_seconds.get(phase, 0.0) for phase in SERVING_PHASES)
+        return sum(self.phase_seconds.get(phase, 0.0) for phase in PREPARING_PHASES)
 
 
 @dataclass(frozen=True, slots=True)

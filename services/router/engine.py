@@ -33,7 +33,7 @@ from services.router.expert_balance import EplbSettings, ExpertBalancer
 from services.router.load_window import LoadWindow, RequestTimer
 from services.router.migration import InstanceMigrations
 from services.router.output import RequestStream
-from services.router.precopy import KVPrecopy, PrecopyUnsupported
+from services.router.precopy import KVPrecopy, PrecopyRound, PrecopyUnsupported
 from services.router.scheduler import ScheduledBatch, Scheduler
 from services.router.sequence import Sequence, SequenceStatus
 from services.topology import Topology
@@ -86,6 +86,9 @@ class Engine:
         self._stalled_at = 0.0
         self._stall_timer: asyncio.TimerHandle | None = None
         self._lease_timer: asyncio.TimerHandle | None = None
+        self._closing: set[asyncio.Future] = set()  # replaced drivers whose streams are ending (_swap_driver)
+        self._frozen_at = 0.0  # monotonic: the controller's freeze began
+        self._held_at: float | None = None  # ... and a request first waited for it (None: not yet)
         # The controller's Freeze, apart from the scheduler's frozen flag, which a stall sets too: a stall
         # that times out must not unfreeze a router the controller holds.
         self._is_held = False
@@ -121,6 +124,8 @@ class Engine:
         for stream in list(self._streams.values()):
             stream.finish("abort")
         await self.driver.close()
+        if self._closing:  # replaced drivers still ending their streams
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
     async def drain(self, grace_s: float) -> int:
         """Refuse new requests (EngineDrainingError) and give the admitted ones up to `grace_s` to finish, so that a
@@ -211,13 +216,20 @@ class Engine:
         return self.switches
 
     # ---- admin (controller) ----------------------------------------------------------------------------------
-    async def freeze(self, timeout_s: float = 60.0, lease_s: float = 0.0) -> None:
+    async def freeze(self, timeout_s: float = 60.0, lease_s: float = 0.0) -> float:
         """Stop scheduling new steps and wait until the in-flight ones are done. Admission stays open.
+
+        Returns how long the freeze drained before any request waited for it: until the first step in flight came
+        back (its requests get no next step), or 0 when a request was ready to run at once. The steps in flight
+        deliver their tokens meanwhile: that part of the freeze is no downtime.
 
         lease_s > 0: unless resume() or another freeze() comes within lease_s, the engine resumes by itself, so
         a controller that dies mid-operation cannot leave the router frozen.
         """
         _check_seconds("lease_s", lease_s)
+        if not self._is_held:  # a renewal of the lease keeps the first freeze's times
+            self._frozen_at = time.monotonic()
+            self._held_at = self._frozen_at if not self._inflight or self.scheduler.has_unscheduled() else None
         self._is_held = True
         self.num_freezes += 1
         self.scheduler.freeze()
@@ -230,9 +242,12 @@ class Engine:
             self._lease_timer = asyncio.get_running_loop().call_later(lease_s, self._lease_expired, lease_s)
         await asyncio.wait_for(self._idle.wait(), timeout_s)
         await asyncio.wait_for(self.migrations.wait_no_pulls(), timeout_s)  # no worker writes a block it moves
+        if self._held_at is None:  # idle: every step came back (the loop notes the first)
+            self._held_at = time.monotonic()
+        return self._held_at - self._frozen_at
 
     async def rebind(self, num_kv_blocks: int, worker_addresses: tuple[str, ...] | None = None,
-                     drop_kv: bool = False, dp_size: int = 0) -> BlockMaps | None:
+                     drop_kv: bool = False, dp_size: int = 0, worker_infos: list | None = None) -> BlockMaps | None:
         """Frozen only. Take a new KV capacity (the newest requests are preempted if live blocks exceed it) and,
         with worker_addresses, re-open the step streams to the active workers of the new layout. drop_kv: the
         workers lost the KV of the running requests, so every one of them is preempted (re-prefilled later).
@@ -240,11 +255,12 @@ class Engine:
         dp_size (0: unchanged) is the target's number of KV pools: when it or the current one is above 1 (an
         expert-parallel layout), every running request gets a pool of the target and ids there, and the block maps
         the workers' migration follows are returned. Rebinding back to the old width before any step restores the
-        old pools exactly (a rolled-back switch); re-opening the streams (worker_addresses) commits the new ones."""
+        old pools exactly (a rolled-back switch); re-opening the streams (worker_addresses) commits the new ones.
+        worker_infos: the workers' infos in the new layout, when the caller has them (not asked again)."""
         if worker_addresses is not None:
             if self._inflight:
                 raise RuntimeError("rebind with steps in flight: freeze first")
-            await self._swap_driver(worker_addresses)
+            await self._swap_driver(worker_addresses, worker_infos)
             self.scheduler.commit_partition()
         maps = None
         blocks = self.scheduler.block_manager
@@ -262,30 +278,38 @@ class Engine:
             log.info("engine.kv_dropped", num_preempted=len(preempted))
         return maps
 
-    async def _swap_driver(self, worker_addresses: tuple[str, ...]) -> None:
+    async def _swap_driver(self, worker_addresses: tuple[str, ...], infos: list | None = None) -> None:
+        """A driver of the new layout's workers; the streams of workers that stay active carry on (no reconnect),
+        and the old driver's other streams end in the background, off the cutover's path."""
         driver = Driver(list(worker_addresses), self.driver.step_timeout_s, self.driver.token)
         try:
-            await driver.connect()  # connect first: an unreachable address leaves the old streams in place
+            await driver.connect(previous=self.driver, infos=infos)  # first: an unreachable address leaves the old one in place
             if not self.scheduler.is_frozen:  # the freeze's lease ran out while connecting
                 raise RuntimeError("the router was resumed during the rebind: freeze first")
         except BaseException:
-            await driver.close()
+            await driver.close(keep=self.driver.streams)
             raise
-        try:
-            await self.driver.close()
-        except Exception as exc:  # noqa: BLE001 (the old streams may be broken: a worker died)
-            log.warning("engine.old_driver_close_failed", error=str(exc))
-        self.driver = driver
+        old, self.driver = self.driver, driver
+        closing = asyncio.ensure_future(self._close_driver(old, keep=driver.streams))
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
         self.topology = Topology.parse(self.driver.infos[0].topology)
         self.num_inflight_batches = max(self.scheduler.config.num_inflight_batches, self.topology.pp)
+
+    @staticmethod
+    async def _close_driver(driver: Driver, keep) -> None:
+        try:
+            await driver.close(keep=keep)
+        except Exception as exc:  # noqa: BLE001 (the old streams may be broken: a worker died)
+            log.warning("engine.old_driver_close_failed", error=str(exc))
 
     def used_block_ids(self) -> list[int]:
         return self.scheduler.block_manager.used_block_ids()
 
-    def precopy_blocks(self, operation_id: str, num_kv_blocks: int) -> tuple[list[int], int, int]:
+    def precopy_blocks(self, operation_id: str, num_kv_blocks: int) -> PrecopyRound:
         """A KV pre-copy round of switch `operation_id` (serving goes on): the full blocks of running requests not
-        handed out before in this operation, below the target capacity. Returns (those ids, blocks handed out in
-        the operation so far, blocks used now). A new operation id starts afresh."""
+        handed out before in this operation, below the target capacity, and their partly filled ones to warm. A new
+        operation id starts afresh."""
         blocks = self.scheduler.block_manager
         if blocks.num_ranks > 1:
             raise PrecopyUnsupported("KV pre-copy needs one KV pool: the layout is expert parallel")
@@ -294,7 +318,8 @@ class Engine:
         if self.precopy is None or self.precopy.operation_id != operation_id:
             self.precopy = KVPrecopy(operation_id, num_kv_blocks)
         ids = self.precopy.next_round(self.scheduler.running, blocks.block_size)
-        return ids, self.precopy.num_copied, blocks.num_used
+        warm = self.precopy.warm(self.scheduler.running, blocks.block_size)
+        return PrecopyRound(ids, warm, self.precopy.num_copied, blocks.num_used)
 
     def kv_to_move(self, precopy_operation_id: str = "") -> list[int]:
         """Frozen: the used block ids a switch's KV migration must copy now: all of them, or with the operation
@@ -366,6 +391,8 @@ class Engine:
                 self._complete(self._inflight.pop(0))
                 self._step_done.set()
                 self._step_done = asyncio.Event()
+                if self._is_held and self._held_at is None:  # frozen: this step's requests get no next one
+                    self._held_at = time.monotonic()
 
     def commit_expert_map(self, epoch: int) -> asyncio.Future:
         """EPLB: the next step carries `epoch`, so every worker installs the staged expert map before it (a step

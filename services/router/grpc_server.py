@@ -47,15 +47,16 @@ _WORKER_REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID
 class AdminEngine(EngineProtocol, Protocol):
     """The engine as the controller drives it (services.router.engine.Engine implements it)."""
 
-    async def freeze(self, timeout_s: float = DEFAULT_FREEZE_TIMEOUT_S, lease_s: float = 0.0) -> None:
-        """Stop scheduling; return once the in-flight steps are done (TimeoutError past timeout_s). lease_s > 0:
-        resume by itself unless resumed or frozen again within lease_s."""
+    async def freeze(self, timeout_s: float = DEFAULT_FREEZE_TIMEOUT_S, lease_s: float = 0.0) -> float:
+        """Stop scheduling; return once the in-flight steps are done (TimeoutError past timeout_s), with the seconds
+        before a request first waited for the freeze. lease_s > 0: resume by itself unless resumed or frozen again
+        within lease_s."""
         ...
 
     def rebind(self, num_kv_blocks: int, worker_addresses: tuple[str, ...] | None = None,
-               drop_kv: bool = False, dp_size: int = 0) -> object:
-        """Take a new KV capacity (frozen only), optionally new workers, dropping the KV, and another number of
-        KV pools (then it returns the block maps); may return an awaitable."""
+               drop_kv: bool = False, dp_size: int = 0, worker_infos: list | None = None) -> object:
+        """Take a new KV capacity (frozen only), optionally new workers (and their infos), dropping the KV, and
+        another number of KV pools (then it returns the block maps); may return an awaitable."""
         ...
 
     def kv_to_move(self, precopy_operation_id: str = "") -> list[int]:
@@ -141,6 +142,8 @@ def check_rebind(pb: router_pb2.RebindRequest) -> None:
         raise ValueError(f"num_kv_blocks must be at most {MAX_KV_BLOCKS}, got {pb.num_kv_blocks}")
     for address in pb.worker_addresses:
         check_address(address)
+    if pb.worker_infos and len(pb.worker_infos) != len(pb.worker_addresses):
+        raise ValueError(f"{len(pb.worker_infos)} worker infos for {len(pb.worker_addresses)} worker addresses")
 
 
 def block_maps_to_pb(maps) -> list[worker_pb2.BlockMap]:
@@ -312,8 +315,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Stop scheduling (under a lease when lease_seconds > 0); return once in-flight steps are done."""
         check_freeze(request)
         timeout_s = request.timeout_seconds if request.timeout_seconds > 0 else DEFAULT_FREEZE_TIMEOUT_S
-        await self.engine.freeze(timeout_s, request.lease_seconds)
-        return router_pb2.FreezeResponse(stats=stats_to_pb(self.engine.stats()))
+        drained = await self.engine.freeze(timeout_s, request.lease_seconds)
+        return router_pb2.FreezeResponse(stats=stats_to_pb(self.engine.stats()), drain_seconds=drained)
 
     async def Rebind(self, request, context):  # noqa: N802
         """Take a new KV capacity (and workers, and drop the KV they lost); only while frozen."""
@@ -322,9 +325,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Rebind needs a frozen router: call Freeze first")
         try:
             maps = await _maybe_await(self.engine.rebind(request.num_kv_blocks, tuple(request.worker_addresses) or None,
-                                                         request.drop_kv, request.dp_size))
+                                                         request.drop_kv, request.dp_size,
+                                                         list(request.worker_infos) or None))
         except WorkerUnreachable as exc:  # the old streams stay in place
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        if request.resume:
+            await self._resume(request)
         stats = self.engine.stats()
         if maps is not None:  # pools renumbered: the maps say which blocks move where
             return router_pb2.RebindResponse(stats=stats_to_pb(stats), block_maps=block_maps_to_pb(maps))
@@ -338,17 +344,22 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if not request.operation_id:
             raise ValueError("PreCopyBlocks needs an operation_id")
         try:
-            ids, copied, used = self.engine.precopy_blocks(request.operation_id, request.num_kv_blocks)
+            found = self.engine.precopy_blocks(request.operation_id, request.num_kv_blocks)
         except PrecopyUnsupported as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        return router_pb2.PreCopyBlocksResponse(block_ids=ids, num_precopied=copied, num_used=used)
+        return router_pb2.PreCopyBlocksResponse(block_ids=found.block_ids, warm_block_ids=found.warm_block_ids,
+                                                num_precopied=found.num_copied, num_used=found.num_used)
 
     async def Resume(self, request, context):  # noqa: N802
         """Schedule again; a switch report that comes with it is counted first (it shows on the next scrape)."""
+        await self._resume(request)
+        return router_pb2.ResumeResponse(stats=stats_to_pb(self.engine.stats()))
+
+    async def _resume(self, request) -> None:
+        """Resume, or Rebind with resume: count the switch report first, if any."""
         if request.HasField("switch"):
             self.engine.record_switch(switch_report_from_pb(request.switch))
         await _maybe_await(self.engine.resume())
-        return router_pb2.ResumeResponse(stats=stats_to_pb(self.engine.stats()))
 
     async def Stats(self, request, context):  # noqa: N802
         """A snapshot of the engine."""

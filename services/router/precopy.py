@@ -13,12 +13,23 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from services.router.sequence import Sequence
 
 
 class PrecopyUnsupported(RuntimeError):
     """This layout cannot pre-copy KV (several KV pools: the switch renumbers blocks)."""
+
+
+class PrecopyRound(NamedTuple):
+    """One round's answer: the full blocks to copy, the partly filled ones to warm (copied, never recorded), the
+    blocks handed out in the operation so far and the blocks in use now."""
+
+    block_ids: list[int]
+    warm_block_ids: list[int]
+    num_copied: int
+    num_used: int
 
 
 @dataclass(slots=True)
@@ -49,6 +60,11 @@ class KVPrecopy:
         self.num_copied += len(new)
         return sorted(new)
 
+    def warm(self, running: Iterable[Sequence], block_size: int) -> list[int]:
+        """The partly filled blocks of `running` below the target capacity, ascending: a round copies them as they
+        are, so that the freeze, which copies them again (they are never recorded), finds their pages mapped."""
+        return sorted(b for seq in running for b in partial_blocks(seq, block_size) if b < self.num_kv_blocks)
+
     def delta(self, holders: Iterable[Sequence], used_block_ids: Iterable[int]) -> list[int]:
         """Of the used blocks, those the freeze must copy: every one not pre-copied for the request that holds it
         now (the same request, not preempted since), ascending."""
@@ -63,3 +79,8 @@ class KVPrecopy:
 def full_blocks(seq: Sequence, block_size: int) -> list[int]:
     """The ids of seq's blocks whose every slot a finished step wrote."""
     return seq.block_ids[: seq.num_computed_tokens // block_size]
+
+
+def partial_blocks(seq: Sequence, block_size: int) -> list[int]:
+    """The ids of seq's other blocks: partly written, or reserved for a step in flight."""
+    return seq.block_ids[seq.num_computed_tokens // block_size:]

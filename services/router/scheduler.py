@@ -316,6 +316,10 @@ class Scheduler:
     def is_frozen(self) -> bool:
         return self._is_frozen
 
+    def has_unscheduled(self) -> bool:
+        """Whether a request waits outside every step in flight (a running one between steps, or a waiting one)."""
+        return bool(self.waiting) or any(seq.request_id not in self._inflight_ids for seq in self.running)
+
     def rebind(self, num_blocks: int) -> list[Sequence]:
         """Take a new KV capacity per DP rank (REBINDING); preempts, newest first, the owners of ids past it in any
         rank. Returns them."""

@@ -57,23 +57,30 @@ class Source:
 
 class _PeerPoolChannel:
     """Receivers copy straight out of the senders' pools, each mapped by the receiver for one layer. Sends are
-    no-ops. Subclasses say how a peer's pool of a layer is mapped (`_attach`: a flat tensor and its closer)."""
+    no-ops. Subclasses say how a peer's pool of a layer is mapped (`_attach`: a flat tensor and its closer).
+    keep_open: every mapping stays until close() (a staged switch's pre-copy rounds and its cutover read the same
+    pools: the pages the rounds touched are mapped already when the freeze copies the delta); else a layer's
+    mappings are closed at the next layer."""
 
     needs_outgoing = False  # peers read the pools themselves
 
-    def __init__(self, plan: KVMigrationPlan, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, plan: KVMigrationPlan, block_size: int, head_dim: int, dtype: torch.dtype,
+                 keep_open: bool = False) -> None:
         self.plan = plan
         self.block_size, self.head_dim, self.dtype = block_size, head_dim, dtype
-        self._open: dict[int, tuple[torch.Tensor, object]] = {}  # this layer's peer pools, closed at the next
+        self.keep_open = keep_open
+        self._open: dict[tuple[int, int], tuple[torch.Tensor, object]] = {}  # (rank, layer) -> pool, its closer
 
     def exchange(self, layer, outgoing, incoming):
         """Map each sender's pool for this layer: the caller copies straight out of it (no staging copy)."""
-        self.close()
+        if not self.keep_open:
+            self.close()
         received = {}
         for transfer in incoming:
-            if transfer.src_rank not in self._open:
-                self._open[transfer.src_rank] = self._attach(transfer.src_rank, layer)
-            pool = self._view(self._open[transfer.src_rank][0], transfer.src_rank)
+            key = (transfer.src_rank, layer)
+            if key not in self._open:
+                self._open[key] = self._attach(transfer.src_rank, layer)
+            pool = self._view(self._open[key][0], transfer.src_rank)
             received[transfer] = Source(pool, transfer.src_head_offset, by_block_id=True)
         return received
 
@@ -99,8 +106,8 @@ class ShmChannel(_PeerPoolChannel):
     """CPU, one host: the senders' pools are shared-memory segments (PrepareSwitch's kv_segments)."""
 
     def __init__(self, pools: dict[int, dict[int, str]], plan: KVMigrationPlan, block_size: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
-        super().__init__(plan, block_size, head_dim, dtype)
+                 dtype: torch.dtype, keep_open: bool = False) -> None:
+        super().__init__(plan, block_size, head_dim, dtype, keep_open)
         self.pools = pools  # rank -> layer -> segment name
 
     def _attach(self, rank: int, layer: int) -> tuple[torch.Tensor, ShmSegment]:

@@ -64,7 +64,7 @@ class StagedShard:
     def free_pool(self) -> None:
         """Free the staged KV pool (nothing pre-copied into it will be used)."""
         if self.kv is not None:
-            self.kv.cache.close()
+            self.kv.close()
             self.kv = None
 
 
@@ -122,7 +122,9 @@ class WorkerShard:
         self.num_threads = 0  # torch threads of the model thread (prepare_steps)
         self.balancer = ExpertBalancer(config.eplb_window)  # MoE: expert load window, EPLB's staged map
         self._staged: StagedShard | None = None  # the target's shard built by StageSwitch, until its ApplySwitch
-        self._freeing = ThreadPoolExecutor(1, "kv-free")  # frees a replaced KV pool after the switch has answered
+        # Frees a replaced KV pool (and unmaps the peers' pools a pre-copy read) after the switch has answered, at
+        # a low priority: the router's first steps in the new layout come first.
+        self._freeing = ThreadPoolExecutor(1, "kv-free", initializer=lower_thread_priority)
 
     def load(self) -> None:
         """Load this worker's shard of the start layout (its groups must be built)."""
@@ -279,10 +281,10 @@ class WorkerShard:
             wp = plan.new.workers[rank]
             target = KVCache(wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size, self.dtype,
                              self.device, num_blocks=request.num_kv_blocks, allocate=False)
-            staged.kv = StagedKV.allocate(plan, rank, live, target)
+            staged.kv = StagedKV.allocate(plan, rank, live, target, self._shm_channel(request.peers, plan, keep_open=True))
         if staged.kv.cache.num_blocks != request.num_kv_blocks:
             raise ValueError(f"the staged pool holds {staged.kv.cache.num_blocks} blocks, not {request.num_kv_blocks}")
-        stats = staged.kv.copy(live, list(request.block_ids), self._shm_channel(request.peers, staged.kv.plan),
+        stats = staged.kv.copy(live, sorted({*request.block_ids, *request.warm_block_ids}),
                                fault=lambda layer: FAULTS.check("precopy", rank=rank, layer=layer))
         return worker_pb2.PreCopyKVResponse(
             supported=True, kv_bytes_received=stats.bytes_received, kv_bytes_local=stats.bytes_local,
@@ -408,7 +410,9 @@ class WorkerShard:
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         if not self.agree(not error):  # nothing has changed anywhere yet
-            if new_cache is not None:
+            if precopied is not None:
+                precopied.close()
+            elif new_cache is not None:
                 new_cache.close()
             raise SwitchFailed(f"switch to {target} refused before any KV moved: {error or 'another rank failed'}")
         apply_seconds = time.perf_counter() - started
@@ -424,30 +428,29 @@ class WorkerShard:
                                  staged.model if staged is not None else None)
             try:
                 if request.precopied:  # only the delta moves: the old pools stay whole until the commit
-                    stats = finish_precopy(precopied, old_kv, used, channel, self.agree, fault)
+                    # One agreement for the delta and the shard (staged: its runner is ready at once).
+                    stats = finish_precopy(precopied, old_kv, used, self.agree, fault,
+                                           ready=lambda: _result_or_none(reload) is not None)
                 else:
                     stats = MigrationStats() if plan is None else migrate_kv(
                         plan, rank, old_kv, new_cache, used, channel, self.agree, fault=fault, block_maps=block_maps)
             except MigrationAborted as aborted:
                 _result_or_none(reload)
                 if request.precopied:
-                    if new_cache is not None:
-                        new_cache.close()
+                    if precopied is not None:
+                        precopied.close()
                     raise SwitchFailed(f"{aborted}; rolled back (layers [] moved back: the KV was pre-copied, the "
                                        "old pools were only read)") from aborted
                 self._rollback(plan, aborted.done_layers, old, new_cache, request)
                 raise SwitchFailed(f"{aborted}; rolled back (layers {aborted.done_layers} moved back)") from aborted
             built = _result_or_none(reload)
-            if not self.agree(built is not None):  # a shard failed to load: undo the whole migration
-                if request.precopied:
-                    if new_cache is not None:
-                        new_cache.close()
-                else:
-                    self._rollback(plan, plan.layers() if plan else [], old, new_cache, request)
+            if not request.precopied and not self.agree(built is not None):  # a shard failed: undo the migration
+                self._rollback(plan, plan.layers() if plan else [], old, new_cache, request)
                 raise SwitchFailed(f"switch to {target}: a worker failed to load its shard; rolled back")
         runner, reload_seconds = built
         finishing = time.perf_counter()
         if precopied is not None:
+            self._freeing.submit(precopied.channel.close)  # unmapping the peers' pools: ~10 ms, not in the freeze
             precopied.commit(old_kv)
         if old is not None:  # anything the migration did not move or keep; every peer is done reading it
             if self.device.type == "cpu":  # unmapping a touched pool takes ~0.2 s/GiB: not in the freeze
@@ -543,10 +546,10 @@ class WorkerShard:
         ipc = len(peers) == self.parallel.world_size and all(p.cuda_ipc and p.hostname == here for p in peers.values())
         return "ipc" if ipc else "dist"
 
-    def _shm_channel(self, peers, plan) -> ShmChannel:
+    def _shm_channel(self, peers, plan, keep_open: bool = False) -> ShmChannel:
         """Reads of the peers' pools (PeerPool messages by rank: PrepareSwitch's segments)."""
         pools = {r: dict(pool.kv_segments) for r, pool in peers.items()}
-        return ShmChannel(pools, plan, self.config.block_size, self.spec.head_dim, self.dtype)
+        return ShmChannel(pools, plan, self.config.block_size, self.spec.head_dim, self.dtype, keep_open)
 
     def _timed_build(self, *args) -> tuple[ModelRunner | None, float]:
         started = time.perf_counter()

@@ -61,8 +61,9 @@ async def test_refusals_and_idempotency(live_stack):
     done, again = await first, await retry
     assert done.state is OperationState.SUCCEEDED and again == done
     # staged with a KV pre-copy (the default)
-    assert set(done.phase_seconds) == {"STAGING", "PRECOPY", "QUIESCING", "PREPARING_WORKERS", "APPLYING_TOPOLOGY",
-                                       "MIGRATING", "REBINDING"}
+    assert set(done.phase_seconds) == {"STAGING", "PRECOPY", "DRAINING", "QUIESCING", "PREPARING_WORKERS",
+                                       "APPLYING_TOPOLOGY", "MIGRATING", "REBINDING"}
+    assert done.phase_seconds["DRAINING"] == 0  # no step was in flight: the freeze held at once
     assert done.precopy.endswith("rounds")  # no request runs: nothing to copy, but the rounds ran
     back = await reconfigurer.reconfigure("tp2pp2")
     assert back.state is OperationState.SUCCEEDED

@@ -59,9 +59,9 @@ def _check_precopied(operation) -> None:
     assert operation.staging == "staged" and operation.precopy.endswith(" rounds"), operation
     assert int(operation.precopy.split()[0]) >= 1 and operation.kv_bytes_precopied > 0, operation
     phases = list(operation.phase_seconds)
-    assert phases[:3] == ["STAGING", "PRECOPY", "QUIESCING"], phases
+    assert phases[:4] == ["STAGING", "PRECOPY", "DRAINING", "QUIESCING"], phases
     assert operation.downtime_seconds == pytest.approx(sum(operation.phase_seconds.values())
-                                                       - operation.staging_seconds)
+                                                       - operation.staging_seconds - operation.phase_seconds["DRAINING"])
 
 
 async def test_streams_in_flight_survive_a_chain_of_pre_copied_switches(live_stack, oracle):

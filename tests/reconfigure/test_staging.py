@@ -57,7 +57,8 @@ async def test_the_apply_uses_the_staged_shards(live_stack, switch_checkpoint):
         assert operation.state is OperationState.SUCCEEDED, operation.error
         assert operation.staging_seconds > 0 and "STAGING" in operation.phase_seconds
         assert operation.downtime_seconds == pytest.approx(sum(operation.phase_seconds.values())
-                                                           - operation.staging_seconds)
+                                                           - operation.staging_seconds
+                                                           - operation.phase_seconds["DRAINING"])
         assert [w.staged.staged for w in workers] == [rank < active for rank in range(4)]
         assert [w.applied.used_staged for w in workers] == [rank < active for rank in range(4)]
     in_place = await reconfigurer.reconfigure("tp4pp1", strategy="in-place")  # the old way: no staging

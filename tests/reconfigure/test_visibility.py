@@ -99,7 +99,8 @@ async def test_watch_status_streams_every_phase_in_order(live_stack, controller)
             if event.phase not in running_seen:
                 running_seen.append(event.phase)
         closed_before = closed
-    assert running_seen == sorted(running_seen, key=PHASES.index) and "QUIESCING" in running_seen
+    # The freeze runs as DRAINING; the router's answer splits off QUIESCING, the part requests waited for
+    assert running_seen == sorted(running_seen, key=PHASES.index) and "DRAINING" in running_seen
     assert closed_before == len(PHASES) and not final.phase
     assert all(seconds >= 0 for seconds in final.phase_seconds.values())
     assert final.ended_at - final.started_at >= sum(final.phase_seconds.values()) > 0
@@ -121,30 +122,31 @@ async def test_reconfigctl_reconfigure_wait_status_and_json(live_stack, controll
     lines = _output(captured.out)
     assert "\r" not in captured.out  # not a terminal: one line per phase, nothing rewritten
     assert lines[0] == "reconfigure tp2pp2 -> tp4pp1 (operation cli-1)"
-    for line, phase in zip(lines[1:8], PHASES, strict=True):
+    for line, phase in zip(lines[1:9], PHASES, strict=True):
         mark, name, seconds, unit = line.split()
         assert (mark, name, seconds, unit) == ("✓", phase, f"{op.phase_seconds[phase]:.3f}", "s")
-    assert lines[8] == f"SUCCEEDED: tp2pp2 -> tp4pp1 is live after {op.downtime_seconds:.3f} s of downtime"
+    assert lines[9] == f"SUCCEEDED: tp2pp2 -> tp4pp1 is live after {op.downtime_seconds:.3f} s of downtime"
     serving = op.phase_seconds["STAGING"] + op.phase_seconds["PRECOPY"]
-    assert op.downtime_seconds == pytest.approx(sum(op.phase_seconds.values()) - serving)
+    assert op.downtime_seconds == pytest.approx(sum(op.phase_seconds.values()) - serving
+                                                - op.phase_seconds["DRAINING"])
     assert op.staging_seconds == pytest.approx(serving)
-    assert lines[9] == (f"  staged {op.staging_seconds:.3f} s while serving; KV pre-copied "
+    assert lines[10] == (f"  staged {op.staging_seconds:.3f} s while serving; KV pre-copied "
                         f"{format_bytes(op.kv_bytes_precopied)} ({op.precopy}) while serving; downtime "
                         f"{op.downtime_seconds:.3f} s; KV delta moved {format_bytes(op.kv_bytes_moved)}; "
                         f"weights loaded {format_bytes(op.weight_bytes_loaded)}; requests preempted 0")
-    assert op.kv_bytes_precopied > 0 and op.kv_bytes_moved > 0 and len(lines) == 10
+    assert op.kv_bytes_precopied > 0 and op.kv_bytes_moved > 0 and len(lines) == 11
 
     assert await _reconfigctl("status", *controller.flags()) == 0
     status_lines = _output(capsys.readouterr().out)
     start = next(i for i, line in enumerate(status_lines) if line.startswith("last operation: reconfigure cli-1"))
-    for line, phase in zip(status_lines[start + 1:start + 8], PHASES, strict=True):
+    for line, phase in zip(status_lines[start + 1:start + 9], PHASES, strict=True):
         name, seconds, unit, share, bar = line.split(maxsplit=4)
         assert (name, seconds, unit) == (phase, f"{op.phase_seconds[phase]:.3f}", "s")
-        if phase in ("STAGING", "PRECOPY"):  # before the freeze: no share of the downtime
+        if phase in ("STAGING", "PRECOPY", "DRAINING"):  # no request waited: no share of the downtime
             assert (share, bar) == ("while", "serving")
         else:
             assert share == f"{op.phase_seconds[phase] / op.downtime_seconds:.0%}"
-    assert status_lines[start + 8] == lines[9]
+    assert status_lines[start + 9] == lines[10]
 
     assert await _reconfigctl("reconfigure", "tp2pp2", "--json", *controller.flags()) == 0  # no --wait
     back = json.loads("\n".join(_output(capsys.readouterr().out)))
@@ -164,11 +166,11 @@ async def test_reconfigctl_refusals_busy_and_idempotent_retry(live_stack, contro
     engine, gate = live_stack.engine, asyncio.Event()
     rebind, failed = engine.rebind, []
 
-    async def failing_rebind(num_kv_blocks, worker_addresses=None, drop_kv=False, dp_size=0):  # fails once
+    async def failing_rebind(num_kv_blocks, *args):  # fails once
         if not failed:
             failed.append(num_kv_blocks)
             raise RuntimeError("rebind refused by the test")
-        return await rebind(num_kv_blocks, worker_addresses, drop_kv, dp_size)
+        return await rebind(num_kv_blocks, *args)
 
     monkeypatch.setattr(engine, "rebind", failing_rebind)
     assert await _reconfigctl("reconfigure", "tp4pp1", "--operation-id", "rb-1", *controller.flags()) == 1
@@ -178,16 +180,16 @@ async def test_reconfigctl_refusals_busy_and_idempotent_retry(live_stack, contro
     outcome = _output(captured.out)  # the controller's log of the failure shares stdout: find reconfigctl's lines
     start = next(i for i, line in enumerate(outcome) if line.startswith("ROLLED_BACK: tp2pp2 -> tp4pp1; error: "))
     assert "rebind refused by the test" in outcome[start]
-    assert [line.split()[0] for line in outcome[start + 1:start + 6]] == ["STAGING", "PRECOPY", "QUIESCING",
-                                                                           "PREPARING_WORKERS", "staged"]
+    assert [line.split()[0] for line in outcome[start + 1:start + 7]] == ["STAGING", "PRECOPY", "DRAINING",
+                                                                           "QUIESCING", "PREPARING_WORKERS", "staged"]
     assert str(live_stack.state.topology) == "tp2pp2" and not engine.stats().is_frozen  # the old layout serves
     monkeypatch.setattr(engine, "rebind", rebind)
 
     freeze = engine.freeze
 
-    async def held_freeze(timeout_s: float = 60.0, lease_s: float = 0.0) -> None:  # holds QUIESCING until the gate
+    async def held_freeze(timeout_s: float = 60.0, lease_s: float = 0.0) -> float:  # holds DRAINING until the gate
         await gate.wait()
-        await freeze(timeout_s, lease_s)
+        return await freeze(timeout_s, lease_s)
 
     monkeypatch.setattr(engine, "freeze", held_freeze)
     first = asyncio.ensure_future(_reconfigctl("reconfigure", "tp4pp1", "--wait", "--operation-id", "busy-1",
@@ -313,11 +315,11 @@ async def test_metrics_after_switches_with_preemption_and_rollback(live_stack, m
         # A switch that fails before the workers move: rolled back, counted as such, the old layout serves on.
         rebind, failed = engine.rebind, []
 
-        async def failing_rebind(num_kv_blocks, worker_addresses=None, drop_kv=False, dp_size=0):
+        async def failing_rebind(num_kv_blocks, *args):
             if not failed:
                 failed.append(num_kv_blocks)
                 raise RuntimeError("rebind refused by the test")
-            return await rebind(num_kv_blocks, worker_addresses, drop_kv, dp_size)
+            return await rebind(num_kv_blocks, *args)
 
         monkeypatch.setattr(engine, "rebind", failing_rebind)
         rolled = await reconfigurer.reconfigure("tp4pp1", operation_id="metrics-2")

@@ -46,7 +46,7 @@ CASES = [
     Case("STAGING", "tp2pp2", victim=2, stage="STAGING"),  # while serving, before any freeze
     # A KV pre-copy round (serving, after STAGING): the victim dies as it copies its first layer.
     Case("PRECOPY", "tp2pp2", victim=1, fault="precopy:rank=1:action=crash"),
-    Case("QUIESCING", "tp2pp2", victim=3, stage="QUIESCING"),
+    Case("DRAINING", "tp2pp2", victim=3, stage="DRAINING"),  # the freeze has begun (its wait ends as QUIESCING)
     # In place: a staged switch asks the workers before its pre-copy, so its PREPARING_WORKERS calls none of them.
     Case("PREPARING_WORKERS", "tp2pp2", victim=0, stage="PREPARING_WORKERS", strategy="in-place"),
     Case("APPLYING_TOPOLOGY", "tp2pp2", victim=2, stage="APPLYING_TOPOLOGY"),

@@ -60,6 +60,15 @@ def test_ids_at_or_above_the_target_capacity_are_never_handed_out_and_stay_in_th
     assert precopy.delta([a], [2, 3, 6, 9]) == [6, 9]
 
 
+def test_the_partly_filled_blocks_are_warmed_every_round_and_never_recorded():
+    precopy = KVPrecopy("op", num_kv_blocks=8)
+    # b holds 5 tokens in 3 blocks (the last one reserved for its step in flight, past the capacity)
+    a, b = running("a", [5, 1, 3], 9), running("b", [0, 6, 9], 5)
+    assert precopy.warm([a, b], 4) == [3, 6]
+    assert precopy.next_round([a, b], 4) == [0, 1, 5]
+    assert precopy.warm([a, b], 4) == [3, 6] and precopy.delta([a, b], [0, 1, 3, 5, 6, 9]) == [3, 6, 9]
+
+
 def test_a_preempted_request_loses_its_copies_until_it_fills_its_blocks_again():
     precopy = KVPrecopy("op", num_kv_blocks=8)
     a = running("a", [1, 2], 8)
@@ -157,13 +166,15 @@ def test_engine_rounds_per_operation_and_the_delta_ends_the_record():
     batch = scheduler.schedule()  # both prompts: a holds 3 blocks (2 full after the step), b 1 (full)
     with pytest.raises(ValueError, match="num_kv_blocks"):
         engine.precopy_blocks("op-1", 0)
-    assert engine.precopy_blocks("op-1", 16) == ([], 0, 4)  # the step is in flight: nothing full yet
-    scheduler.on_batch_done(batch, workers.run(batch))
     a, b = scheduler.get("a"), scheduler.get("b")
-    ids, copied, used = engine.precopy_blocks("op-1", 16)
+    # The step is in flight: nothing full yet; every block is partly written (or reserved): warm
+    assert engine.precopy_blocks("op-1", 16) == ([], sorted(a.block_ids + b.block_ids), 0, 4)
+    scheduler.on_batch_done(batch, workers.run(batch))
+    ids, warm, copied, used = engine.precopy_blocks("op-1", 16)
     assert ids == sorted(a.block_ids[:2] + b.block_ids[:1]) and (copied, used) == (3, 4)
-    assert engine.precopy_blocks("op-1", 16) == ([], 3, 4)
-    fresh, copied, _ = engine.precopy_blocks("op-2", 16)  # another operation starts afresh
+    assert warm == [a.block_ids[2]]  # a's last block: 1 of its 4 slots written
+    assert engine.precopy_blocks("op-1", 16) == ([], warm, 3, 4)
+    fresh, _, copied, _ = engine.precopy_blocks("op-2", 16)  # another operation starts afresh
     assert (fresh, copied) == (ids, 3)
     with pytest.raises(ValueError, match="op-1"):
         engine.kv_to_move("op-1")  # op-2 replaced its record
@@ -265,7 +276,7 @@ def simulate_precopy(block_size, num_blocks, config, requests, switches, rounds,
         if op is None:
             start_operation()
         before = {s.request_id: (s.num_preemptions, set(full_blocks(s, block_size))) for s in scheduler.running}
-        ids, copied, used = engine.precopy_blocks(op, capacity)
+        ids, warm, copied, used = engine.precopy_blocks(op, capacity)
         run.num_rounds += 1
         run.num_handed_out += len(ids)
         assert ids == sorted(set(ids)) and all(0 <= b < capacity for b in ids)
@@ -282,7 +293,12 @@ def simulate_precopy(block_size, num_blocks, config, requests, switches, rounds,
             full = {b for b in full_blocks(seq, block_size) if b < capacity}
             assert full <= handed.get((seq.request_id, seq.num_preemptions), set()), seq.request_id
             last_round[seq.request_id] = (seq.num_preemptions, seq.num_computed_tokens, list(seq.block_ids))
-        pending = (tick + copy_delay, ids)
+        # The warm blocks: every running request's blocks past its full ones, below the capacity. The workers copy
+        # them too, as they are then: the cutover must find every one of them stale (they are in the delta).
+        assert warm == sorted(b for s in scheduler.running for b in s.block_ids[s.num_computed_tokens // block_size:]
+                              if b < capacity)
+        assert not set(warm) & set(ids)
+        pending = (tick + copy_delay, ids + warm)
 
     def cutover(capacity: int):
         nonlocal op, pending

@@ -213,24 +213,32 @@ class FreezeRequest(_message.Message):
     def __init__(self, timeout_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class FreezeResponse(_message.Message):
-    __slots__ = ("stats",)
+    __slots__ = ("stats", "drain_seconds")
     STATS_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     stats: RouterStats
-    def __init__(self, stats: _Optional[_Union[RouterStats, _Mapping]] = ...) -> None: ...
+    drain_seconds: float
+    def __init__(self, stats: _Optional[_Union[RouterStats, _Mapping]] = ..., drain_seconds: _Optional[float] = ...) -> None: ...
 
 class RebindRequest(_message.Message):
-    __slots__ = ("num_kv_blocks", "worker_addresses", "drop_kv", "dp_size", "precopy_operation_id")
+    __slots__ = ("num_kv_blocks", "worker_addresses", "drop_kv", "dp_size", "precopy_operation_id", "resume", "switch", "worker_infos")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     DROP_KV_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PRECOPY_OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_FIELD_NUMBER: _ClassVar[int]
+    WORKER_INFOS_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     worker_addresses: _containers.RepeatedScalarFieldContainer[str]
     drop_kv: bool
     dp_size: int
     precopy_operation_id: str
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., worker_addresses: _Optional[_Iterable[str]] = ..., drop_kv: _Optional[bool] = ..., dp_size: _Optional[int] = ..., precopy_operation_id: _Optional[str] = ...) -> None: ...
+    resume: bool
+    switch: SwitchReport
+    worker_infos: _containers.RepeatedCompositeFieldContainer[_worker_pb2.WorkerInfo]
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., worker_addresses: _Optional[_Iterable[str]] = ..., drop_kv: _Optional[bool] = ..., dp_size: _Optional[int] = ..., precopy_operation_id: _Optional[str] = ..., resume: _Optional[bool] = ..., switch: _Optional[_Union[SwitchReport, _Mapping]] = ..., worker_infos: _Optional[_Iterable[_Union[_worker_pb2.WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class PreCopyBlocksRequest(_message.Message):
     __slots__ = ("operation_id", "num_kv_blocks")
@@ -241,14 +249,16 @@ class PreCopyBlocksRequest(_message.Message):
     def __init__(self, operation_id: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
 
 class PreCopyBlocksResponse(_message.Message):
-    __slots__ = ("block_ids", "num_precopied", "num_used")
+    __slots__ = ("block_ids", "num_precopied", "num_used", "warm_block_ids")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PRECOPIED_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_FIELD_NUMBER: _ClassVar[int]
+    WARM_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_precopied: int
     num_used: int
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_precopied: _Optional[int] = ..., num_used: _Optional[int] = ...) -> None: ...
+    warm_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_precopied: _Optional[int] = ..., num_used: _Optional[int] = ..., warm_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RebindResponse(_message.Message):
     __slots__ = ("stats", "used_block_ids", "block_maps")

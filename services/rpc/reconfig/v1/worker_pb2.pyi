@@ -152,7 +152,7 @@ class StageSwitchRequest(_message.Message):
     def __init__(self, operation_id: _Optional[str] = ..., topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PreCopyKVRequest(_message.Message):
-    __slots__ = ("operation_id", "num_kv_blocks", "block_ids", "peers")
+    __slots__ = ("operation_id", "num_kv_blocks", "block_ids", "peers", "warm_block_ids")
     class PeersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -164,11 +164,13 @@ class PreCopyKVRequest(_message.Message):
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    WARM_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     operation_id: str
     num_kv_blocks: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     peers: _containers.MessageMap[int, PeerPool]
-    def __init__(self, operation_id: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[_Mapping[int, PeerPool]] = ...) -> None: ...
+    warm_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, operation_id: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[_Mapping[int, PeerPool]] = ..., warm_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PreCopyKVResponse(_message.Message):
     __slots__ = ("supported", "kv_bytes_received", "kv_bytes_local", "seconds", "staged_pool_bytes")
