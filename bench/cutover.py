@@ -411,7 +411,7 @@ def format_tables(config: CutoverConfig, result: Result) -> str:
     short = dict(QUIESCING="quiesce", PREPARING_WORKERS="prepare", APPLYING_TOPOLOGY="apply", MIGRATING="migrate",
                  REBINDING="rebind")
     lines = ["| N | transition | strategy | live | cutover ms | " + " / ".join(short[p] for p in FREEZE_PHASES)
-             + " ms | staging / pre-copy ms | rounds | pre-copied MiB | delta KiB | delta GB/s | ÷ memcpy "
+             + " ms | staging / pre-copy / drain ms | rounds | pre-copied MiB | delta KiB | delta GB/s | ÷ memcpy "
              "| worst gap ms (≤ 2x normal + 50) | TPOT overhead |",
              "|---:|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|---|---:|"]
     for stream in result.streams:
@@ -422,7 +422,8 @@ def format_tables(config: CutoverConfig, result: Result) -> str:
             extra = overhead(s)
             lines.append(
                 f"| {s.num_active} | {s.label} | {s.strategy} | {s.num_live} | {_ms(s.downtime_seconds)} | {phases} | "
-                f"{_ms(s.phase_seconds.get('STAGING', 0.0))} / {_ms(s.phase_seconds.get('PRECOPY', 0.0))} | "
+                f"{_ms(s.phase_seconds.get('STAGING', 0.0))} / {_ms(s.phase_seconds.get('PRECOPY', 0.0))} / "
+                f"{_ms(s.phase_seconds.get('DRAINING', 0.0))} | "
                 f"{s.precopy_rounds or '-'} | {s.kv_bytes_precopied / MIB:.1f} | "
                 f"{s.delta_bytes / 1024:,.0f} | {s.delta_gbps:.2f} | {s.delta_gbps / result.memcpy_gbps:.2f} | "
                 f"{_ms(s.worst_freeze_gap)} ({_ms(bound)}) {mark} | "
@@ -450,8 +451,9 @@ def format_tables(config: CutoverConfig, result: Result) -> str:
               f"longest. {result.kv_cache_mb} MiB KV per worker, block {config.block_size}. memcpy "
               f"{result.memcpy_gbps:.2f} GB/s (1 thread, {config.memcpy_mb} MiB; the migration's indexed copy "
               f"{result.indexed_copy_gbps:.2f} GB/s).",
-              "- cutover = the freeze (QUIESCING to REBINDING, the operation's downtime); staging = STAGING + PRECOPY "
-              "while serving. delta = KV bytes copied in the freeze (peer + local, all workers; everything in place), "
+              "- cutover = the operation's downtime: from the first request the freeze held back (QUIESCING: the rest "
+              "of the steps in flight come back) to the resume; drain = the freeze's start, while the steps in flight "
+              "still delivered their tokens (DRAINING); staging = STAGING + PRECOPY while serving. delta = KV bytes copied in the freeze (peer + local, all workers; everything in place), "
               "delta GB/s = delta / the slowest worker's migrate_seconds (its copy and one agreement).",
               "- gaps are between two deltas of one request at the client (in-process). worst gap = largest gap "
               "overlapping [freeze start, end of the call]; normal = median gap outside every switch call; TPOT "
@@ -484,6 +486,11 @@ def summarize(result: Result) -> str:
     by_n = {}
     for _, s in staged:
         by_n.setdefault(s.num_active, []).append(s)
+    if (near := min(by_n, key=lambda n: abs(n - RESTART_AT), default=None)) is not None:
+        worst_cut = max(by_n[near], key=lambda s: s.downtime_seconds)
+        lines.append(f"- cutover <= 50 ms at {near} active: {'met' if worst_cut.downtime_seconds <= 0.05 else 'not met'}"
+                     f" ({sum(s.downtime_seconds <= 0.05 for s in by_n[near])}/{len(by_n[near])} switches; longest "
+                     f"{worst_cut.label} {_ms(worst_cut.downtime_seconds)} ms)")
     for n, switches in sorted(by_n.items()):
         cut = ", ".join(f"{s.label} {_ms(s.downtime_seconds)} (in place "
                         f"{_ms(in_place[(n, s.label)].downtime_seconds)})" for s in switches)

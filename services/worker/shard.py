@@ -338,6 +338,11 @@ class WorkerShard:
             self.is_waking = self.is_switching = False
             self._new_cache = None
         self.needs_apply = False
+        if old is not None and old is not self.runner and self.device.type == "cpu":
+            # The old shard's own weights go back to the OS (~10-20 ms of munmap) there, after the answer. (A GPU
+            # shard goes back to the caching allocator, at once, on the model thread: it may capture graphs.)
+            self._freeing.submit(_let_go, old)
+            del old
         return response
 
     def leave_world(self, failure: BaseException) -> None:
@@ -619,6 +624,10 @@ def check_precopied(precopied: StagedKV | None, rank: int, target: Topology,
 
 class SwitchFailed(RuntimeError):
     """A switch that did not happen: every worker is back in (or never left) the old layout."""
+
+
+def _let_go(_: object) -> None:
+    """Run on the freeing thread: the last reference to the argument dies there, with its memory."""
 
 
 def _result_or_none(future):
