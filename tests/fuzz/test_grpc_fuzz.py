@@ -413,20 +413,27 @@ def test_rebind_refuses_capacities_out_of_range_and_malformed_addresses(grpc_sta
     """INVALID_ARGUMENT, and the router keeps its capacity (num_kv_blocks=2**31-1 had the block manager list two
     billion free ids; an address without a port closed the router's step streams and answered INTERNAL)."""
     router = grpc_stack.router
-    cases = [(2**31 - 1, []), (0, []), (-1, []), (grpc_stack.capacity, ["worker-without-port"]),
-             (grpc_stack.capacity, ["127.0.0.1:70000"])]
+    one_info = [worker_pb2.WorkerInfo()]
+    cases = [(2**31 - 1, [], [], "blocks"), (0, [], [], "blocks"), (-1, [], [], "blocks"),
+             (grpc_stack.capacity, ["worker-without-port"], [], "host:port"),
+             (grpc_stack.capacity, ["127.0.0.1:70000"], [], "host:port"),
+             (grpc_stack.capacity, [], one_info, "1 worker infos for 0 worker addresses")]
 
     async def run() -> list:
         await router.Freeze(router_pb2.FreezeRequest(timeout_seconds=10), **admin())
         try:
-            return [await outcome(router.Rebind(router_pb2.RebindRequest(num_kv_blocks=n, worker_addresses=a),
-                                                **admin())) for n, a in cases]
+            outcomes = [await outcome(router.Rebind(router_pb2.RebindRequest(num_kv_blocks=n, worker_addresses=a,
+                                                                             worker_infos=infos, resume=True),
+                                                    **admin())) for n, a, infos, _ in cases]
+            return outcomes, grpc_stack.engine.stats().is_frozen
         finally:
             await router.Resume(router_pb2.ResumeRequest(), **admin())
 
-    for (num_kv_blocks, addresses), (_, error) in zip(cases, grpc_stack.run(run()), strict=True):
+    outcomes, still_frozen = grpc_stack.run(run())
+    assert still_frozen  # a refused Rebind does not resume, even when asked to (the caller resumes)
+    for (num_kv_blocks, addresses, _, message), (_, error) in zip(cases, outcomes, strict=True):
         assert error is not None and error.code() == Code.INVALID_ARGUMENT, (num_kv_blocks, addresses, error)
-        assert ("blocks" if not addresses else "host:port") in error.details()
+        assert message in error.details()
     stats = grpc_stack.engine.stats()
     assert stats.num_kv_blocks_total == grpc_stack.capacity and not stats.is_frozen
 

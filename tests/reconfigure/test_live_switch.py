@@ -33,9 +33,15 @@ async def test_requests_in_flight_survive_a_chain_of_switches(live_stack, switch
              for i, (p, n) in enumerate(zip(prompts, lengths))]
     await until(lambda: engine.stats().num_running == len(prompts), what="every request running before a switch")
     for target in CHAIN:
+        before = {stream.address: stream for stream in engine.driver.streams}
         operation = await live_stack.reconfigurer.reconfigure(target)
         assert operation.state is OperationState.SUCCEEDED, operation.error
         assert str(engine.topology) == target
+        # The step streams of workers active before and after carry on; the others end (in the background).
+        streams = engine.driver.streams
+        assert all(stream is before[stream.address] for stream in streams if stream.address in before), target
+        dropped = [stream for stream in before.values() if stream not in streams]
+        await until(lambda: not any(stream.is_open for stream in dropped), what="the dropped streams closed")
         assert sum(1 for t in tasks if not t.done()) > 0, "switch with nothing in flight proves nothing"
     outputs = await asyncio.gather(*tasks)
     for i, tokens in enumerate(outputs):
