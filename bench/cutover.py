@@ -501,7 +501,8 @@ def summarize(result: Result) -> str:
         by_n.setdefault(s.num_active, []).append(s)
     if (near := min(by_n, key=lambda n: abs(n - RESTART_AT), default=None)) is not None:
         worst_cut = max(by_n[near], key=lambda s: s.downtime_seconds)
-        lines.append(f"- cutover <= 50 ms at {near} active: {'met' if worst_cut.downtime_seconds <= 0.05 else 'not met'}"
+        verdict = "met" if worst_cut.downtime_seconds <= 0.05 else "not met"
+        lines.append(f"- cutover <= 50 ms at {near} active: {verdict}"
                      f" ({sum(s.downtime_seconds <= 0.05 for s in by_n[near])}/{len(by_n[near])} switches; longest "
                      f"{worst_cut.label} {_ms(worst_cut.downtime_seconds)} ms)")
     for n, switches in sorted(by_n.items()):

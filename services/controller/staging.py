@@ -137,7 +137,8 @@ async def precopy_kv(workers: list[worker_pb2_grpc.WorkerStub], router: router_p
         round_bytes = sum(r.kv_bytes_received + r.kv_bytes_local for r in replies)
         copied_bytes += round_bytes
         log.info("controller.precopy_round", operation_id=operation_id, round=rounds, blocks=len(blocks.block_ids),
-                 warm_blocks=len(blocks.warm_block_ids), used=blocks.num_used, bytes=round_bytes, seconds=round(max(r.seconds for r in replies), 4))
+                 warm_blocks=len(blocks.warm_block_ids), used=blocks.num_used, bytes=round_bytes,
+                 seconds=round(max(r.seconds for r in replies), 4))
         if rounds > 1 and len(blocks.block_ids) <= PRECOPY_STOP_BLOCKS:
             break
     return Precopy(prepared, capacity, rounds, copied_bytes)

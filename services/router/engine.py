@@ -283,7 +283,8 @@ class Engine:
         and the old driver's other streams end in the background, off the cutover's path."""
         driver = Driver(list(worker_addresses), self.driver.step_timeout_s, self.driver.token)
         try:
-            await driver.connect(previous=self.driver, infos=infos)  # first: an unreachable address leaves the old one in place
+            # First: an unreachable address leaves the old driver in place.
+            await driver.connect(previous=self.driver, infos=infos)
             if not self.scheduler.is_frozen:  # the freeze's lease ran out while connecting
                 raise RuntimeError("the router was resumed during the rebind: freeze first")
         except BaseException:

@@ -45,8 +45,8 @@ class StagedKV:
     def allocate(cls, plan: KVMigrationPlan, rank: int, live: KVCache | None, target: KVCache,
                  channel: ShmChannel) -> StagedKV:
         """A layer tensor of `target` (which holds none yet) for every local layer of the target this rank must
-        fill; the identity layers are left to move over at the cutover. Takes `channel` over (closed by close or
-        commit)."""
+        fill; the identity layers are left to move over at the cutover. Takes `channel` over (close() closes it; after
+        commit() the caller does)."""
         same_blocks = live is not None and live.num_blocks == target.num_blocks
         kept = [layer for layer in plan.new_local_layers(rank) if same_blocks and plan.is_identity_for(rank, layer)]
         for layer in plan.new_local_layers(rank):

@@ -282,7 +282,8 @@ class WorkerShard:
             wp = plan.new.workers[rank]
             target = KVCache(wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size, self.dtype,
                              self.device, num_blocks=request.num_kv_blocks, allocate=False)
-            staged.kv = StagedKV.allocate(plan, rank, live, target, self._shm_channel(request.peers, plan, keep_open=True))
+            channel = self._shm_channel(request.peers, plan, keep_open=True)
+            staged.kv = StagedKV.allocate(plan, rank, live, target, channel)
         if staged.kv.cache.num_blocks != request.num_kv_blocks:
             raise ValueError(f"the staged pool holds {staged.kv.cache.num_blocks} blocks, not {request.num_kv_blocks}")
         stats = staged.kv.copy(live, sorted({*request.block_ids, *request.warm_block_ids}),

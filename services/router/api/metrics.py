@@ -77,8 +77,9 @@ def switch_metrics(switches: SwitchTotals, model_name: str) -> Iterator[Metric]:
     for phase in sorted(switches.phase_seconds):
         phases.add_metric([model_name, phase], switches.phase_counts[phase], switches.phase_seconds[phase])
     yield phases
-    downtime = SummaryMetricFamily(PREFIX + "switch_seconds", "Downtime of layout switches: from the first request the freeze held back (the steps in flight "
-                                   "ran on until then) to the resume.",
+    downtime = SummaryMetricFamily(PREFIX + "switch_seconds",
+                                   "Downtime of layout switches: from the first request the freeze held back (the "
+                                   "steps in flight ran on until then) to the resume.",
                                    labels=LABELS)
     downtime.add_metric(labels, switches.num_total, switches.downtime_seconds)
     yield downtime
