@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import os
-import signal
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -272,7 +271,9 @@ def _terminate(group: list[mp.process.BaseProcess], timeout_s: float) -> None:
     """SIGTERM every process of the group, wait up to timeout_s for all, SIGKILL what lingers."""
     for process in group:
         if process.is_alive():
-            os.kill(process.pid, signal.SIGTERM)
+            # Not os.kill: a forkserver child is reaped by the forkserver, and may be gone between the check and the
+            # signal (ProcessLookupError, seen once in CI after a test's own kill -9); terminate() allows for that.
+            process.terminate()
     deadline = time.monotonic() + timeout_s
     for process in group:
         process.join(max(0.0, deadline - time.monotonic()))
