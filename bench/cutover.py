@@ -57,12 +57,17 @@ class CutoverConfig:
     memcpy_mb: int
     seed: int
     out: Path
+    paced: float = 0.0               # > 0: a third stream per N, staged with this staging duty ("staged@D")
 
     def __post_init__(self) -> None:
         if len(self.chain) < 2 or not self.active or min(self.active) < 1 or self.max_tokens <= MIN_TOKENS \
                 or self.tail_tokens < 1:
             raise ValueError(f"need a chain of >= 2 topologies, --active >= 1, --max-tokens > {MIN_TOKENS}, "
                              "--tail-tokens >= 1")
+
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        return STRATEGIES + ((f"staged@{self.paced:g}",) if self.paced else ())
 
     def stack_config(self, num_requests: int, kv_cache_mb: int) -> BenchConfig:
         """switch.py's config for one N (start_stack, make_prompts and the restart read it)."""
@@ -232,7 +237,7 @@ async def switch_once(stack: _Stack, num_active: int, strategy: str, target: str
     num_live = live.num_live
     max_used = max(stack.engine.used_block_ids(), default=-1)
     call_start = time.perf_counter()
-    operation = await stack.reconfigurer.reconfigure(target, strategy=strategy)
+    operation = await stack.reconfigurer.reconfigure(target, strategy=strategy.split("@")[0])
     call_end = time.perf_counter()
     if operation.state is not OperationState.SUCCEEDED:
         raise RuntimeError(f"N={num_active} {strategy} {source}→{target}: {operation.state.name}: {operation.error}")
@@ -372,7 +377,10 @@ async def run(config: CutoverConfig, spec) -> Result:
         try:
             await Requests(stack.engine, prompts[:8], MIN_TOKENS, f"warmup-{num_active}").finish()
             mine, outputs = [], []
-            for strategy in STRATEGIES:
+            default_duty = stack.reconfigurer.staging_duty
+            for strategy in config.strategies:
+                # "staged@D": staged, with the workers' staging (and pre-copy) paced to a duty of D (else the default)
+                stack.reconfigurer.staging_duty = float(strategy.split("@")[1]) if "@" in strategy else default_duty
                 stream, tokens = await run_stream(config, stack, strategy, prompts)
                 mine.append(stream)
                 outputs.append(tokens)
@@ -492,6 +500,16 @@ def summarize(result: Result) -> str:
         lines.append(f"- TPOT overhead while staging <= 10%: {'met' if high[0] <= 10 else 'not met'} (mean over "
                      f"{len(extras)} switches {pooled:+.0f}%, worst {high[0]:+.0f}% at N={high[1].num_active} "
                      f"{high[1].label})")
+    paced = [(st, s) for st in result.streams if st.strategy.startswith("staged@") for s in st.switches]
+    if paced:
+        def means(pairs):
+            over = [overhead(s) for _, s in pairs if not math.isnan(overhead(s))]
+            return (statistics.fmean(over) if over else math.nan, max(over, default=math.nan),
+                    statistics.fmean(s.staging_seconds for _, s in pairs))
+        (o1, w1, t1), (o2, w2, t2) = means(staged), means(paced)
+        lines.append(f"- {paced[0][0].strategy} next to staged: TPOT overhead while staging mean {o2:+.0f}% vs "
+                     f"{o1:+.0f}%, worst {w2:+.0f}% vs {w1:+.0f}%; staging + pre-copy {t2:.2f} s vs {t1:.2f} s "
+                     f"on average ({t2 / t1:.2f}x)")
     ratios = [s.delta_gbps / result.memcpy_gbps for _, s in staged if s.delta_bytes]
     if ratios:
         lines.append(f"- KV delta copy vs memcpy ({result.memcpy_gbps:.2f} GB/s): median "
@@ -588,6 +606,9 @@ def parse_args(argv: list[str] | None = None) -> CutoverConfig:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/cutover.json"))
     parser.add_argument("--quick", action="store_true", help=f"smoke-run sizes: {QUICK}")
+    parser.add_argument("--paced", type=float, default=0.0, metavar="DUTY",
+                        help="also run each N staged with the workers' staging paced to this duty (0 < DUTY <= 1; "
+                             "1: unpaced), next to the default one")
     args = parser.parse_args(argv)
     base = QUICK if args.quick else DEFAULTS
     pick = {key: getattr(args, key) if getattr(args, key) is not None else default for key, default in base.items()}
@@ -596,7 +617,7 @@ def parse_args(argv: list[str] | None = None) -> CutoverConfig:
         active=tuple(int(n) for n in pick["active"].split(",") if n.strip()), num_workers=args.num_workers,
         prompt_len=pick["prompt_len"], max_tokens=pick["max_tokens"], tail_tokens=args.tail_tokens,
         steps_between=args.steps_between, kv_tokens=pick["kv_tokens"], kv_cache_mb=args.kv_cache_mb,
-        block_size=args.block_size, memcpy_mb=args.memcpy_mb, seed=args.seed, out=args.out)
+        block_size=args.block_size, memcpy_mb=args.memcpy_mb, seed=args.seed, out=args.out, paced=args.paced)
 
 
 def main(argv: list[str] | None = None) -> None:

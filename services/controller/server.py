@@ -43,6 +43,7 @@ def make_reconfigurer(state: ControllerState) -> Reconfigurer | None:
                                 config.token, rpc_timeout_s=config.switch_rpc_timeout_s)
     if config.staging_budget_mb is not None:
         reconfigurer.staging_budget_bytes = config.staging_budget_mb << 20
+    reconfigurer.staging_duty = config.staging_duty
     return reconfigurer
 
 

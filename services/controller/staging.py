@@ -32,11 +32,11 @@ class SwitchTarget:
 
 async def stage_workers(workers: list[worker_pb2_grpc.WorkerStub], topology: Topology,
                         layer_partition: tuple[int, ...] | None, operation_id: str, timeout: float,
-                        metadata: tuple = ()) -> list[worker_pb2.StageSwitchResponse]:
+                        metadata: tuple = (), duty: float = 1.0) -> list[worker_pb2.StageSwitchResponse]:
     """STAGING on every worker at once (the router serving): each builds its shard of the target. Returns once every
     worker has answered, also when one fails (then raises its error): no staging outlives its operation."""
     request = worker_pb2.StageSwitchRequest(operation_id=operation_id, topology=str(topology),
-                                            layer_partition=layer_partition or ())
+                                            layer_partition=layer_partition or (), duty=duty)
     replies = await asyncio.gather(*(w.StageSwitch(request, timeout=timeout, metadata=metadata) for w in workers),
                                    return_exceptions=True)
     if errors := [r for r in replies if isinstance(r, BaseException)]:
@@ -112,7 +112,7 @@ def precopy_refusal(live: Topology, target: Topology, staged: list[bool]) -> str
 
 async def precopy_kv(workers: list[worker_pb2_grpc.WorkerStub], router: router_pb2_grpc.RouterStub,
                      target: SwitchTarget, operation_id: str, timeout: Callable[[], float],
-                     metadata: tuple = ()) -> Precopy | str:
+                     metadata: tuple = (), duty: float = 1.0) -> Precopy | str:
     """PRECOPY, while the router serves: rounds of (the router's full blocks not copied yet -> every active worker
     of the target copies them into its staged pool). Returns what the freeze needs, or why no worker can pre-copy
     here (a str: nothing is left to undo but the staged pools)."""
@@ -126,7 +126,7 @@ async def precopy_kv(workers: list[worker_pb2_grpc.WorkerStub], router: router_p
             timeout=timeout(), metadata=metadata)
         request = worker_pb2.PreCopyKVRequest(operation_id=operation_id, num_kv_blocks=capacity,
                                               block_ids=blocks.block_ids, warm_block_ids=blocks.warm_block_ids,
-                                              peers=peers)
+                                              peers=peers, duty=duty)
         replies = await asyncio.gather(*(w.PreCopyKV(request, timeout=timeout(), metadata=metadata)
                                          for w in receivers), return_exceptions=True)
         if errors := [r for r in replies if isinstance(r, BaseException)]:

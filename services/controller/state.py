@@ -43,6 +43,7 @@ class ControllerConfig:
     state_file: str = ""                       # where the live layout and the last operation survive a restart
     heartbeat_misses: int = 2                  # refreshes a worker may miss in a row before it counts as lost
     staging_budget_mb: int | None = None       # a switch stages only if each worker's new slices fit (None: any)
+    staging_duty: float = 0.5                  # the share of a stage thread staging and the pre-copy may use
     autopilot: str = "off"                     # the autopilot's mode at start: off, advise or auto
     autopilot_interval_s: float = 1.0          # between its ticks
     autopilot_policy: str = ""                 # policy settings, "cooldown_s=5,min_dwell_s=30,..." ("": defaults)

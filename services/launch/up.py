@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -49,6 +50,7 @@ class UpConfig:
     eplb_window: int = 1000             # steps of per-expert load each worker keeps (EPLB's sliding window)
     eplb_step_interval: int = 3000      # steps between automatic rebalances (vLLM's defaults: 1000 / 3000)
     staging_budget_mb: int | None = None  # a switch stages only if every worker's new slices fit (None: no limit)
+    staging_duty: float = 0.5  # the share of a worker's stage thread staging and the KV pre-copy may use
     autopilot: str = "off"              # off, advise (say what it would switch and why) or auto (switch)
     intents: str = ""                   # SLO intents file (TOML/JSON) the autopilot follows
     controller_metrics_port: int = 8001  # the controller's /metrics (the autopilot's); 0: any free port
@@ -90,6 +92,8 @@ class UpConfig:
                 raise ValueError("--autopilot runs on one instance; with --instances, use each instance's "
                                  "controller (reconfigctl instances lists them)")
             self.autoscale_settings()  # a bad --max-instances fails here
+        if not (math.isfinite(self.staging_duty) and 0 < self.staging_duty <= 1):
+            raise ValueError(f"staging_duty must be in (0, 1], not {self.staging_duty}")
         if self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, not {self.num_redundant_experts}")
         for name in ("eplb_window", "eplb_step_interval"):
@@ -190,6 +194,10 @@ def add_expert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--staging-budget-mb", type=int, metavar="MB",
                         help="memory a worker may spend building the target's shard beside the live one before a "
                              "switch; a switch needing more runs in place, inside the freeze [no limit]")
+    parser.add_argument("--staging-duty", type=float, metavar="FRACTION",
+                        help="share of its time a worker's staging thread may work while serving (it rests the "
+                             "rest, piece by piece): below 1, staging takes longer and the steps beside it slow "
+                             "down less [0.5]")
 
 
 def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
@@ -254,6 +262,7 @@ def _serve(config: UpConfig, cluster: LocalCluster, session: StackSession) -> in
         worker_addresses=tuple(cluster.worker_addresses), router_grpc_address=router_grpc,
         topology=config.topology, model=config.model, model_dir=str(cluster.model_dir),
         state_file=str(run_dir() / "controller-state.json"), staging_budget_mb=config.staging_budget_mb,
+        staging_duty=config.staging_duty,
         autopilot=config.autopilot, intents_file=config.intents, metrics_port=config.controller_metrics_port,
         autopilot_policy=config.autopilot_policy, profile_file=config.profile,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol
 
 import torch
@@ -55,11 +56,12 @@ class ShardLoader:
     """Copies slices of full checkpoint tensors (e.g. zero-copy views of shared memory) into owned tensors."""
 
     def __init__(self, source: Callable[[str], torch.Tensor], names: set[str], dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, piece: Callable[[], AbstractContextManager] = nullcontext) -> None:
         self._source = source
         self._names = names
         self.dtype = dtype
         self.device = device
+        self._piece = piece  # wraps each copy (a staging build paces itself by them)
 
     def has(self, name: str) -> bool:
         return name in self._names
@@ -82,7 +84,8 @@ class ShardLoader:
 
     def _own(self, view: torch.Tensor) -> torch.Tensor:
         # .to() with copy=True: never keep a view of the (shared) source alive.
-        return view.to(device=self.device, dtype=self.dtype, copy=True).contiguous()
+        with self._piece():
+            return view.to(device=self.device, dtype=self.dtype, copy=True).contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

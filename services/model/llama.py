@@ -4,7 +4,8 @@ vocab rows."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -214,11 +215,13 @@ class ShardedCausalLM:
             block(x)
         return x
 
-    def pack_weights(self) -> None:
-        """Pack every linear layer's weight for MKL's GEMM, on the thread that runs the steps (Linear.pack). The
-        experts stay unpacked: EPLB hands their tensors to peers and replaces them between steps."""
+    def pack_weights(self, piece: Callable[[], AbstractContextManager] = nullcontext) -> None:
+        """Pack every linear layer's weight for MKL's GEMM, on the thread that runs the steps (Linear.pack), each
+        inside `piece` (a staging build paces itself by them). The experts stay unpacked: EPLB hands their tensors
+        to peers and replaces them between steps."""
         for linear in self._linears():
-            linear.pack()
+            with piece():
+                linear.pack()
 
     def _linears(self) -> list[Linear]:
         linears = [self.lm_head.linear] if self.lm_head is not None else []

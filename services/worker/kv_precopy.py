@@ -29,6 +29,7 @@ from services.worker.kv_migration import (
     identity_block_maps,
     pool_blocks,
 )
+from services.worker.pacing import UNPACED, Pacer
 
 
 @dataclass(slots=True)
@@ -58,10 +59,11 @@ class StagedKV:
     def num_bytes(self) -> int:
         return self.cache.num_bytes
 
-    def copy(self, live: KVCache | None, block_ids: list[int],
-             fault: Callable[[int], None] | None = None) -> MigrationStats:
+    def copy(self, live: KVCache | None, block_ids: list[int], fault: Callable[[int], None] | None = None,
+             pacer: Pacer = UNPACED) -> MigrationStats:
         """Copy `block_ids` (they keep their ids) of every layer this rank fills: from the peers' live pools
-        (the channel) and from `live` (its own). No collective; the live pools are only read."""
+        (the channel) and from `live` (its own), a layer per piece of `pacer` (a pre-copy round; the freeze does
+        not pace). No collective; the live pools are only read."""
         started = time.perf_counter()
         stats = MigrationStats()
         if block_ids:
@@ -73,7 +75,8 @@ class StagedKV:
                 received = self.channel.exchange(layer, [], [t for t in transfers if not t.is_local])
                 if fault is not None:
                     fault(layer)
-                fill_layer(self.cache.layer(layer), transfers, self.rank, live, received, maps, layer, stats)
+                with pacer.piece():
+                    fill_layer(self.cache.layer(layer), transfers, self.rank, live, received, maps, layer, stats)
         stats.seconds = time.perf_counter() - started
         return stats
 

@@ -24,6 +24,7 @@ from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KVCache, num_blocks_for_budget
 from services.worker.kv_import import KVSourceSpec, import_kv
 from services.worker.kv_precopy import StagedKV, finish_precopy
+from services.worker.pacing import UNPACED, Pacer
 from services.worker.channel import CudaIpcChannel, DistChannel, KVChannel, ShmChannel
 from services.worker.cuda_ipc import preload_cuda_ipc
 from services.worker.faults import FAULTS
@@ -201,16 +202,17 @@ class WorkerShard:
                            cuda_graphs=self.device.type == "cuda" and not self.config.enforce_eager)
 
     def _build_model(self, topology: Topology, partition, checkpoint: MappedCheckpoint, previous: ModelRunner | None,
-                     expert_reshard: bool = True) -> ShardedCausalLM:
+                     expert_reshard: bool = True, pacer: Pacer = UNPACED) -> ShardedCausalLM:
         """This rank's shard of `topology`, sharing what `previous` holds of it. expert_reshard: experts may change
-        view by all-to-all with the stage's peers (a collective: never while steps run, i.e. not when staging)."""
+        view by all-to-all with the stage's peers (a collective: never while steps run, i.e. not when staging).
+        pacer: each tensor copy is a piece of its duty cycle (staging)."""
         placement = self._placement(topology, partition)
         wp = placement.workers[self.rank]
         # The stage's group: tensor-parallel collectives, or in an EP layout the experts' all-to-all (attention
         # is whole on each rank, data-parallel).
         stage_group = self.parallel.tp_group(topology, wp.pp_rank) if self.parallel else None
         group, ep_group = (SingleRankGroup(), stage_group) if topology.is_expert_parallel else (stage_group, None)
-        loader = ShardLoader(checkpoint.tensor, set(self.manifest.tensors), self.dtype, self.device)
+        loader = ShardLoader(checkpoint.tensor, set(self.manifest.tensors), self.dtype, self.device, pacer.piece)
         expert_maps = initial_expert_maps(self.spec.shape, placement) if self.spec.shape.is_moe else None
         return ShardedCausalLM(self.spec, wp, loader, group, previous.model if previous else None,
                                ep_group=ep_group, expert_maps=expert_maps, expert_reshard=expert_reshard)
@@ -230,9 +232,11 @@ class WorkerShard:
             return worker_pb2.StageSwitchResponse(staged=False)  # standby there, or groups to build: apply builds
         lower_thread_priority()
         started = time.perf_counter()
+        pacer = Pacer(request.duty or 1.0)
         with MappedCheckpoint(self.manifest) as checkpoint:
-            model = self._build_model(target, partition, checkpoint, live, expert_reshard=False)
-        model.pack_weights()  # MKL's layout (CPU) now, not in the freeze (packing is idempotent: kept parts are)
+            model = self._build_model(target, partition, checkpoint, live, expert_reshard=False, pacer=pacer)
+        # MKL's layout (CPU) now, not in the freeze (packing is idempotent: kept parts are)
+        model.pack_weights(pacer.piece)
         seconds = time.perf_counter() - started
         shared = set(model.parameter_tensors()) & set(live.model.parameter_tensors()) if live else set()
         tensors = model.parameter_tensors()
@@ -240,9 +244,10 @@ class WorkerShard:
         loaded = sum(t.numel() * t.element_size() for t in tensors.values()) - reused
         self._staged = StagedShard(request.operation_id, target, partition, self.parallel.generation, live, model)
         log.info("worker.staged", operation_id=request.operation_id, topology=str(target), rank=rank,
-                 seconds=round(seconds, 4), weights_loaded=loaded, weights_reused=reused)
+                 seconds=round(seconds, 4), rested_s=round(pacer.rested_s, 4), weights_loaded=loaded,
+                 weights_reused=reused)
         return worker_pb2.StageSwitchResponse(staged=True, seconds=seconds, weight_bytes_loaded=loaded,
-                                              weight_bytes_reused=reused)
+                                              weight_bytes_reused=reused, rested_seconds=pacer.rested_s)
 
     def drop_staged(self) -> None:
         """Forget what was staged, freeing its KV pool."""
@@ -287,7 +292,8 @@ class WorkerShard:
         if staged.kv.cache.num_blocks != request.num_kv_blocks:
             raise ValueError(f"the staged pool holds {staged.kv.cache.num_blocks} blocks, not {request.num_kv_blocks}")
         stats = staged.kv.copy(live, sorted({*request.block_ids, *request.warm_block_ids}),
-                               fault=lambda layer: FAULTS.check("precopy", rank=rank, layer=layer))
+                               fault=lambda layer: FAULTS.check("precopy", rank=rank, layer=layer),
+                               pacer=Pacer(request.duty or 1.0))
         return worker_pb2.PreCopyKVResponse(
             supported=True, kv_bytes_received=stats.bytes_received, kv_bytes_local=stats.bytes_local,
             seconds=stats.seconds, staged_pool_bytes=staged.kv.num_bytes)

@@ -52,7 +52,8 @@ async def test_the_apply_uses_the_staged_shards(live_stack, switch_checkpoint):
     tasks = [asyncio.ensure_future(generated_tokens(engine, GenerationRequest(f"s{i}", tuple(p), 40)))
              for i, p in enumerate(prompts)]
     await until(lambda: engine.stats().num_generation_tokens >= 6 * 3, what="every request decoding")
-    for target, active in (("tp4pp1", 4), ("tp1pp3", 3), ("tp2pp2", 4)):
+    for target, active, duty in (("tp4pp1", 4, 1.0), ("tp1pp3", 3, 0.5), ("tp2pp2", 4, 1.0)):
+        reconfigurer.staging_duty = duty  # 0.5: every worker rests as long as it builds (and pre-copies)
         operation = await reconfigurer.reconfigure(target)
         assert operation.state is OperationState.SUCCEEDED, operation.error
         assert operation.staging_seconds > 0 and "STAGING" in operation.phase_seconds
@@ -60,6 +61,8 @@ async def test_the_apply_uses_the_staged_shards(live_stack, switch_checkpoint):
                                                            - operation.staging_seconds
                                                            - operation.phase_seconds["DRAINING"])
         assert [w.staged.staged for w in workers] == [rank < active for rank in range(4)]
+        rested = [w.staged.rested_seconds for w in workers[:active]]
+        assert all(r > 0 for r in rested) if duty < 1 else not any(rested), rested
         assert [w.applied.used_staged for w in workers] == [rank < active for rank in range(4)]
     in_place = await reconfigurer.reconfigure("tp4pp1", strategy="in-place")  # the old way: no staging
     assert "STAGING" not in in_place.phase_seconds and not any(w.applied.used_staged for w in workers)

@@ -142,17 +142,19 @@ class PrepareSwitchRequest(_message.Message):
     def __init__(self, topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ..., export_cuda_ipc: _Optional[bool] = ...) -> None: ...
 
 class StageSwitchRequest(_message.Message):
-    __slots__ = ("operation_id", "topology", "layer_partition")
+    __slots__ = ("operation_id", "topology", "layer_partition", "duty")
     OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     LAYER_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    DUTY_FIELD_NUMBER: _ClassVar[int]
     operation_id: str
     topology: str
     layer_partition: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, operation_id: _Optional[str] = ..., topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ...) -> None: ...
+    duty: float
+    def __init__(self, operation_id: _Optional[str] = ..., topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ..., duty: _Optional[float] = ...) -> None: ...
 
 class PreCopyKVRequest(_message.Message):
-    __slots__ = ("operation_id", "num_kv_blocks", "block_ids", "peers", "warm_block_ids")
+    __slots__ = ("operation_id", "num_kv_blocks", "block_ids", "peers", "warm_block_ids", "duty")
     class PeersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -165,12 +167,14 @@ class PreCopyKVRequest(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     WARM_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DUTY_FIELD_NUMBER: _ClassVar[int]
     operation_id: str
     num_kv_blocks: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     peers: _containers.MessageMap[int, PeerPool]
     warm_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, operation_id: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[_Mapping[int, PeerPool]] = ..., warm_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    duty: float
+    def __init__(self, operation_id: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[_Mapping[int, PeerPool]] = ..., warm_block_ids: _Optional[_Iterable[int]] = ..., duty: _Optional[float] = ...) -> None: ...
 
 class PreCopyKVResponse(_message.Message):
     __slots__ = ("supported", "kv_bytes_received", "kv_bytes_local", "seconds", "staged_pool_bytes")
@@ -187,16 +191,18 @@ class PreCopyKVResponse(_message.Message):
     def __init__(self, supported: _Optional[bool] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_local: _Optional[int] = ..., seconds: _Optional[float] = ..., staged_pool_bytes: _Optional[int] = ...) -> None: ...
 
 class StageSwitchResponse(_message.Message):
-    __slots__ = ("staged", "seconds", "weight_bytes_loaded", "weight_bytes_reused")
+    __slots__ = ("staged", "seconds", "weight_bytes_loaded", "weight_bytes_reused", "rested_seconds")
     STAGED_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_REUSED_FIELD_NUMBER: _ClassVar[int]
+    RESTED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     staged: bool
     seconds: float
     weight_bytes_loaded: int
     weight_bytes_reused: int
-    def __init__(self, staged: _Optional[bool] = ..., seconds: _Optional[float] = ..., weight_bytes_loaded: _Optional[int] = ..., weight_bytes_reused: _Optional[int] = ...) -> None: ...
+    rested_seconds: float
+    def __init__(self, staged: _Optional[bool] = ..., seconds: _Optional[float] = ..., weight_bytes_loaded: _Optional[int] = ..., weight_bytes_reused: _Optional[int] = ..., rested_seconds: _Optional[float] = ...) -> None: ...
 
 class PrepareSwitchResponse(_message.Message):
     __slots__ = ("num_kv_blocks", "kv_segments", "is_candidate", "block_size", "kv_dtype_bytes", "num_kv_blocks_now", "kv_cuda_ipc", "hostname", "cuda_ipc")
