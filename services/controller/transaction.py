@@ -46,8 +46,8 @@ PHASES = ("STAGING", "PRECOPY", "DRAINING", "QUIESCING", "PREPARING_WORKERS", "A
           "REBINDING")
 FREEZE_LEASE_S = 15.0  # the router waits this long for a renewal before it stops trusting a frozen operation
 # The share of a worker's stage thread that staging and the KV pre-copy work (they rest the rest, piece by piece):
-# bench/cutover.py, SmolLM2 on 2 cores, at 16 and 50 live requests: TPOT while staging +7% on average and +16% at
-# worst at 0.5, against +12% and +31% unpaced, for about the same staging time.
+# bench/cutover.py, SmolLM2 on 2 cores, 10 to 200 live requests: TPOT while staging +5% on average and +24% at
+# worst at 0.5, against +14% and +42% unpaced; staging ~2x longer at 16 requests, up to 6x at 200.
 DEFAULT_STAGING_DUTY = 0.5
 
 
