@@ -20,6 +20,7 @@ from services.rpc.auth import auth_metadata
 from services.rpc.errors import describe_error
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.topology import Topology
+from services.worker.pacing import DEFAULT_STAGING_DUTY
 
 log = structlog.get_logger(__name__)
 
@@ -43,7 +44,7 @@ class ControllerConfig:
     state_file: str = ""                       # where the live layout and the last operation survive a restart
     heartbeat_misses: int = 2                  # refreshes a worker may miss in a row before it counts as lost
     staging_budget_mb: int | None = None       # a switch stages only if each worker's new slices fit (None: any)
-    staging_duty: float = 0.5                  # the share of a stage thread staging and the pre-copy may use
+    staging_duty: float = DEFAULT_STAGING_DUTY  # the share of a stage thread staging and the pre-copy may use
     autopilot: str = "off"                     # the autopilot's mode at start: off, advise or auto
     autopilot_interval_s: float = 1.0          # between its ticks
     autopilot_policy: str = ""                 # policy settings, "cooldown_s=5,min_dwell_s=30,..." ("": defaults)

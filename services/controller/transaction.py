@@ -37,6 +37,7 @@ from services.controller.staging import (
     staging_verdict,
 )
 from services.topology import Topology, TopologyError, validate
+from services.worker.pacing import DEFAULT_STAGING_DUTY
 
 log = structlog.get_logger(__name__)
 # In order; STAGING and PRECOPY run while the router serves (strategy "staged"), the others inside the freeze.
@@ -45,10 +46,6 @@ log = structlog.get_logger(__name__)
 PHASES = ("STAGING", "PRECOPY", "DRAINING", "QUIESCING", "PREPARING_WORKERS", "APPLYING_TOPOLOGY", "MIGRATING",
           "REBINDING")
 FREEZE_LEASE_S = 15.0  # the router waits this long for a renewal before it stops trusting a frozen operation
-# The share of a worker's stage thread that staging and the KV pre-copy work (they rest the rest, piece by piece):
-# bench/cutover.py, SmolLM2 on 2 cores, 10 to 200 live requests: TPOT while staging +5% on average and +24% at
-# worst at 0.5, against +14% and +42% unpaced; staging ~2x longer at 16 requests, up to 6x at 200.
-DEFAULT_STAGING_DUTY = 0.5
 
 
 class OperationBusy(RuntimeError):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -17,6 +16,7 @@ import structlog
 from services.launch.cluster import ClusterConfig, LocalCluster
 from services.launch.session import StackSession
 from services.topology import parse_gpus
+from services.worker.pacing import DEFAULT_STAGING_DUTY, check_duty
 
 log = structlog.get_logger(__name__)
 
@@ -50,7 +50,7 @@ class UpConfig:
     eplb_window: int = 1000             # steps of per-expert load each worker keeps (EPLB's sliding window)
     eplb_step_interval: int = 3000      # steps between automatic rebalances (vLLM's defaults: 1000 / 3000)
     staging_budget_mb: int | None = None  # a switch stages only if every worker's new slices fit (None: no limit)
-    staging_duty: float = 0.5  # the share of a worker's stage thread staging and the KV pre-copy may use
+    staging_duty: float = DEFAULT_STAGING_DUTY  # the share of a worker's stage thread staging and the pre-copy may use
     autopilot: str = "off"              # off, advise (say what it would switch and why) or auto (switch)
     intents: str = ""                   # SLO intents file (TOML/JSON) the autopilot follows
     controller_metrics_port: int = 8001  # the controller's /metrics (the autopilot's); 0: any free port
@@ -92,8 +92,7 @@ class UpConfig:
                 raise ValueError("--autopilot runs on one instance; with --instances, use each instance's "
                                  "controller (reconfigctl instances lists them)")
             self.autoscale_settings()  # a bad --max-instances fails here
-        if not (math.isfinite(self.staging_duty) and 0 < self.staging_duty <= 1):
-            raise ValueError(f"staging_duty must be in (0, 1], not {self.staging_duty}")
+        check_duty(self.staging_duty, "staging_duty")
         if self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, not {self.num_redundant_experts}")
         for name in ("eplb_window", "eplb_step_interval"):
@@ -197,7 +196,7 @@ def add_expert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--staging-duty", type=float, metavar="FRACTION",
                         help="share of its time a worker's staging thread may work while serving (it rests the "
                              "rest, piece by piece): below 1, staging takes longer and the steps beside it slow "
-                             "down less [0.5]")
+                             f"down less [{DEFAULT_STAGING_DUTY}]")
 
 
 def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:

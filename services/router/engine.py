@@ -249,13 +249,13 @@ class Engine:
     async def rebind(self, num_kv_blocks: int, worker_addresses: tuple[str, ...] | None = None,
                      drop_kv: bool = False, dp_size: int = 0, worker_infos: list | None = None) -> BlockMaps | None:
         """Frozen only. Take a new KV capacity (the newest requests are preempted if live blocks exceed it) and,
-        with worker_addresses, re-open the step streams to the active workers of the new layout. drop_kv: the
+        with worker_addresses, stream steps to the active workers of the new layout (_swap_driver). drop_kv: the
         workers lost the KV of the running requests, so every one of them is preempted (re-prefilled later).
 
         dp_size (0: unchanged) is the target's number of KV pools: when it or the current one is above 1 (an
         expert-parallel layout), every running request gets a pool of the target and ids there, and the block maps
         the workers' migration follows are returned. Rebinding back to the old width before any step restores the
-        old pools exactly (a rolled-back switch); re-opening the streams (worker_addresses) commits the new ones.
+        old pools exactly (a rolled-back switch); taking the new workers (worker_addresses) commits the new ones.
         worker_infos: the workers' infos in the new layout, when the caller has them (not asked again)."""
         if worker_addresses is not None:
             if self._inflight:

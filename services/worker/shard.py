@@ -232,7 +232,7 @@ class WorkerShard:
             return worker_pb2.StageSwitchResponse(staged=False)  # standby there, or groups to build: apply builds
         lower_thread_priority()
         started = time.perf_counter()
-        pacer = Pacer(request.duty or 1.0)
+        pacer = Pacer.of_request(request.duty)
         with MappedCheckpoint(self.manifest) as checkpoint:
             model = self._build_model(target, partition, checkpoint, live, expert_reshard=False, pacer=pacer)
         # MKL's layout (CPU) now, not in the freeze (packing is idempotent: kept parts are)
@@ -293,7 +293,7 @@ class WorkerShard:
             raise ValueError(f"the staged pool holds {staged.kv.cache.num_blocks} blocks, not {request.num_kv_blocks}")
         stats = staged.kv.copy(live, sorted({*request.block_ids, *request.warm_block_ids}),
                                fault=lambda layer: FAULTS.check("precopy", rank=rank, layer=layer),
-                               pacer=Pacer(request.duty or 1.0))
+                               pacer=Pacer.of_request(request.duty))
         return worker_pb2.PreCopyKVResponse(
             supported=True, kv_bytes_received=stats.bytes_received, kv_bytes_local=stats.bytes_local,
             seconds=stats.seconds, staged_pool_bytes=staged.kv.num_bytes)
