@@ -109,6 +109,12 @@ async def test_flags_on_the_cpu_group_and_tensors_on_the_device_group(recorded_c
         assert operation.state is OperationState.SUCCEEDED, operation.error
         expected, _ = hf_greedy(checkpoint, prompts, 24)
         assert await asyncio.gather(*tasks) == expected  # the rollback kept every KV byte the requests needed
+        # Those may all have finished while the switch staged (it is paced): one more request runs in the target
+        # layout, so that its tensor-parallel collectives are among the records below.
+        after = [3, 14, 15, 92, 65]
+        expected_after, _ = hf_greedy(checkpoint, [after], 8)
+        served = await _generate(engine, GenerationRequest("after", tuple(after), 8), asyncio.Event())
+        assert served == expected_after[0]
     calls = read_records(records)
     wrong = [c for c in calls if c["kind"] != expected_kind(c["caller"])]
     assert not wrong, f"collectives on the wrong group (or an unclassified caller): {wrong}"
