@@ -14,8 +14,9 @@ On a CUDA machine (../shared/gpu/README.md), in one run:
 5. reconfig's serving path: a LocalCluster of 2 workers sharing the GPU (tp1pp1, one on standby) behind the router's
    engine over gRPC, concurrent requests, tok/s from submission to the last token (prefill included, as
    `generate`'s);
-6. with 16 requests streaming there, tp1pp1 -> tp1pp2 -> tp1pp1 in place (all inside the freeze), then the same
-   two switches staged (the target built while serving): each switch's downtime and phases.
+6. tp1pp1 -> tp1pp2 -> tp1pp1 in place (all inside the freeze), then the same two switches staged (the target
+   built, its KV pre-copied and its decode graphs captured while serving), each with 16 requests of its own
+   streaming: each switch's downtime and phases.
 Prints a markdown table, writes JSON and a plot next to it (bench/results/ by default).
 """
 
@@ -230,29 +231,32 @@ async def bench_serving(model_dir: Path, batches: list[int], new_tokens: int) ->
             results[f"reconfig_serving/{batch}"] = batch * new_tokens / seconds
         for batch in batches:
             log(f"reconfig_serving batch {batch}: {results[f'reconfig_serving/{batch}']:.1f} tok/s")
-        # Live switches with 16 requests streaming.
-        live = [[] for _ in range(16)]
-        tasks = [asyncio.ensure_future(consume(GenerationRequest(f"s{i}", tuple(p), 4 * new_tokens), live[i]))
-                 for i, p in enumerate(prompts(16, 99))]
-        while min(len(t) for t in live) < 8:
-            await asyncio.sleep(0.005)
-        switches = []
+        # Live switches, each with 16 requests of its own streaming (a staged switch serves through its staging
+        # and pre-copy: one batch would end before the later switches).
+        switches, streams = [], []
         for strategy, target in (("in-place", "tp1pp2"), ("in-place", "tp1pp1"), ("staged", "tp1pp2"),
                                  ("staged", "tp1pp1")):
+            live = [[] for _ in range(16)]
+            tasks = [asyncio.ensure_future(consume(GenerationRequest(f"s-{strategy}-{target}-{i}", tuple(p),
+                                                                     8 * new_tokens), live[i]))
+                     for i, p in enumerate(prompts(16, 99))]
+            while min(len(t) for t in live) < 8:
+                await asyncio.sleep(0.005)
             operation = await reconfigurer.reconfigure(target, strategy=strategy)
             if operation.state is not OperationState.SUCCEEDED:
                 raise RuntimeError(f"switch to {target}: {operation.state.name}: {operation.error}")
             switches.append(dict(target=target, strategy=strategy, downtime_ms=operation.downtime_seconds * 1e3,
-                                 live=sum(1 for t in tasks if not t.done()),
+                                 live=sum(1 for t in tasks if not t.done()), precopy=operation.precopy,
                                  phases_ms={k: v * 1e3 for k, v in operation.phase_seconds.items()}))
             log(f"switch -> {target} ({strategy}): downtime {operation.downtime_seconds * 1e3:.0f} ms, "
-                f"{switches[-1]['live']} requests live")
-        await asyncio.gather(*tasks)
-        # The same 16 prompts again without a switch: the switched streams must equal them.
+                f"{switches[-1]['live']} requests live, KV pre-copy: {operation.precopy or '-'}")
+            await asyncio.gather(*tasks)
+            streams.append(live)
+        # The same 16 prompts again without a switch: every switched batch must equal them.
         again = [[] for _ in range(16)]
-        await asyncio.gather(*(consume(GenerationRequest(f"n{i}", tuple(p), 4 * new_tokens), again[i])
+        await asyncio.gather(*(consume(GenerationRequest(f"n{i}", tuple(p), 8 * new_tokens), again[i])
                                for i, p in enumerate(prompts(16, 99))))
-        results["switch_streams_identical"] = live == again
+        results["switch_streams_identical"] = all(live == again for live in streams)
         results["switches"] = switches
     finally:
         await engine.stop()

@@ -132,7 +132,8 @@ async def precopy_kv(workers: list[worker_pb2_grpc.WorkerStub], router: router_p
         if errors := [r for r in replies if isinstance(r, BaseException)]:
             raise errors[0]
         if not all(r.supported for r in replies):
-            return "a worker's KV does not travel through shared memory (GPU, or several hosts): it moves in the freeze"
+            return ("a worker cannot read its peers' KV pools directly (several hosts, or GPUs without CUDA IPC): it "
+                    "moves in the freeze")
         rounds += 1
         round_bytes = sum(r.kv_bytes_received + r.kv_bytes_local for r in replies)
         copied_bytes += round_bytes

@@ -124,8 +124,8 @@ class CudaIpcChannel(_PeerPoolChannel):
     move) are opened through their CUDA IPC handles (PrepareSwitch's kv_cuda_ipc) and read on this device."""
 
     def __init__(self, handles: dict[int, dict[int, bytes]], plan: KVMigrationPlan, block_size: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__(plan, block_size, head_dim, dtype)
+                 dtype: torch.dtype, device: torch.device, keep_open: bool = False) -> None:
+        super().__init__(plan, block_size, head_dim, dtype, keep_open)
         self.handles, self.device = handles, device  # rank -> layer -> IPC handle
 
     def _attach(self, rank: int, layer: int) -> tuple[torch.Tensor, OpenedHandle]:

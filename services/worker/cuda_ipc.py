@@ -95,14 +95,15 @@ class OpenedHandle:
                 raise IpcUnavailable(f"could not open the peer's CUDA IPC handle: {exc}") from exc
             memory = cupy.cuda.UnownedMemory(self._base + handle.offset_bytes, handle.num_bytes, self, index)
             flat = cupy.ndarray((handle.num_bytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
-        self.device = device
+        self.device, self._index, self._cupy_device = device, index, cupy.cuda.Device
         self.tensor = torch.as_tensor(flat, device=device).view(dtype)
 
     def close(self) -> None:
-        """Unmap, once every copy queued from it is done."""
+        """Unmap, once every copy queued from it is done (from any thread: on this handle's device)."""
         if self._base is None:
             return
         torch.cuda.current_stream(self.device).synchronize()
         self.tensor = None
-        self._runtime.ipcCloseMemHandle(self._base)
+        with self._cupy_device(self._index):
+            self._runtime.ipcCloseMemHandle(self._base)
         self._base = None

@@ -12,12 +12,15 @@ keys/values from row 0's (write_rows), so a duplicate slot receives equal bytes.
 Graphs are captured lazily, the first time a (batch bucket, key bucket) is met, or ahead of serving (warm); the
 ranks of a stage meet the same steps, so they capture in the same order (a TP collective inside a graph is an
 NCCL kernel). They are tied to this runner's weights and KV tensors: a switch builds a new runner and new graphs,
-and a KV layer replaced under a runner drops them. `capture=False` runs the same fixed-shape step eagerly: what
-the CPU tests check against the variable-shape path.
+and a KV layer replaced under a runner drops them. A staged switch captures its target's graphs ahead, on the
+stage thread while the live runner serves, over the KV tensors the target's pool will hold (`warm(layers=...)`):
+captures are thread-local and one at a time per process (`_CAPTURING`). `capture=False` runs the same fixed-shape
+step eagerly: what the CPU tests check against the variable-shape path.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -33,6 +36,9 @@ log = structlog.get_logger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 MIN_KEYS = 128  # the smallest key bucket (tokens); buckets double from here
+# One capture at a time in a process: torch captures on one shared side stream, and a staged runner's graphs are
+# captured on the stage thread while the live runner may meet a new bucket on the model thread.
+_CAPTURING = threading.Lock()
 
 
 def batch_bucket(batch: int) -> int | None:
@@ -75,7 +81,8 @@ class DecodeResult:
 
 
 class DecodeGraphs:
-    """The decode graphs of one ModelRunner (its model shard and KV cache); used from the model thread only."""
+    """The decode graphs of one ModelRunner (its model shard and KV cache); used from one thread at a time: the
+    model thread's, or the stage thread's before a staged runner goes live."""
 
     def __init__(self, model: ShardedCausalLM, kv_cache: KVCache, device: torch.device, capture: bool,
                  max_batch: int = BATCH_BUCKETS[-1], max_keys: int | None = None) -> None:
@@ -90,6 +97,7 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._kv_ptrs: tuple[int, ...] | None = None  # the KV tensors the graphs write (a switch fills them later)
+        self._kv_layers: list[torch.Tensor] = []
         self.capture_seconds = 0.0
 
     def accepts(self, seqs: tuple[SequenceStep, ...] | list[SequenceStep]) -> bool:
@@ -125,10 +133,12 @@ class DecodeGraphs:
                             graph.logits[:rows] if graph.logits is not None else None,
                             graph.greedy[:rows] if graph.greedy is not None else None)
 
-    def warm(self, batches: tuple[int, ...] = BATCH_BUCKETS, context_len: int = MIN_KEYS) -> int:
+    def warm(self, batches: tuple[int, ...] = BATCH_BUCKETS, context_len: int = MIN_KEYS,
+             layers: list[torch.Tensor] | None = None) -> int:
         """Capture the graphs of these batch buckets at the smallest key bucket ahead of serving; returns how many
-        were captured (the ranks of a stage must warm the same list)."""
-        self._check_kv()
+        were captured (the ranks of a stage must warm the same list). layers: the KV tensors the cache will hold
+        when the graphs first run (default: what it holds now)."""
+        self._check_kv(layers)
         num_blocks = key_blocks(context_len, self.kv_cache.block_size)
         captured = 0
         for batch in batches:
@@ -150,10 +160,11 @@ class DecodeGraphs:
         return len(self._graphs)
 
     # ---- building ------------------------------------------------------------------------------------------------
-    def _check_kv(self) -> None:
+    def _check_kv(self, layers: list[torch.Tensor] | None = None) -> None:
         """Drop every graph if a KV layer tensor was replaced since they were captured (they would write freed
         memory). Checked before each use, not at construction: a switch builds the runner before its KV arrives."""
-        pointers = tuple(t.data_ptr() for t in self.kv_cache.layers)
+        self._kv_layers = layers if layers is not None else self.kv_cache.layers
+        pointers = tuple(t.data_ptr() for t in self._kv_layers)
         if pointers != self._kv_ptrs:
             self.clear()
             self._kv_ptrs = pointers
@@ -188,16 +199,18 @@ class DecodeGraphs:
         """Warm up on scratch KV (the real cache holds live requests; zeroed inputs address block 0), then capture
         over the real cache: a capture records kernels without running them."""
         started = time.perf_counter()
-        scratch = [torch.zeros_like(cache[:, :1]) for cache in self.kv_cache.layers]
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._step(graph, scratch)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph.graph = torch.cuda.CUDAGraph()
-        # thread_local: the worker's RPC threads may touch CUDA (a status query) while the model thread captures
-        with torch.cuda.graph(graph.graph, pool=self._pool, capture_error_mode="thread_local"):
-            outputs = self._step(graph)
+        scratch = [torch.zeros_like(cache[:, :1]) for cache in self._kv_layers]
+        with _CAPTURING, torch.cuda.device(self.device):
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._step(graph, scratch)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph.graph = torch.cuda.CUDAGraph()
+            # thread_local: other threads use CUDA meanwhile (the worker's RPC threads; the model thread's steps when
+            # a staged runner captures on the stage thread)
+            with torch.cuda.graph(graph.graph, pool=self._pool, capture_error_mode="thread_local"):
+                outputs = self._step(graph)
         self._outputs(graph, outputs)
         elapsed = time.perf_counter() - started
         self.capture_seconds += elapsed
@@ -210,7 +223,7 @@ class DecodeGraphs:
         tokens, positions, context_lens, write_rows, tables = graph.fields()
         meta = AttentionMetadata.padded_decode(positions, tables, context_lens, write_rows, self.kv_cache.block_size)
         inputs = tokens if graph.hidden_in is None else graph.hidden_in
-        hidden = self.model.forward(inputs, positions, caches if caches is not None else self.kv_cache.layers, meta)
+        hidden = self.model.forward(inputs, positions, caches if caches is not None else self._kv_layers, meta)
         if not self.last_stage:
             return hidden, None, None
         logits = self.model.compute_logits(hidden)

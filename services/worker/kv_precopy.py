@@ -4,13 +4,15 @@ the freeze, copy only the delta and hand the pool to the new runner.
 The staged pool is allocated at the first round: a layer tensor for every local layer of the target, except the
 layers this rank keeps as they are (same heads, same block count: the live tensor moves over at the cutover,
 nothing to copy). Each round copies full blocks (the router's PreCopyBlocks: they never change while their
-request holds them) from the peers' live shared-memory pools and from this worker's own, on the stage thread,
-beside the steps; and the partly filled last blocks too, to warm them: their pages are then mapped on both sides
-when the freeze copies them again (first-touch page faults were two thirds of a cutover's copy). The peers' pools
-stay mapped from the first round to the end of the switch (one channel). Nothing here touches the live pools, so
-a failed or abandoned pre-copy only drops the staged pool. The cutover (`finish`) copies the delta the same way,
-then every rank of the world agrees once; the kept layers move over only when the whole switch has succeeded
-(`commit`). A failure before leaves the old layout exactly as it was (no layer to move back).
+request holds them) from the peers' live pools (shared memory on CPU, CUDA IPC between the GPU workers of a host)
+and from this worker's own, on the stage thread, beside the steps; and the partly filled last blocks too, to warm
+them: their pages are then mapped on both sides when the freeze copies them again (first-touch page faults were two
+thirds of a cutover's copy on CPU). The peers' pools stay mapped from the first round to the end of the switch (one
+channel). Nothing here touches the live pools, so a failed or abandoned pre-copy only drops the staged pool. The
+cutover (`finish`) copies the delta the same way, then every rank of the world agrees once; the kept layers move
+over only when the whole switch has succeeded (`commit`). A failure before leaves the old layout exactly as it was
+(no layer to move back). Since the pool exists before the freeze, so can the target runner over it, and on a GPU
+its decode graphs (`future_layers`: the tensors the pool will hold once the kept layers moved over).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from services.topology import KVMigrationPlan
-from services.worker.channel import ShmChannel
+from services.worker.channel import CudaIpcChannel, ShmChannel
 from services.worker.kv_cache import KVCache
 from services.worker.kv_migration import (
     MigrationAborted,
@@ -40,11 +44,11 @@ class StagedKV:
     rank: int
     cache: KVCache             # the target's capacity; its layers: the ones this rank fills (kept ones added last)
     kept_layers: list[int]     # local layers whose live tensor moves over as is at the cutover
-    channel: ShmChannel        # the peers' live pools, mapped until the switch ends (keep_open)
+    channel: ShmChannel | CudaIpcChannel  # the peers' live pools, mapped until the switch ends (keep_open)
 
     @classmethod
     def allocate(cls, plan: KVMigrationPlan, rank: int, live: KVCache | None, target: KVCache,
-                 channel: ShmChannel) -> StagedKV:
+                 channel: ShmChannel | CudaIpcChannel) -> StagedKV:
         """A layer tensor of `target` (which holds none yet) for every local layer of the target this rank must
         fill; the identity layers are left to move over at the cutover. Takes `channel` over (close() closes it; after
         commit() the caller does)."""
@@ -77,8 +81,15 @@ class StagedKV:
                     fault(layer)
                 with pacer.piece():
                     fill_layer(self.cache.layer(layer), transfers, self.rank, live, received, maps, layer, stats)
+            self.channel.settle()  # a GPU's copies are queued: done before the round (or the cutover) reports
         stats.seconds = time.perf_counter() - started
         return stats
+
+    def future_layers(self, live: KVCache | None) -> list[torch.Tensor]:
+        """The KV tensors of the target's layers, in layer order, as the pool will hold them after commit(): its own,
+        and the kept ones still in the live pool (what decode graphs captured ahead of the cutover must address)."""
+        return [live.layer(layer).tensor if layer in self.kept_layers else self.cache.layer(layer).tensor
+                for layer in self.cache.layer_ids]
 
     def commit(self, live: KVCache | None) -> None:
         """The switch is done: the kept layers move from the live pool into this one (no copy). The caller closes

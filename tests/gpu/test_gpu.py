@@ -38,10 +38,10 @@ def checkpoint(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("gpu") / "llama-gpu", "llama", seed=5)
 
 
-def _cluster(checkpoint, num_workers: int, topology: str, **kwargs) -> LocalCluster:
+def _cluster(checkpoint, num_workers: int, topology: str, kv_cache_bytes: int = 1 << 20, **kwargs) -> LocalCluster:
     return LocalCluster(ClusterConfig(model=str(checkpoint), num_workers=num_workers, topology=topology,
                                       device="cuda", gpus=(0,), gpu_sharing=num_workers > 1,
-                                      kv_cache_bytes=1 << 20, block_size=4, collective_timeout_s=30, **kwargs))
+                                      kv_cache_bytes=kv_cache_bytes, block_size=4, collective_timeout_s=30, **kwargs))
 
 
 LAYOUTS = [(1, "tp1pp1", False), (1, "tp1pp1", True), (2, "tp2pp1", False), (4, "tp2pp2", False)]
@@ -83,10 +83,11 @@ async def test_streams_survive_rollbacks_and_a_chain_of_live_switches(checkpoint
               f"migrate:rank=0:layer={_second_layer(checkpoint, 'tp1pp1', 'tp2pp2')}:once=1")
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(2, 30))] for _ in range(16)]
-    lengths = [rng.randrange(60, 100) for _ in prompts]
+    # Long enough to outlive the chain: a staged switch serves through its staging and pre-copy rounds.
+    lengths = [rng.randrange(150, 220) for _ in prompts]
     expected, _ = hf_greedy(checkpoint, prompts, max(lengths))
     rows = []
-    with _cluster(checkpoint, 4, "tp1pp1", faults=faults) as cluster:
+    with _cluster(checkpoint, 4, "tp1pp1", kv_cache_bytes=4 << 20, faults=faults) as cluster:
         async with open_live_stack(cluster, leave_in=None) as stack:
             engine = stack.engine
             tasks = [asyncio.ensure_future(generated_tokens(engine, GenerationRequest(f"r{i}", tuple(p), n)))
@@ -105,15 +106,18 @@ async def test_streams_survive_rollbacks_and_a_chain_of_live_switches(checkpoint
     _check_and_report(outputs, expected, lengths, stats, rows)
 
 
-async def _switch_through(stack, chain: list[str], tasks, label: str = "") -> list[tuple[str, object]]:
+async def _switch_through(stack, chain: list[str], tasks, label: str = "", precopied: bool = True
+                          ) -> list[tuple[str, object]]:
     """Switch the live stack through `chain` (the default strategy: staged) while `tasks` stream; every switch
-    succeeds with requests in flight. Returns (name, operation) rows."""
+    succeeds with requests in flight, its KV pre-copied through CUDA IPC while serving (`precopied`; an EP layout
+    has several KV pools: its KV moves in the freeze). Returns (name, operation) rows."""
     rows = []
     for target in chain:
         before = str(stack.engine.topology)
         operation = await stack.reconfigurer.reconfigure(target)
         assert operation.state is OperationState.SUCCEEDED, operation.error
         assert str(stack.engine.topology) == target and "STAGING" in operation.phase_seconds
+        assert operation.precopy.endswith("rounds") == precopied, operation.precopy
         assert any(not t.done() for t in tasks), "a switch with nothing in flight proves nothing"
         rows.append((f"{before} -> {target}{label}", operation))
     return rows
@@ -177,7 +181,7 @@ async def test_moe_streams_through_staged_tp_ep_switches(tmp_path):
                      for i, (p, n) in enumerate(zip(prompts, lengths))]
             while engine.stats().num_generation_tokens < 3 * len(prompts):
                 await asyncio.sleep(0.01)
-            rows = await _switch_through(stack, MOE_CHAIN, tasks, " (MoE, staged)")
+            rows = await _switch_through(stack, MOE_CHAIN, tasks, " (MoE, staged)", precopied=False)
             outputs = await asyncio.wait_for(asyncio.gather(*tasks), 120)
             stats = engine.stats()
     _check_and_report(outputs, expected, lengths, stats, rows)

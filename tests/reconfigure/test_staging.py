@@ -64,6 +64,10 @@ async def test_the_apply_uses_the_staged_shards(live_stack, switch_checkpoint):
         rested = [w.staged.rested_seconds for w in workers[:active]]
         assert all(r > 0 for r in rested) if duty < 1 else not any(rested), rested
         assert [w.applied.used_staged for w in workers] == [rank < active for rank in range(4)]
+        # Pre-copied: the target's runner was built over the staged pool while serving (no decode graphs on CPU).
+        assert operation.precopy.endswith("rounds"), operation.precopy
+        assert [w.applied.used_staged_runner for w in workers] == [rank < active for rank in range(4)]
+        assert not any(w.applied.staged_graphs for w in workers)
     in_place = await reconfigurer.reconfigure("tp4pp1", strategy="in-place")  # the old way: no staging
     assert "STAGING" not in in_place.phase_seconds and not any(w.applied.used_staged for w in workers)
     assert (await reconfigurer.reconfigure("tp2pp2")).state is OperationState.SUCCEEDED

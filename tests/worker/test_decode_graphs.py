@@ -130,3 +130,38 @@ def test_graphs_of_a_runner_built_before_its_kv_arrives(tmp_path):
     finally:
         full.kv_cache.close()
         empty.close()
+
+
+def test_graphs_captured_ahead_over_the_layers_a_staged_pool_will_hold(tmp_path):
+    """A staged switch captures the target's graphs before the cutover, over the tensors its pool will hold: its
+    own layers and the ones the live pool hands over at the commit. Once the pool holds them, nothing is
+    recaptured; a different tensor still drops the graphs."""
+    model_dir = make_checkpoint(tmp_path / "llama", "llama", seed=2)
+    spec = ModelSpec.from_dir(model_dir)
+    live = _runner(spec, model_dir, False)
+    wp = live.wp
+    kept = wp.layers[0]  # a layer the target keeps as it is: still the live pool's until the commit
+    staged = KVCache(wp.layers, len(wp.kv_heads), spec.head_dim, BLOCK_SIZE, torch.float32, CPU, num_blocks=96,
+                     allocate=False)
+    try:
+        for layer in wp.layers[1:]:
+            staged.set_layer(layer, staged.new_layer())
+        future = [live.kv_cache.layer(kept).tensor] + [staged.layer(layer).tensor for layer in wp.layers[1:]]
+        graphs = DecodeGraphs(live.model, staged, CPU, capture=False)
+        assert graphs.warm((1, 2), layers=future) == 2
+        assert graphs.warm((1, 2), layers=future) == 0  # already there
+        staged.set_layer(kept, live.kv_cache.pop_layer(kept))  # the commit
+        step = [SequenceStep("a", (5,), 0, (0,))]
+        graphs.run(step, None)
+        assert graphs.num_graphs == 2  # bound to these tensors since the warm: kept
+        assert graphs._kv_ptrs == tuple(t.data_ptr() for t in staged.layers)
+        # The step wrote row 0's key into block 0 of the kept tensor, which the graph addresses now.
+        assert staged.layer(kept).tensor[0, 0, 0].abs().sum() > 0
+        replaced = staged.pop_layer(kept)
+        staged.set_layer(kept, staged.new_layer())
+        replaced.free()
+        graphs.run(step, None)
+        assert graphs.num_graphs == 1  # dropped, then the one shape met again
+    finally:
+        live.kv_cache.close()
+        staged.close()
