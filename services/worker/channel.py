@@ -12,6 +12,7 @@ Every rank calls `exchange` once per layer with what it sends and what it receiv
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -167,3 +168,29 @@ class DistChannel:
 
     def close(self) -> None:
         pass
+
+
+def channel_kind(peers: Mapping, world_size: int, device: torch.device, kv_channel: str = "") -> str:
+    """`kv_channel` when given, else shm on CPU, ipc where every worker of the world (`peers`: PeerPool messages by
+    rank, PrepareSwitch's) is a GPU worker on this host that reads and exports CUDA IPC, dist otherwise. Every rank
+    decides alike: from the same peers."""
+    if kv_channel:
+        return kv_channel
+    if device.type == "cpu":
+        return "shm"
+    here = socket.gethostname()
+    ipc = len(peers) == world_size and all(p.cuda_ipc and p.hostname == here for p in peers.values())
+    return "ipc" if ipc else "dist"
+
+
+def peer_channel(kind: str, peers: Mapping, plan: KVMigrationPlan, block_size: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, keep_open: bool = False) -> ShmChannel | CudaIpcChannel:
+    """Reads straight out of the peers' pools (PeerPool messages by rank): their shared-memory segments (shm) or
+    their GPU layers' CUDA IPC handles (ipc)."""
+    if kind == "shm":
+        pools = {r: dict(pool.kv_segments) for r, pool in peers.items()}
+        return ShmChannel(pools, plan, block_size, head_dim, dtype, keep_open)
+    if kind == "ipc":
+        handles = {r: dict(pool.kv_cuda_ipc) for r, pool in peers.items()}
+        return CudaIpcChannel(handles, plan, block_size, head_dim, dtype, device, keep_open)
+    raise ValueError(f"no peer channel of kind {kind!r} (shm or ipc)")

@@ -36,6 +36,8 @@ log = structlog.get_logger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 MIN_KEYS = 128  # the smallest key bucket (tokens); buckets double from here
+# Captured when a layout starts serving (the rest on first use): the batch buckets most steps meet.
+WARM_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 # One capture at a time in a process: torch captures on one shared side stream, and a staged runner's graphs are
 # captured on the stage thread while the live runner may meet a new bucket on the model thread.
 _CAPTURING = threading.Lock()

@@ -98,12 +98,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def StageSwitch(self, request, context):  # noqa: N802
         """Build the target layout's shard while steps go on (its own thread); changes nothing live."""
-        return await self._beside_steps("StageSwitch", request, context, self.shard.stage_switch,
+        return await self._beside_steps("StageSwitch", request, context, self.shard.staging.stage_switch,
                                         grpc.StatusCode.INVALID_ARGUMENT, "staging")
 
     async def PreCopyKV(self, request, context):  # noqa: N802
         """A KV pre-copy round into the staged pool while steps go on (the stage thread); reads the live pools."""
-        return await self._beside_steps("PreCopyKV", request, context, self.shard.precopy_kv,
+        return await self._beside_steps("PreCopyKV", request, context, self.shard.staging.precopy_kv,
                                         grpc.StatusCode.FAILED_PRECONDITION, "KV pre-copy")
 
     async def ImportKV(self, request, context):  # noqa: N802

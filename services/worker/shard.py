@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 import time
-from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import structlog
@@ -23,9 +21,9 @@ from services.weightstore.manifest import Manifest
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KVCache, num_blocks_for_budget
 from services.worker.kv_import import KVSourceSpec, import_kv
-from services.worker.kv_precopy import StagedKV, finish_precopy
+from services.worker.kv_precopy import finish_precopy
 from services.worker.pacing import UNPACED, Pacer
-from services.worker.channel import CudaIpcChannel, DistChannel, KVChannel, ShmChannel
+from services.worker.channel import DistChannel, KVChannel, channel_kind, peer_channel
 from services.worker.cuda_ipc import preload_cuda_ipc
 from services.worker.faults import FAULTS
 from services.worker.expert_balance import ExpertBalancer
@@ -39,50 +37,13 @@ from services.worker.kv_migration import (
     migrate_kv,
     reverse_block_maps,
 )
+from services.worker.decode_graphs import WARM_BATCHES
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel import ParallelState
+from services.worker.staging import Staging, active_ranks, check_precopied, lower_thread_priority
 from services.worker.threads import set_threads, threads_per_worker, usable_cores
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(slots=True)
-class StagedShard:
-    """A target layout's shard built while serving (StageSwitch), for the ApplySwitch of that target."""
-
-    operation_id: str                  # the switch it was staged for: only that one's ApplySwitch takes it
-    topology: Topology
-    partition: tuple[int, ...] | None
-    generation: int                    # the world it was built in (its groups)
-    live: ModelRunner | None           # the runner it shares tensors with: it must still be the live one
-    model: ShardedCausalLM
-    kv: StagedKV | None = None         # the target's KV pool while KV is pre-copied into it (PreCopyKV)
-    runner: ModelRunner | None = None  # the target's runner over that pool (its decode graphs captured on a GPU)
-    staged_graphs: int = 0             # how many of them
-
-    def is_for(self, operation_id: str, live: ModelRunner | None, generation: int) -> bool:
-        """Staged for this operation, over this live runner, in this world."""
-        return (self.operation_id, self.generation) == (operation_id, generation) and self.live is live
-
-    def free_pool(self) -> None:
-        """Free the staged KV pool and the runner over it (nothing pre-copied into it will be used)."""
-        self.runner, self.staged_graphs = None, 0
-        if self.kv is not None:
-            self.kv.close()
-            self.kv = None
-
-
-def lower_thread_priority(niceness: int = 19) -> None:
-    """Give the calling thread (Linux: a task of its own) the lowest scheduling priority: background work such as
-    staging yields its cores to the steps (nice 19 measured a few points of TPOT better than 10 while staging on 2
-    busy cores; SCHED_IDLE no better). Best effort: where it cannot be done nothing changes."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-    except (AttributeError, OSError):
-        pass
-
-# Decode graphs captured when a layout starts serving (the rest on first use): the batch buckets most steps meet.
-WARM_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def worker_device(config: WorkerConfig) -> torch.device:
@@ -99,11 +60,6 @@ def _compute_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
     if device.type == "cpu":
         return torch.float32
     return getattr(torch, spec.torch_dtype, torch.bfloat16)
-
-
-def active_ranks(topology: Topology) -> list[int]:
-    """World ranks of the active workers: the first tp*pp ranks, stage-major (the rest are on standby)."""
-    return list(range(topology.num_workers))
 
 
 class WorkerShard:
@@ -126,7 +82,7 @@ class WorkerShard:
         self._new_cache: KVCache | None = None  # the target's cache while a switch fills it
         self.num_threads = 0  # torch threads of the model thread (prepare_steps)
         self.balancer = ExpertBalancer(config.eplb_window)  # MoE: expert load window, EPLB's staged map
-        self._staged: StagedShard | None = None  # the target's shard built by StageSwitch, until its ApplySwitch
+        self.staging = Staging(self)  # the target's shard (and KV pool) built beside the steps, until its ApplySwitch
         # Frees a replaced KV pool (and unmaps the peers' pools a pre-copy read) after the switch has answered, at
         # a low priority: the router's first steps in the new layout come first.
         self._freeing = ThreadPoolExecutor(1, "kv-free", initializer=lower_thread_priority)
@@ -134,7 +90,7 @@ class WorkerShard:
     def load(self) -> None:
         """Load this worker's shard of the start layout (its groups must be built)."""
         with MappedCheckpoint(self.manifest) as checkpoint:
-            self.runner = self._build(self.topology, self.layer_partition, checkpoint, None, None)
+            self.runner = self.build(self.topology, self.layer_partition, checkpoint, None, None)
         self._bind_balancer()
 
     def _bind_balancer(self) -> None:
@@ -177,39 +133,39 @@ class WorkerShard:
         return self.parallel.world_size if self.parallel is not None else self.config.world_size
 
     # ---- building ------------------------------------------------------------------------------------------------
-    def _placement(self, topology: Topology, partition) -> Placement:
+    def placement(self, topology: Topology, partition) -> Placement:
         return place(topology, self.spec.shape, partition, self.config.num_redundant_experts)
 
     def num_kv_blocks_in(self, topology: Topology, partition) -> int:
         """This worker's KV capacity in `topology` (0 on standby)."""
         if not 0 <= self.rank < topology.num_workers:
             return 0
-        wp = self._placement(topology, partition).workers[self.rank]
+        wp = self.placement(topology, partition).workers[self.rank]
         return num_blocks_for_budget(len(wp.layers), len(wp.kv_heads), self.spec.head_dim, self.config.block_size,
                                      self.dtype, self.config.kv_cache_bytes)
 
-    def _build(self, topology: Topology, partition, checkpoint: MappedCheckpoint, previous: ModelRunner | None,
+    def build(self, topology: Topology, partition, checkpoint: MappedCheckpoint, previous: ModelRunner | None,
                kv_cache: KVCache | None, model: ShardedCausalLM | None = None) -> ModelRunner | None:
         """The runner of `topology` on this rank (None on standby): its shard (`model` when staged, else built now
         from `previous` and the checkpoint) over `kv_cache` (None: a new one of the configured budget)."""
         if not 0 <= self.rank < topology.num_workers:
             return None
-        placement = self._placement(topology, partition)
+        placement = self.placement(topology, partition)
         wp = placement.workers[self.rank]
         if model is None:
-            model = self._build_model(topology, partition, checkpoint, previous)
+            model = self.build_model(topology, partition, checkpoint, previous)
         if kv_cache is None:
             kv_cache = KVCache(wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size, self.dtype,
                                self.device, self.config.kv_cache_bytes)
         return ModelRunner(model, kv_cache, placement, wp, self.parallel, self.device,
                            cuda_graphs=self.device.type == "cuda" and not self.config.enforce_eager)
 
-    def _build_model(self, topology: Topology, partition, checkpoint: MappedCheckpoint, previous: ModelRunner | None,
+    def build_model(self, topology: Topology, partition, checkpoint: MappedCheckpoint, previous: ModelRunner | None,
                      expert_reshard: bool = True, pacer: Pacer = UNPACED) -> ShardedCausalLM:
         """This rank's shard of `topology`, sharing what `previous` holds of it. expert_reshard: experts may change
         view by all-to-all with the stage's peers (a collective: never while steps run, i.e. not when staging).
         pacer: each tensor copy is a piece of its duty cycle (staging)."""
-        placement = self._placement(topology, partition)
+        placement = self.placement(topology, partition)
         wp = placement.workers[self.rank]
         # The stage's group: tensor-parallel collectives, or in an EP layout the experts' all-to-all (attention
         # is whole on each rank, data-parallel).
@@ -221,109 +177,6 @@ class WorkerShard:
                                ep_group=ep_group, expert_maps=expert_maps, expert_reshard=expert_reshard)
 
     # ---- switching -----------------------------------------------------------------------------------------------
-    def stage_switch(self, request: worker_pb2.StageSwitchRequest) -> worker_pb2.StageSwitchResponse:
-        """STAGING, beside the steps (the stage thread): build this rank's shard of the target from the live one
-        and the weight store, and keep it for the ApplySwitch of that target. Nothing live changes; the build runs
-        at a low OS priority so that the steps keep their cores."""
-        self.drop_staged()  # a previous staging is obsolete
-        if not request.topology:  # the controller gave up on the switch it staged for
-            return worker_pb2.StageSwitchResponse(staged=False)
-        target = Topology.parse(request.topology)
-        partition = tuple(request.layer_partition) or None
-        live, rank = self.runner, self.rank
-        if not (self.parallel.in_world and 0 <= rank < target.num_workers and target in self.parallel.candidates):
-            return worker_pb2.StageSwitchResponse(staged=False)  # standby there, or groups to build: apply builds
-        lower_thread_priority()
-        started = time.perf_counter()
-        pacer = Pacer.of_request(request.duty)
-        with MappedCheckpoint(self.manifest) as checkpoint:
-            model = self._build_model(target, partition, checkpoint, live, expert_reshard=False, pacer=pacer)
-        # MKL's layout (CPU) now, not in the freeze (packing is idempotent: kept parts are)
-        model.pack_weights(pacer.piece)
-        seconds = time.perf_counter() - started
-        shared = set(model.parameter_tensors()) & set(live.model.parameter_tensors()) if live else set()
-        tensors = model.parameter_tensors()
-        reused = sum(t.numel() * t.element_size() for i, t in tensors.items() if i in shared)
-        loaded = sum(t.numel() * t.element_size() for t in tensors.values()) - reused
-        self._staged = StagedShard(request.operation_id, target, partition, self.parallel.generation, live, model)
-        log.info("worker.staged", operation_id=request.operation_id, topology=str(target), rank=rank,
-                 seconds=round(seconds, 4), rested_s=round(pacer.rested_s, 4), weights_loaded=loaded,
-                 weights_reused=reused)
-        return worker_pb2.StageSwitchResponse(staged=True, seconds=seconds, weight_bytes_loaded=loaded,
-                                              weight_bytes_reused=reused, rested_seconds=pacer.rested_s)
-
-    def drop_staged(self) -> None:
-        """Forget what was staged, freeing its KV pool."""
-        staged, self._staged = self._staged, None
-        if staged is not None:
-            staged.free_pool()
-
-    def _take_staged(self, operation_id: str, target: Topology, partition, old: ModelRunner | None
-                     ) -> StagedShard | None:
-        """What was staged for this switch (its operation, built on the live runner, in this world), once; None
-        otherwise (a staged pool of another switch is freed)."""
-        staged, self._staged = self._staged, None
-        if staged is None:
-            return None
-        if not (staged.is_for(operation_id, old, self.parallel.generation)
-                and (staged.topology, staged.partition) == (target, partition)):
-            staged.free_pool()
-            return None
-        return staged
-
-    def precopy_kv(self, request: worker_pb2.PreCopyKVRequest) -> worker_pb2.PreCopyKVResponse:
-        """A KV pre-copy round (the stage thread, beside the steps): copy full blocks from the live pools into the
-        staged pool of the target (allocated at the first round, with the target's runner over it: on a GPU its
-        decode graphs are captured then). ValueError: nothing is staged for the operation on this live runner.
-        supported=False: the peers' pools cannot be read directly here (several hosts: KV moves in the freeze)."""
-        staged, rank = self._staged, self.rank
-        if staged is None or not staged.is_for(request.operation_id, self.runner, self.parallel.generation):
-            raise ValueError(f"rank {rank} has no shard staged for operation {request.operation_id!r}")
-        kind = self._channel_kind(request.peers)
-        if kind not in ("shm", "ipc"):
-            return worker_pb2.PreCopyKVResponse(supported=False)
-        live = self.runner.kv_cache if self.runner else None
-        if staged.kv is None:
-            plan = plan_kv_migration(self._placement(self.topology, self.layer_partition),
-                                     active_ranks(self.topology), self._placement(staged.topology, staged.partition),
-                                     active_ranks(staged.topology))
-            if plan.renumbers_blocks:
-                return worker_pb2.PreCopyKVResponse(supported=False)
-            wp = plan.new.workers[rank]
-            target = KVCache(wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size, self.dtype,
-                             self.device, num_blocks=request.num_kv_blocks, allocate=False)
-            channel = self._peer_channel(kind, request.peers, plan, keep_open=True)
-            staged.kv = StagedKV.allocate(plan, rank, live, target, channel)
-            staged.runner, staged.staged_graphs = self._staged_runner(staged, live)
-        if staged.kv.cache.num_blocks != request.num_kv_blocks:
-            raise ValueError(f"the staged pool holds {staged.kv.cache.num_blocks} blocks, not {request.num_kv_blocks}")
-        stats = staged.kv.copy(live, sorted({*request.block_ids, *request.warm_block_ids}),
-                               fault=lambda layer: FAULTS.check("precopy", rank=rank, layer=layer),
-                               pacer=Pacer.of_request(request.duty))
-        return worker_pb2.PreCopyKVResponse(
-            supported=True, kv_bytes_received=stats.bytes_received, kv_bytes_local=stats.bytes_local,
-            seconds=stats.seconds, staged_pool_bytes=staged.kv.num_bytes)
-
-    def _staged_runner(self, staged: StagedShard, live: KVCache | None) -> tuple[ModelRunner | None, int]:
-        """The target's runner over the staged pool, built beside the steps (the stage thread), and how many decode
-        graphs it captured: on a GPU, over the KV tensors the pool will hold after the cutover, when the step holds
-        no collective (a stage of one rank; a TP all-reduce would run beside the live layout's: those graphs are
-        captured in the freeze, every rank at once). Capturing here took 40-140 ms out of an H100's cutover."""
-        runner = self._build(staged.topology, staged.partition, None, self.runner, staged.kv.cache, staged.model)
-        if runner is None or runner.graphs is None or staged.topology.stage_size > 1:
-            return runner, 0
-        started = time.perf_counter()
-        try:
-            captured = runner.graphs.warm(WARM_BATCHES, layers=staged.kv.future_layers(live))
-        except Exception:  # the graphs are only ahead of time: the freeze captures them as before
-            log.warning("worker.decode_graphs_staging_failed", rank=self.rank, topology=str(staged.topology),
-                        exc_info=True)
-            runner.graphs.clear()
-            return runner, 0
-        log.info("worker.decode_graphs_staged", rank=self.rank, topology=str(staged.topology), graphs=captured,
-                 seconds=round(time.perf_counter() - started, 4))
-        return runner, captured
-
     def import_kv(self, request: worker_pb2.ImportKVRequest) -> worker_pb2.ImportKVResponse:
         """Copy another instance's KV blocks into this worker's live pool, at ids its router reserved (the model
         thread, between steps: a switch cannot swap the pool underneath). Standby: nothing to fill."""
@@ -395,7 +248,7 @@ class WorkerShard:
         topology = Topology.parse(request.topology)
         partition = tuple(request.layer_partition) or None
         previous = self.rank
-        self.drop_staged()  # built over the old world's groups
+        self.staging.drop()  # built over the old world's groups
         self.parallel.regroup(request.generation, request.rank, request.world_size, self.candidates(topology))
         if self.runner is None:  # a standby or joining worker holds nothing; it plans with the others' layout
             self.topology, self.layer_partition = topology, partition
@@ -421,7 +274,7 @@ class WorkerShard:
             self.parallel.build_groups([target])  # slow path: every rank builds the same groups, in order
         error, plan, new_cache, channel, block_maps = "", None, None, None, None
         old_ranks = list(request.old_ranks) or active_ranks(self.topology)  # renumbered by a regroup, LOST gaps
-        staged = self._take_staged(request.operation_id, target, partition, old)
+        staged = self.staging.take(request.operation_id, target, partition, old)
         precopied = staged.kv if staged is not None and request.precopied else None
         staged_runner = staged.runner if precopied is not None else None  # over the pre-copied pool
         if staged is not None and not request.precopied:
@@ -430,8 +283,8 @@ class WorkerShard:
             FAULTS.check("apply", rank=rank)
             if request.precopied:
                 check_precopied(precopied, rank, target, request)
-            old_placement = self._placement(self.topology, self.layer_partition)
-            new_placement = self._placement(target, partition)
+            old_placement = self.placement(self.topology, self.layer_partition)
+            new_placement = self.placement(target, partition)
             if not request.drop_kv:
                 plan = plan_kv_migration(old_placement, old_ranks, new_placement, active_ranks(target))
                 block_maps = block_maps_from_proto(request.block_maps)  # None: blocks keep their ids
@@ -446,7 +299,8 @@ class WorkerShard:
                 new_cache = self._new_cache = KVCache(
                     wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size, self.dtype,
                     self.device, num_blocks=request.num_kv_blocks, allocate=bool(request.drop_kv))
-            channel = self._channel(request, plan, block_maps) if plan is not None else None
+            if plan is not None and not request.precopied:  # a pre-copied delta goes through the staged pool's
+                channel = self._channel(request, plan, block_maps)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         if not self.agree(not error):  # nothing has changed anywhere yet
@@ -508,6 +362,7 @@ class WorkerShard:
         self.kv_intact = True
         self._bind_balancer()
         self.prepare_steps()
+        channel = precopied.channel if precopied is not None else channel
         log.info("worker.switched", operation_id=request.operation_id, topology=str(target),
                  kv_channel=type(channel).__name__ if channel is not None else None,
                  kv_received=stats.bytes_received, kv_local=stats.bytes_local, weights_loaded=loaded,
@@ -537,7 +392,7 @@ class WorkerShard:
             return
         reverse = plan_kv_migration(plan.new, plan.new_ranks, plan.old, plan.old_ranks)
         back_maps = reverse_block_maps(block_maps_from_proto(request.block_maps))
-        ipc = self._channel_kind(request.peers, request.kv_channel) == "ipc"
+        ipc = channel_kind(request.peers, self.world_size, self.device, request.kv_channel) == "ipc"
         pools = self.parallel.all_gather_object(  # on the CPU group
             (new_cache.segment_names(), new_cache.cuda_ipc_handles() if ipc else {}) if new_cache else ({}, {}))
         back = worker_pb2.ApplySwitchRequest()
@@ -565,39 +420,19 @@ class WorkerShard:
         all can (the default there); torch.distributed otherwise (its receive buffers hold each pool pair's
         blocks: `block_maps`, or every used block when ids are kept). Every rank decides alike: from the same
         peers."""
-        kind = self._channel_kind(request.peers, request.kv_channel)
+        kind = channel_kind(request.peers, self.world_size, self.device, request.kv_channel)
         if kind in ("shm", "ipc"):
-            return self._peer_channel(kind, request.peers, plan)
+            return peer_channel(kind, request.peers, plan, self.config.block_size, self.spec.head_dim, self.dtype,
+                                self.device)
         if kind == "dist":
             counts = block_counts(identity_block_maps(request.used_block_ids) if block_maps is None else block_maps)
             return DistChannel(self.parallel, counts, self.config.block_size, self.spec.head_dim, self.dtype,
                                self.device)
         raise ValueError(f"kv_channel {kind!r} is not one of: shm, ipc, dist")
 
-    def _channel_kind(self, peers, kv_channel: str = "") -> str:
-        """`kv_channel` when given, else shm on CPU, ipc where every worker of the world (`peers`: PeerPool messages
-        by rank) is a GPU worker on this host that reads and exports CUDA IPC, dist otherwise."""
-        if kv_channel:
-            return kv_channel
-        if self.device.type == "cpu":
-            return "shm"
-        here = socket.gethostname()
-        ipc = len(peers) == self.parallel.world_size and all(p.cuda_ipc and p.hostname == here for p in peers.values())
-        return "ipc" if ipc else "dist"
-
-    def _peer_channel(self, kind: str, peers, plan, keep_open: bool = False) -> ShmChannel | CudaIpcChannel:
-        """Reads straight out of the peers' pools (PeerPool messages by rank, PrepareSwitch's): their shared-memory
-        segments (shm) or their GPU layers' CUDA IPC handles (ipc)."""
-        if kind == "shm":
-            pools = {r: dict(pool.kv_segments) for r, pool in peers.items()}
-            return ShmChannel(pools, plan, self.config.block_size, self.spec.head_dim, self.dtype, keep_open)
-        handles = {r: dict(pool.kv_cuda_ipc) for r, pool in peers.items()}
-        return CudaIpcChannel(handles, plan, self.config.block_size, self.spec.head_dim, self.dtype, self.device,
-                              keep_open)
-
     def _timed_build(self, *args) -> tuple[ModelRunner | None, float]:
         started = time.perf_counter()
-        return self._build(*args), time.perf_counter() - started
+        return self.build(*args), time.perf_counter() - started
 
 
     # ---- reporting -----------------------------------------------------------------------------------------------
@@ -633,7 +468,7 @@ class WorkerShard:
 
     def close(self) -> None:
         self._freeing.shutdown(wait=True)
-        self.drop_staged()
+        self.staging.drop()
         if self.runner is not None:
             self.runner.kv_cache.close()
 
@@ -644,21 +479,6 @@ def initial_expert_maps(shape, placement: Placement) -> dict[int, tuple[int, ...
     num_ranks = placement.topology.ep
     phy2log = initial_phy2log(shape.num_experts, placement.num_physical_experts, num_ranks)
     return {layer: phy2log for layer in shape.moe_layers}
-
-
-def check_precopied(precopied: StagedKV | None, rank: int, target: Topology,
-                    request: worker_pb2.ApplySwitchRequest) -> None:
-    """ValueError unless a switch whose KV was pre-copied finds this rank's staged pool of the target (a rank on
-    standby there receives nothing)."""
-    if request.drop_kv:
-        raise ValueError("a switch cannot both drop the KV and use a pre-copy of it")
-    if rank >= target.num_workers:
-        return
-    if precopied is None:
-        raise ValueError(f"rank {rank} holds no pre-copied KV pool for operation {request.operation_id!r}")
-    if precopied.cache.num_blocks != request.num_kv_blocks:
-        raise ValueError(f"rank {rank}'s pre-copied pool holds {precopied.cache.num_blocks} blocks, the switch "
-                         f"wants {request.num_kv_blocks}")
 
 
 class SwitchFailed(RuntimeError):
