@@ -15,6 +15,11 @@ class SchedulerConfig:
     max_waiting: int = 1024              # admission limit; past it add() raises QueueFullError
     num_inflight_batches: int = 1        # = pp: micro-batches in flight so every pipeline stage stays busy
     enable_chunked_prefill: bool = True  # off: a prompt is fed whole, so it must fit one step's token budget
+    # Spread the running decodes over the pp micro-batches in flight (at most ceil(running / pp) each) instead of
+    # one micro-batch of all of them: each stage then works on its share at once. Off by default: on the 2-core CPU
+    # machine, 4 stages sharing the cores lost (tp1pp4 0.66-1.04x, tp1pp2 1.08-1.31x: bench/pipeline.py); where each
+    # stage has a device of its own it is what keeps a pipeline busy, not measured there yet.
+    spread_decodes: bool = False
     retry_after_s: float = 1.0           # what QueueFullError tells the client to wait
 
     def __post_init__(self) -> None:

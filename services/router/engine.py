@@ -407,7 +407,7 @@ class Engine:
 
     async def _fill_pipeline(self) -> None:
         while len(self._inflight) < self.num_inflight_batches:
-            batch = self.scheduler.schedule()
+            batch = self.scheduler.schedule(self.num_inflight_batches)
             commit, epoch = self._expert_commit, 0
             if batch is None and (commit is None or self.scheduler.is_frozen):
                 return

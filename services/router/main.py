@@ -40,6 +40,7 @@ class RouterConfig:
     shutdown_grace_s: float = 5.0        # on SIGTERM, admitted requests get this long to finish (new ones: 503)
     eplb: bool = False                   # MoE, EP layouts: rebalance the experts every eplb_step_interval steps
     eplb_step_interval: int = 3000
+    spread_decodes: bool = False         # PP: decodes spread over the micro-batches in flight (SchedulerConfig)
 
     def __post_init__(self) -> None:
         if self.http_keep_alive_s <= 0:
@@ -60,6 +61,7 @@ async def build_engine(config: RouterConfig) -> Engine:
         max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting,
         num_inflight_batches=Topology.parse(driver.infos[0].topology).pp,  # one micro-batch per PP stage
+        spread_decodes=config.spread_decodes,
     )
     engine = Engine(driver, Tokenizer.from_dir(model_dir), config.model_name or model_dir.name,
                     max_model_len, scheduler_config, vocab_size=spec.vocab_size,

@@ -3,8 +3,10 @@
 Each schedule() builds one micro-batch from the sequences not in flight: decodes of running sequences first,
 then the rest of running chunked prefills (each pass oldest first), then new prefills from the waiting queue
 (FCFS), within the token budget, max_num_seqs and the free KV blocks. With pipeline parallelism up to
-num_inflight_batches (= pp) disjoint micro-batches are in flight. With data-parallel attention (EP layouts) each
-DP rank has its own KV pool (services.router.dp): a request is bound to one while it holds blocks, and everything
+num_inflight_batches (= pp) disjoint micro-batches are in flight; with `spread_decodes` the running decodes are
+spread over them (at most ceil(running / pp) in each), so that every stage works on its share while the others work
+on theirs, instead of one micro-batch of every decode passing the stages one at a time while they idle. With
+data-parallel attention (EP layouts) each DP rank has its own KV pool (services.router.dp): a request is bound to one while it holds blocks, and everything
 below about blocks holds per rank (a victim frees blocks only for sequences of its own rank).
 
 When a running sequence cannot get a block, it preempts by recompute the newest running sequence that is
@@ -132,14 +134,18 @@ class Scheduler:
             cache = "the cache has" if self.block_manager.num_ranks == 1 else "each data-parallel rank's cache has"
             raise RequestError(f"the request needs {needed} KV blocks, {cache} {capacity}")
 
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(self, num_micro_batches: int = 1) -> ScheduledBatch | None:
         """The next micro-batch from the sequences not in flight; None when frozen or nothing can run.
 
-        The caller keeps up to config.num_inflight_batches (= the live pp, which a reconfiguration changes) in flight.
+        The caller keeps up to `num_micro_batches` (the live pp, which a reconfiguration changes) in flight; with
+        config.spread_decodes each takes at most ceil(running / num_micro_batches) decodes.
         """
         if self._is_frozen:
             return None
         budget = self.config.max_num_batched_tokens
+        shares = num_micro_batches if self.config.spread_decodes else 1
+        decodes_left = -(-len(self.running) // max(1, shares))
+        decoded: set[str] = set()
         items: dict[str, ScheduledItem] = {}  # by request_id, in the order scheduled
         short_ranks: set[int | None] = set()  # DP ranks where a running sequence lacked blocks (None: it had none)
         # Decodes first (one token each), then the next chunks of running prefills; each pass oldest first.
@@ -151,6 +157,8 @@ class Scheduler:
                 if (seq.status is not SequenceStatus.RUNNING or seq.request_id in self._inflight_ids
                         or seq.is_prefill == decodes or seq.request_id in self._parking):
                     continue
+                if decodes and decodes_left == 0:
+                    break  # the rest go in the next micro-batch
                 num_new_tokens = min(seq.num_uncomputed_tokens, budget)
                 if not self.config.enable_chunked_prefill and num_new_tokens < seq.num_uncomputed_tokens:
                     continue
@@ -162,9 +170,13 @@ class Scheduler:
                     self._preempt(victim)
                     if (dropped := items.pop(victim.request_id, None)) is not None:
                         budget += len(dropped.step.token_ids)
+                        decodes_left += victim.request_id in decoded
                 else:
                     items[seq.request_id] = self._item(seq, num_new_tokens)
                     budget -= num_new_tokens
+                    if decodes:
+                        decodes_left -= 1
+                        decoded.add(seq.request_id)
         # New prefills, FCFS, only into ranks where every running sequence got its blocks (they are short otherwise).
         while (None not in short_ranks and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):

@@ -239,6 +239,29 @@ def test_inflight_micro_batches_are_disjoint():
     assert scheduler.block_manager.num_used == 0
 
 
+def test_spread_decodes_share_the_pipeline_micro_batches():
+    """With spread_decodes, the running decodes go into the pp micro-batches in flight ceil(running / pp) at a
+    time; without, the first micro-batch takes them all and the pipeline holds one."""
+    for spread, expected in ((True, [3, 3, 2]), (False, [8])):
+        scheduler = make_scheduler(num_inflight_batches=3, spread_decodes=spread)
+        workers = PagedWorkers(scheduler.block_manager)
+        seqs = [seq_of(f"r{i}", prompt_of(i, 3), 4) for i in range(8)]
+        for seq in seqs:
+            scheduler.add(seq)
+        first = scheduler.schedule(3)  # the 8 prefills (new prompts are not decodes)
+        scheduler.on_batch_done(first, workers.run(first))
+        batches = []
+        while (batch := scheduler.schedule(3)) is not None:
+            batches.append(batch)
+        assert [len(b.items) for b in batches] == expected, spread
+        assert sorted(s.request_id for b in batches for s in b.steps) == [f"r{i}" for i in range(8)]
+        for batch in batches:
+            scheduler.on_batch_done(batch, workers.run(batch))
+        drain(scheduler, workers)
+        assert all(s.output_token_ids == expected_output(s.prompt_token_ids, 4) for s in seqs)
+        assert scheduler.block_manager.num_used == 0
+
+
 def test_stop_token_finishes_the_sequence():
     prompt = prompt_of(6, 4)
     want = expected_output(prompt, 10)
@@ -403,6 +426,7 @@ def workloads(draw):
         max_num_batched_tokens=draw(st.integers(1, 40)) if chunked else 64,
         num_inflight_batches=draw(st.integers(1, 3)),
         enable_chunked_prefill=chunked,
+        spread_decodes=draw(st.booleans()),
     )
     num_blocks = draw(st.integers(largest, largest * 3))
     stop_token_ids = frozenset(draw(st.sets(st.integers(0, VOCAB - 1), max_size=2)))
@@ -423,6 +447,7 @@ def contended_workloads(draw):
         max_num_seqs=draw(st.integers(2, 4)),
         max_num_batched_tokens=draw(st.integers(1, 8)),
         num_inflight_batches=draw(st.integers(2, 3)),
+        spread_decodes=draw(st.booleans()),
     )
     return block_size, largest + draw(st.integers(0, 1)), config, requests, frozenset(), []
 
@@ -472,7 +497,7 @@ def simulate(block_size, num_blocks, config, requests, stop_token_ids, aborts,
                 aborted.add(index)
         while len(inflight) < config["num_inflight_batches"]:
             running = list(scheduler.running)
-            batch = scheduler.schedule()
+            batch = scheduler.schedule(scheduler.config.num_inflight_batches)
             for victim in (s for s in running if s.status is SequenceStatus.WAITING):
                 assert any(age[s.request_id] < age[victim.request_id] for s in scheduler.running), (
                     f"{victim.request_id} was preempted, and no older sequence is running")
