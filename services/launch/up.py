@@ -42,6 +42,7 @@ class UpConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_waiting: int = 1024
+    spread_decodes: bool = False        # PP: the router spreads the decodes over the micro-batches in flight
     http_keep_alive_s: float = 120.0     # idle HTTP connections outlive client pools (router/api/server.py)
     shutdown_grace_s: float = 5.0       # on stop, admitted requests get this long to finish
     replace_lost_workers: bool = True   # start a joining worker for each one lost (`reconfigctl add-worker` adds it)
@@ -167,6 +168,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --max-instances: stop an instance after this long on standby [60]")
     parser.add_argument("--kv-cache-mb", type=int, help="KV cache per worker, MiB [64]")
     parser.add_argument("--block-size", type=int, help="tokens per KV block [16]")
+    parser.add_argument("--spread-decodes", action="store_true", default=None,
+                        help="PP layouts: spread the running decodes over the pipeline's micro-batches, so that every "
+                             "stage works on its share at once (for stages on devices of their own; "
+                             "bench/pipeline.py) [off: one micro-batch of every decode]")
     parser.add_argument("--api-key", help="require this bearer key on /v1/* (default: none)")
     parser.add_argument("--http-keep-alive-s", type=float,
                         help="idle HTTP connections are kept this long; keep it above your clients' pool expiry [120]")
@@ -253,7 +258,7 @@ def _serve(config: UpConfig, cluster: LocalCluster, session: StackSession) -> in
         api_key=config.api_key, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting,
         http_keep_alive_s=config.http_keep_alive_s, shutdown_grace_s=config.shutdown_grace_s,
-        eplb=config.eplb, eplb_step_interval=config.eplb_step_interval,
+        eplb=config.eplb, eplb_step_interval=config.eplb_step_interval, spread_decodes=config.spread_decodes,
     ))
     router_grpc = f"{config.host}:{router['grpc_port']}"
     controller_config = ControllerConfig(

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--recovery-timeout-s", type=float, default=60.0,
                         help="after a worker fails a step, wait this long for the controller to recover the "
                              "workers before failing the requests [60]")
+    parser.add_argument("--spread-decodes", action="store_true",
+                        help="PP layouts: spread the running decodes over the pipeline's micro-batches [off]")
     parser.add_argument("--eplb", action="store_true",
                         help="MoE, EP layouts: rebalance the experts every --eplb-step-interval steps [off]")
     parser.add_argument("--eplb-step-interval", type=positive_int, default=3000,
@@ -56,6 +58,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         token=token, api_key=args.api_key, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
         recovery_timeout_s=args.recovery_timeout_s, eplb=args.eplb, eplb_step_interval=args.eplb_step_interval,
+        spread_decodes=args.spread_decodes,
     )
 
 

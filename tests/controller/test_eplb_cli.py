@@ -216,7 +216,8 @@ def test_router_flags(tmp_path):
     config = config_from_args(router_parser().parse_args([*base, "--eplb", "--eplb-step-interval", "10"]))
     assert (config.eplb, config.eplb_step_interval, config.worker_addresses) == (True, 10, ("h:1", "h:2"))
     config = config_from_args(router_parser().parse_args(base))
-    assert (config.eplb, config.eplb_step_interval) == (False, 3000)
+    assert (config.eplb, config.eplb_step_interval, config.spread_decodes) == (False, 3000, False)
+    assert config_from_args(router_parser().parse_args([*base, "--spread-decodes"])).spread_decodes
     with pytest.raises(SystemExit) as exit_info:
         router_parser().parse_args([*base, "--eplb-step-interval", "0"])
     assert exit_info.value.code == 2

@@ -121,6 +121,7 @@ def test_config_file_and_flags(tmp_path):
     with pytest.raises(ValueError, match="workers must be >= 1"):
         UpConfig.load(None, {"workers": 0})
     assert UpConfig.load(None, {"staging_duty": 0.5}).staging_duty == 0.5
+    assert UpConfig.load(None, {"spread_decodes": True}).spread_decodes and not UpConfig().spread_decodes
     for bad in (0.0, 1.5, float("nan")):
         with pytest.raises(ValueError, match="staging_duty must be in \\(0, 1\\]"):
             UpConfig.load(None, {"staging_duty": bad})
