@@ -105,8 +105,8 @@ async def run_layout(args, topology: str, num_workers: int) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| layout | active | one tok/s | spread tok/s | spread ÷ one | TPOT one ms | TPOT spread ms | same tokens |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| layout | active | one tok/s | spread tok/s | spread ÷ one | TPOT one ms | TPOT spread ms "
+             "| same tokens |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r['layout']} | {r['active']} | {r['one_tokens_per_s']:.1f} | {r['spread_tokens_per_s']:.1f} "
                      f"| **{r['ratio']:.2f}×** | {r['one_tpot_ms']:.1f} | {r['spread_tpot_ms']:.1f} | "

@@ -6,8 +6,9 @@ then the rest of running chunked prefills (each pass oldest first), then new pre
 num_inflight_batches (= pp) disjoint micro-batches are in flight; with `spread_decodes` the running decodes are
 spread over them (at most ceil(running / pp) in each), so that every stage works on its share while the others work
 on theirs, instead of one micro-batch of every decode passing the stages one at a time while they idle. With
-data-parallel attention (EP layouts) each DP rank has its own KV pool (services.router.dp): a request is bound to one while it holds blocks, and everything
-below about blocks holds per rank (a victim frees blocks only for sequences of its own rank).
+data-parallel attention (EP layouts) each DP rank has its own KV pool (services.router.dp): a request is bound to
+one while it holds blocks, and everything below about blocks holds per rank (a victim frees blocks only for
+sequences of its own rank).
 
 When a running sequence cannot get a block, it preempts by recompute the newest running sequence that is
 newer than itself and not in flight, taking it out of this micro-batch if it was put there: the victim's

@@ -54,7 +54,6 @@ class Pacer:
             self.rested_s += seconds
             self._sleep(seconds)
 
-
     @classmethod
     def of_request(cls, duty: float) -> Pacer:
         """The pacer of a StageSwitch or PreCopyKV request's duty (0, the field's default: unpaced)."""

@@ -145,7 +145,7 @@ class WorkerShard:
                                      self.dtype, self.config.kv_cache_bytes)
 
     def build(self, topology: Topology, partition, checkpoint: MappedCheckpoint, previous: ModelRunner | None,
-               kv_cache: KVCache | None, model: ShardedCausalLM | None = None) -> ModelRunner | None:
+              kv_cache: KVCache | None, model: ShardedCausalLM | None = None) -> ModelRunner | None:
         """The runner of `topology` on this rank (None on standby): its shard (`model` when staged, else built now
         from `previous` and the checkpoint) over `kv_cache` (None: a new one of the configured budget)."""
         if not 0 <= self.rank < topology.num_workers:
@@ -161,7 +161,7 @@ class WorkerShard:
                            cuda_graphs=self.device.type == "cuda" and not self.config.enforce_eager)
 
     def build_model(self, topology: Topology, partition, checkpoint: MappedCheckpoint, previous: ModelRunner | None,
-                     expert_reshard: bool = True, pacer: Pacer = UNPACED) -> ShardedCausalLM:
+                    expert_reshard: bool = True, pacer: Pacer = UNPACED) -> ShardedCausalLM:
         """This rank's shard of `topology`, sharing what `previous` holds of it. expert_reshard: experts may change
         view by all-to-all with the stage's peers (a collective: never while steps run, i.e. not when staging).
         pacer: each tensor copy is a piece of its duty cycle (staging)."""
