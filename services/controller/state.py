@@ -85,6 +85,10 @@ class ControllerState:
         self._version = 0
         self._changed = asyncio.Event()          # replaced on every change; watchers wait on the one they saw
         self._refresh: asyncio.Future[StackStatus] | None = None
+        # Bumped when an operation resumes the router: a refresh begun before asked a router that may have been
+        # stalled then, and must not publish that stall (the recovery would run again for it).
+        self._epoch = 0
+        self._refresh_epoch = 0
 
     @property
     def _router_address(self) -> str:
@@ -121,9 +125,10 @@ class ControllerState:
         return self._version
 
     async def refresh(self) -> StackStatus:
-        """Ask every worker and the router now; concurrent callers share one refresh."""
-        if self._refresh is None or self._refresh.done():
-            self._refresh = asyncio.ensure_future(self._refresh_once())
+        """Ask every worker and the router now; concurrent callers share one refresh (begun since the router's
+        last resume)."""
+        if self._refresh is None or self._refresh.done() or self._refresh_epoch != self._epoch:
+            self._refresh, self._refresh_epoch = asyncio.ensure_future(self._refresh_once()), self._epoch
         return await asyncio.shield(self._refresh)  # a cancelled caller does not cancel the others' refresh
 
     async def wait_for_change(self, version: int, timeout_s: float) -> StackStatus:
@@ -232,14 +237,18 @@ class ControllerState:
                 log.exception("controller.refresh_failed")
             await asyncio.sleep(self.config.refresh_interval_s)
 
+    def router_resumed(self) -> None:
+        """An operation resumed the router (any stall it had is over): refreshes begun before are stale."""
+        self._epoch += 1
+
     async def _refresh_once(self) -> StackStatus:
-        addresses = list(self.worker_addresses)
+        addresses, epoch = list(self.worker_addresses), self._epoch
         infos, router = await asyncio.gather(
             asyncio.gather(*(self.probe(a) for a in addresses)),
             self._router_stats(),
         )
-        if addresses != self.worker_addresses:  # the world changed meanwhile: this round describes the old one
-            return self._status
+        if addresses != self.worker_addresses or epoch != self._epoch:
+            return self._status  # the world changed or the router resumed meanwhile: this round is of the past
         for address, info in zip(addresses, infos, strict=True):  # heartbeats: GetInfo is the beat
             self.misses[address] = self.misses.get(address, 0) + 1 if isinstance(info, str) else 0
         status = self._build(infos, router)

@@ -111,6 +111,7 @@ class Reconfigurer:
             await self._lease.stop()
         await self.router.Resume(router_pb2.ResumeRequest(switch=report), timeout=self.rpc_timeout_s,
                                  metadata=self.metadata)
+        self.state.router_resumed()
 
     def target(self, topology: str, layer_partition=()) -> SwitchTarget:
         """Parse and validate against the model and the worker count (TopologyError says why not)."""
@@ -319,6 +320,7 @@ class Reconfigurer:
         except BaseException:
             await self.resume(report)
             raise
+        self.state.router_resumed()
 
     async def _restore(self, old_capacity: int, old_dp: int, report: router_pb2.SwitchReport) -> None:
         """The old layout serves again: its capacity, and its KV pools with every request's old block ids."""

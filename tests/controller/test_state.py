@@ -176,6 +176,30 @@ async def test_concurrent_refreshes_share_one_round(stack, make_state):
     assert later is not results[0] and later.updated_at > results[0].updated_at
 
 
+async def test_a_refresh_begun_before_the_router_resumed_publishes_nothing(stack, make_state):
+    """A recovery resumes a stalled router: a refresh that asked the router before must not publish its answer
+    (the stall would be seen again and recovered twice), nor be shared by a refresh asked for after."""
+    state = await make_state(controller_config(stack))
+    await state.refresh()
+    probe, asked, go = state.probe, asyncio.Event(), asyncio.Event()
+
+    async def held_probe(address):
+        asked.set()
+        await go.wait()
+        return await probe(address)
+
+    state.probe = held_probe
+    stale = asyncio.ensure_future(state.refresh())
+    await asked.wait()
+    state.probe = probe
+    state.router_resumed()
+    fresh = await asyncio.wait_for(state.refresh(), 10)  # not the held round: a round of its own, published
+    assert state.status is fresh and not stale.done()
+    version = state.version
+    go.set()
+    assert await stale is fresh and state.status is fresh and state.version == version
+
+
 async def test_controller_service(stack):
     state = ControllerState(controller_config(stack, refresh_interval_s=0.05))
     await state.open()

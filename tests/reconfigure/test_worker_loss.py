@@ -86,17 +86,28 @@ def kill_at_stage(state, stage: str, pid: int) -> None:
 
 
 async def wait_for_recovery(state, timeout_s: float = 60.0, lost: bool = True):
-    """The first finished recover operation that found a member gone (lost=False: the first one). A recovery may
-    run first for a stall the router reported before the kill took effect: every member answered and regrouped,
-    which is harmless and not the recovery under test."""
-    async def recovered():
-        while not (state.last_operation is not None and state.last_operation.kind == "recover"
-                   and state.last_operation.state is not OperationState.RUNNING
-                   and (state.last_operation.lost_workers or not lost)):
-            await asyncio.sleep(0.05)
-        return state.last_operation
+    """The first finished recover operation that found a member gone (lost=False: the first one), recorded from
+    now on (or the last one recorded). A recovery may run first for a stall the router reported before the kill
+    took effect (every member answered and regrouped), or one may follow: neither is the recovery under test, and
+    the state keeps only the last operation, so every one recorded is looked at."""
+    found = asyncio.get_running_loop().create_future()
+    record = state.record_operation
 
-    return await asyncio.wait_for(recovered(), timeout_s)
+    def check(operation):
+        if (operation is not None and operation.kind == "recover" and operation.state is not OperationState.RUNNING
+                and (operation.lost_workers or not lost) and not found.done()):
+            found.set_result(operation)
+
+    def hook(operation):
+        record(operation)
+        check(operation)
+
+    check(state.last_operation)
+    state.record_operation = hook
+    try:
+        return await asyncio.wait_for(asyncio.shield(found), timeout_s)
+    finally:
+        state.record_operation = record
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
