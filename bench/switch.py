@@ -158,7 +158,7 @@ async def start_stack(config: BenchConfig, topology: str, max_num_seqs: int = 12
     started = time.perf_counter()
     cluster = LocalCluster(ClusterConfig(
         model=config.model, num_workers=config.num_workers, topology=topology, block_size=config.block_size,
-        kv_cache_bytes=config.kv_cache_mb * MIB, env={"RECONFIG_LOG_LEVEL": "WARNING"}, faults=faults))
+        kv_cache_bytes=config.kv_cache_mb * MIB, env={"RECONFIG_LOG_LEVEL": os.environ.get("BENCH_WORKER_LOG_LEVEL", "WARNING")}, faults=faults))
     cluster.start()
     workers_ready = time.perf_counter()
     addresses = tuple(cluster.worker_addresses)

@@ -89,6 +89,7 @@ class ControllerState:
         # stalled then, and must not publish that stall (the recovery would run again for it).
         self._epoch = 0
         self._refresh_epoch = 0
+        self._stale_refreshes: set[asyncio.Future] = set()
 
     @property
     def _router_address(self) -> str:
@@ -104,11 +105,12 @@ class ControllerState:
             self._router_stub = router_pb2_grpc.RouterStub(channel)
 
     async def close(self) -> None:
-        """Stop a refresh in progress and close the channels."""
-        if self._refresh is not None and not self._refresh.done():
-            self._refresh.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresh
+        """Stop the refreshes in progress and close the channels."""
+        for refresh in [self._refresh, *self._stale_refreshes]:
+            if refresh is not None and not refresh.done():
+                refresh.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await refresh
         for channel in [*self._channels, *self._worker_channels.values()]:
             await channel.close()
         self._channels.clear()
@@ -128,6 +130,9 @@ class ControllerState:
         """Ask every worker and the router now; concurrent callers share one refresh (begun since the router's
         last resume)."""
         if self._refresh is None or self._refresh.done() or self._refresh_epoch != self._epoch:
+            if self._refresh is not None and not self._refresh.done():
+                self._stale_refreshes.add(self._refresh)  # it ends on its own (publishing nothing); close() waits
+                self._refresh.add_done_callback(self._stale_refreshes.discard)
             self._refresh, self._refresh_epoch = asyncio.ensure_future(self._refresh_once()), self._epoch
         return await asyncio.shield(self._refresh)  # a cancelled caller does not cancel the others' refresh
 
