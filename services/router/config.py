@@ -13,7 +13,9 @@ class SchedulerConfig:
     max_num_seqs: int = 128              # sequences holding KV at once (running, in flight included)
     max_num_batched_tokens: int = 2048   # tokens fed per step (one micro-batch): decodes + prefill chunks
     max_waiting: int = 1024              # admission limit; past it add() raises QueueFullError
-    num_inflight_batches: int = 1        # = pp: micro-batches in flight so every pipeline stage stays busy
+    # At least this many micro-batches in flight; the engine keeps the live layout's pp of them (one per stage, so
+    # that every stage stays busy), and follows it when a switch changes pp.
+    num_inflight_batches: int = 1
     enable_chunked_prefill: bool = True  # off: a prompt is fed whole, so it must fit one step's token budget
     # Spread the running decodes over the pp micro-batches in flight (at most ceil(running / pp) each) instead of
     # one micro-batch of all of them: each stage then works on its share at once. Off by default: on the 2-core CPU

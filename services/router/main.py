@@ -15,7 +15,6 @@ from services.router.api.server import DEFAULT_KEEP_ALIVE_S, serve_until_signal
 from services.router.config import SchedulerConfig
 from services.router.engine import Engine
 from services.router.expert_balance import EplbSettings
-from services.topology import Topology
 
 log = structlog.get_logger(__name__)
 
@@ -60,7 +59,6 @@ async def build_engine(config: RouterConfig) -> Engine:
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting,
-        num_inflight_batches=Topology.parse(driver.infos[0].topology).pp,  # one micro-batch per PP stage
         spread_decodes=config.spread_decodes,
     )
     engine = Engine(driver, Tokenizer.from_dir(model_dir), config.model_name or model_dir.name,

@@ -37,6 +37,8 @@ async def test_requests_in_flight_survive_a_chain_of_switches(live_stack, switch
         operation = await live_stack.reconfigurer.reconfigure(target)
         assert operation.state is OperationState.SUCCEEDED, operation.error
         assert str(engine.topology) == target
+        # One micro-batch in flight per stage of the live layout: the start's pp is no floor (tp2pp2 -> tp4pp1).
+        assert engine.num_inflight_batches == Topology.parse(target).pp, target
         # The step streams of workers active before and after carry on; the others end (in the background).
         streams = engine.driver.streams
         assert all(stream is before[stream.address] for stream in streams if stream.address in before), target
