@@ -178,7 +178,7 @@ def profile_status(profile, path: Path):
     """The status message `format_profile` prints, for a profile read from a file (no stack needed)."""
     from services.controller.autopilot.view import status_pb
 
-    pilot = SimpleNamespace(mode="off", live="-", num_switches=0, error="", calibrating="", last=None,
+    pilot = SimpleNamespace(mode="off", live="-", num_switches=0, error="", calibrating="", last=None, state=None,
                             profile=profile, config=SimpleNamespace(profile_path=str(path)))
     return status_pb(pilot)
 

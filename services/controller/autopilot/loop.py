@@ -27,7 +27,11 @@ from services.controller.autopilot.policy import (
     Observation,
     PolicyConfig,
     PolicyState,
+    TokenCount,
+    corrected,
     decide,
+    learn,
+    measured_tpot,
     observe,
     switched,
 )
@@ -108,6 +112,7 @@ class Autopilot:
         self.history = ArrivalHistory()
         self.state: PolicyState | None = None
         self.last: Tick | None = None
+        self._tokens: TokenCount | None = None  # the router's token count at the last tick
         self.num_switches = 0
         self.error = ""                    # why the last tick could not decide
         self.calibrating: str = ""         # what a calibration under way is doing
@@ -190,6 +195,9 @@ class Autopilot:
         self.error = ""
         stats = await router_stats(self.reconfigurer)
         self.history.record(time.time(), stats.window.num_requests)
+        # Every tick, even one that cannot decide, so that no measurement spans a freeze.
+        tokens, self._tokens = self._tokens, TokenCount(now, stats.num_generation_tokens, stats.num_running)
+        measured = measured_tpot(tokens, self._tokens)
         if self.profile is None:
             self.error = "no profile: run `reconfigctl calibrate`"
             return None
@@ -200,9 +208,11 @@ class Autopilot:
         if self.state is None or Topology.parse(self.state.layout) != self.live or self.state.partition != partition:
             # First tick, or an operator (or a recovery) changed the layout: its dwell starts now.
             self.state = PolicyState(layout=live, entered_s=now, partition=partition,
-                                     last_switch_s=now if self.state else -math.inf)
-        obs = self.observation(stats, now)
-        self.state = observe(self.state, obs, self.config.policy)
+                                     last_switch_s=now if self.state else -math.inf,
+                                     corrections=self.state.corrections if self.state else ())
+        obs = dataclasses.replace(self.observation(stats, now), measured_tpot_s=measured[0],
+                                  measured_since_s=measured[1])
+        self.state = learn(observe(self.state, obs, self.config.policy), obs, self.profile, self.config.policy)
         window_name, allowed, rejected = self.intent_selection(obs, live)
         decision = decide(self.profile, self.state, obs, self.config.policy, allowed)
         tick = Tick(time.time(), obs, decision, window_name, allowed, rejected)
@@ -222,7 +232,8 @@ class Autopilot:
             return "", None, {}
         demand = Demand(load=float(max(obs.load, obs.forecast_load or 0.0)), context=obs.context,
                         prompt_tokens=obs.prompt_tokens, arrival_rate=obs.arrival_rate)
-        selection = select_layouts(self.intents, self.profile, datetime.now(), demand, live)
+        profile = corrected(self.profile, self.state) if self.state is not None else self.profile  # as decide sees it
+        selection = select_layouts(self.intents, profile, datetime.now(), demand, live)
         # Latency and throughput: the policy picks by TPOT among the layouts that meet the window; cost: the
         # cheapest that meets it is the only one allowed.
         allowed = selection.allowed[:1] if selection.priority == "cost" else selection.allowed

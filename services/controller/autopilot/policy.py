@@ -19,6 +19,15 @@ below which it is that much better is T_l. The rules, in order:
 - and only when the gain over the horizon (the share of each request's time saved, times the horizon) exceeds what
   the switch costs each request in flight (its measured freeze, plus the slower serving while staging).
 Rollout mode is Moebius's: T_l = T_h and a window of one.
+
+The profile is measured once, on a quiet stack; serving is not that stack (prefills between the decodes, a busier
+machine), and the layouts do not drift alike. So the policy also learns while serving (`learn`): each tick compares
+the TPOT the live layout delivered since the last tick (the router's token count) with what its profile line
+predicts for the requests running, and keeps a per-layout correction (a moving geometric mean of measured ÷
+predicted). Every TPOT above is the profile's times its layout's correction; a layout not served since has the
+geometric mean of the corrections learned so far (the machine is that much slower than calibrated), so one slow
+layout is left for one the profile ranks better, and a layout that disappoints there is not gone back to. Such an
+assumed layout must promise `explore_gain` (10 %) more than `min_gain`: its number is a guess until it has served.
 """
 
 from __future__ import annotations
@@ -46,10 +55,35 @@ class Observation:
     ttft_p99_s: float = 0.0
     tpot_mean_s: float = 0.0
     forecast_load: float | None = None  # requests in flight predicted by the time a switch started now would end
+    # Seconds per token each running request got since `measured_since_s` (the previous tick), from the router's
+    # count of generated tokens (0: not measured).
+    measured_tpot_s: float = 0.0
+    measured_since_s: float = -math.inf
 
     @property
     def load(self) -> int:
         return self.running + self.waiting
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCount:
+    """The router's count of generated tokens at one tick, and the requests running then."""
+
+    t: float
+    generated: int
+    running: int
+
+
+def measured_tpot(previous: TokenCount | None, now: TokenCount) -> tuple[float, float]:
+    """(Seconds per token each running request got between two ticks, when the first was): the tokens generated
+    meanwhile shared among the requests running (their mean over the two ticks). (0, ...) when nothing ran or the
+    count went back (a restarted router)."""
+    if previous is None:
+        return 0.0, -math.inf
+    made, running = now.generated - previous.generated, (previous.running + now.running) / 2
+    if made <= 0 or running < 1 or now.t <= previous.t:
+        return 0.0, previous.t
+    return running * (now.t - previous.t) / made, previous.t
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +96,9 @@ class PolicyConfig:
     kv_headroom: float = 0.1    # a target holds the blocks in use plus this share
     min_gain: float = 0.1       # a target's predicted TPOT must be at least this share lower (the profile is noisy)
     rollout: bool = False       # Moebius's rollout mode: T_l = T_h, W = 1
+    learn: float = 0.2          # weight of each tick's measured/predicted TPOT in a layout's correction (0: none)
+    explore_gain: float = 0.1   # more gain a layout not served yet must promise, once others' corrections are known
+    settle_s: float = 2.0       # a measurement must start this long after a switch (the cutover, the first steps)
 
     def __post_init__(self) -> None:
         if not 0 < self.hysteresis <= 1:
@@ -70,6 +107,8 @@ class PolicyConfig:
             raise ValueError("window >= 1, cooldown_s >= 0, min_dwell_s >= 0 and horizon_s > 0")
         if self.kv_headroom < 0 or not 0 <= self.min_gain < 1:
             raise ValueError("kv_headroom must be >= 0 and min_gain in [0, 1)")
+        if not 0 <= self.learn <= 1 or self.settle_s < 0 or not 0 <= self.min_gain + self.explore_gain < 1:
+            raise ValueError("learn must be in [0, 1], settle_s >= 0 and min_gain + explore_gain in [0, 1)")
 
     @property
     def effective_window(self) -> int:
@@ -111,6 +150,14 @@ class PolicyState:
     partition: tuple[int, ...] | None = None  # its layers per stage (None: the even split)
     last_switch_s: float = -math.inf  # when the last switch ended (cooldown)
     loads: tuple[int, ...] = ()       # the last `window` loads, newest last
+    corrections: tuple[tuple[str, float], ...] = ()  # per layout served: measured TPOT / the profile's (learned)
+
+    def correction(self, layout: str) -> float:
+        """The learned factor of `layout`; for one not served yet, the geometric mean of those learned (1: none)."""
+        learned = dict(self.corrections)
+        if layout in learned:
+            return learned[layout]
+        return math.exp(sum(map(math.log, learned.values())) / len(learned)) if learned else 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,8 +180,41 @@ def observe(state: PolicyState, obs: Observation, config: PolicyConfig) -> Polic
 
 
 def switched(state: PolicyState, target: str, now: float, partition: tuple[int, ...] | None = None) -> PolicyState:
-    """The live layout changed (by the policy or an operator): dwell and cooldown start now."""
-    return PolicyState(layout=target, entered_s=now, partition=partition, last_switch_s=now, loads=state.loads)
+    """The live layout changed (by the policy or an operator): dwell and cooldown start now; what was learned stays."""
+    return PolicyState(layout=target, entered_s=now, partition=partition, last_switch_s=now, loads=state.loads,
+                       corrections=state.corrections)
+
+
+LEARN_CLAMP = (0.2, 5.0)  # one tick's measured / predicted is taken within these bounds (a stall, a burst of prefills)
+
+
+def learn(state: PolicyState, obs: Observation, profile: Profile, config: PolicyConfig) -> PolicyState:
+    """Fold this tick's measured TPOT of the live layout into its correction (unchanged when nothing was measured,
+    the measurement began before the live layout settled, or the layout is not in the profile)."""
+    model = profile.layouts.get(state.layout)
+    if (config.learn <= 0 or model is None or obs.measured_tpot_s <= 0 or obs.running < 1
+            or obs.measured_since_s < state.entered_s + config.settle_s):
+        return state
+    predicted = model.tpot(obs.running, obs.context)
+    if predicted <= 0:
+        return state
+    ratio = min(max(obs.measured_tpot_s / predicted, LEARN_CLAMP[0]), LEARN_CLAMP[1])
+    learned = dict(state.corrections)
+    old = learned.get(state.layout, state.correction(state.layout))
+    learned[state.layout] = math.exp((1 - config.learn) * math.log(old) + config.learn * math.log(ratio))
+    return replace(state, corrections=tuple(sorted(learned.items())))
+
+
+def corrected(profile: Profile, state: PolicyState) -> Profile:
+    """The profile with each layout's TPOT line times its correction (the profile itself when nothing is learned)."""
+    if not state.corrections:
+        return profile
+    layouts = {}
+    for name, model in profile.layouts.items():
+        factor = state.correction(name)
+        layouts[name] = replace(model, step_s=model.step_s * factor, per_request_s=model.per_request_s * factor,
+                                per_position_s=model.per_position_s * factor)
+    return replace(profile, layouts=layouts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +256,8 @@ def _for_capacity(live: LayoutModel, other: LayoutModel, obs: Observation, up_lo
 def decide(profile: Profile, state: PolicyState, obs: Observation, config: PolicyConfig,
            allowed: tuple[str, ...] | None = None) -> Decision:
     """Keep the live layout or switch to the best wanted candidate, and say why. `state` must already hold `obs`
-    (call `observe` first)."""
+    (call `observe`, and `learn`, first); TPOTs are the profile's times what serving taught (`corrected`)."""
+    profile = corrected(profile, state)
     live_name = state.layout
     if live_name not in profile.layouts:
         return Decision("keep", live_name, f"the live layout {live_name} is not in the profile: calibrate it")
@@ -186,6 +267,11 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
     mean_load = sum(loads) / len(loads)
     up_load = max(float(obs.load), obs.forecast_load or 0.0)
     need_blocks = math.ceil(obs.kv_used_blocks * (1 + config.kv_headroom))
+
+    learned = dict(state.corrections)
+
+    def margin(name: str) -> float:  # a layout whose correction is assumed, not measured, must promise more
+        return config.min_gain + (config.explore_gain if learned and name not in learned else 0.0)
 
     def holds_all(model: LayoutModel) -> bool:  # the blocks in use plus headroom, and every request in flight
         return model.holds(need_blocks) and model.max_requests(obs.context) >= obs.load
@@ -199,7 +285,7 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
             continue
         other = profile.layouts[name]
         cand = _for_capacity(live, other, obs, up_load) or \
-            _candidate(live, other, obs, mean_load, up_load, config.effective_hysteresis, config.min_gain)
+            _candidate(live, other, obs, mean_load, up_load, config.effective_hysteresis, margin(name))
         tpots[name], thresholds[name] = cand.tpot_s, cand.threshold
         if not cand.wanted:
             continue
@@ -263,6 +349,12 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
                "capacity": f"{live_name}'s KV holds {best.threshold:.0f} requests, {obs.load} in flight"}[best.direction]
     if obs.forecast_load is not None and best.direction == "up" and obs.forecast_load > obs.load:
         trigger += f" (forecast {obs.forecast_load:.0f} in flight by the time the switch ends)"
+    factors = ""
+    if learned:
+        assumed = "" if best.layout in learned else f" assumed, so {margin(best.layout):.0%} faster needed"
+        factors = (f" (measured/profiled: {live_name} x{state.correction(live_name):.2f}, {best.layout} "
+                   f"x{state.correction(best.layout):.2f}{assumed})")
     return Decision("switch", best.layout,
-                    f"{trigger}: TPOT {live_tpot * 1e3:.1f} -> {best.tpot_s * 1e3:.1f} ms, gain {gain_s:.2f} s "
-                    f"> cost {cost_s:.2f} s", tpots, thresholds, profile.layer_partition(best.layout))
+                    f"{trigger}: TPOT {live_tpot * 1e3:.1f} -> {best.tpot_s * 1e3:.1f} ms{factors}, "
+                    f"gain {gain_s:.2f} s > cost {cost_s:.2f} s", tpots, thresholds,
+                    profile.layer_partition(best.layout))

@@ -51,6 +51,8 @@ def status_pb(autopilot) -> controller_pb2.AutopilotStatus:
         pb.allowed.extend(last.allowed or ())
         pb.rejected.update(last.rejected)
         pb.last_operation_id, pb.last_outcome = last.operation_id, last.outcome
+    if autopilot.state is not None:
+        pb.learned_corrections.update(dict(autopilot.state.corrections))
     return pb
 
 
@@ -109,6 +111,9 @@ def format_status(pb: controller_pb2.AutopilotStatus) -> str:
         if pb.predicted_tpot_seconds:
             lines.append("predicted TPOT: " + ", ".join(
                 f"{k} {v * 1e3:.1f} ms" for k, v in sorted(pb.predicted_tpot_seconds.items())))
+        if pb.learned_corrections:
+            lines.append("learned while serving (measured / profiled TPOT): " + ", ".join(
+                f"{k} x{v:.2f}" for k, v in sorted(pb.learned_corrections.items())))
         if pb.thresholds:
             lines.append("thresholds (requests in flight): " + ", ".join(
                 f"{k} at {v:.1f}" for k, v in sorted(pb.thresholds.items())))

@@ -3,6 +3,7 @@ against gain, rollout mode and intents; properties over random load traces."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -13,7 +14,10 @@ from services.controller.autopilot.policy import (
     Observation,
     PolicyConfig,
     PolicyState,
+    TokenCount,
     decide,
+    learn,
+    measured_tpot,
     observe,
     parse_policy,
     switched,
@@ -44,9 +48,16 @@ def obs(t: float, load: int, used_blocks: int = 0, forecast: float | None = None
                        forecast_load=forecast)
 
 
+def served(t: float, load: int, layout: str, factor: float, profile: Profile = PROFILE) -> Observation:
+    """A tick at which the live `layout` delivered `factor` times its profile's TPOT over the last second."""
+    measured = factor * profile.layouts[layout].tpot(load, CONTEXT)
+    return Observation(t=t, running=load, waiting=0, kv_used_blocks=0, context=CONTEXT, measured_tpot_s=measured,
+                       measured_since_s=t - 1.0)
+
+
 def step(state: PolicyState, o: Observation, config: PolicyConfig = CONFIG, profile: Profile = PROFILE,
          allowed=None):
-    state = observe(state, o, config)
+    state = learn(observe(state, o, config), o, profile, config)
     decision = decide(profile, state, o, config, allowed)
     if decision.switches:
         state = switched(state, decision.target, o.t)
@@ -176,12 +187,87 @@ def test_the_measured_split_of_the_live_layout_is_taken_when_nothing_else_is():
     assert not d.switches or d.layer_partition == split.layer_partition(d.target)
 
 
+def test_a_machine_slower_than_calibrated_changes_no_ranking():
+    """Serving measures the live layout at twice its profile: the layouts not served yet are assumed as slow (the
+    geometric mean of what was learned), so the profile's choice stands."""
+    state = PolicyState("tp1pp4", entered_s=0.0)
+    for t in range(10, 40):
+        state, d = step(state, served(float(t), 20, "tp1pp4", 2.0))
+        assert not d.switches, d.reason
+    assert state.correction("tp1pp4") == pytest.approx(2.0, rel=0.01)
+    assert state.correction("tp4pp1") == state.correction("tp1pp4")  # assumed
+
+
+def test_a_layout_that_disappoints_while_serving_is_left_and_not_gone_back_to():
+    """The profile sends load 20 to tp1pp4, but tp1pp4 serves 3x slower than profiled while tp4pp1 served as
+    profiled: the policy goes back to tp4pp1 once it has learned that, says why, and stays there."""
+    state = PolicyState("tp4pp1", entered_s=0.0)
+    for t in range(10, 30):                             # tp4pp1 at load 5, as profiled
+        state, d = step(state, served(float(t), 5, "tp4pp1", 1.0))
+        assert not d.switches
+    state, d = step(state, served(30.0, 20, "tp4pp1", 1.0))
+    assert d.switches and d.target == "tp1pp4"          # the profile's crossover
+    for t in range(31, 60):
+        state, d = step(state, served(float(t), 20, "tp1pp4", 3.0))
+        if d.switches:
+            break
+    assert d.switches and d.target == "tp4pp1", d.reason
+    assert "measured/profiled: tp1pp4 x" in d.reason and state.correction("tp1pp4") > 2.0
+    assert t >= 30 + CONFIG.settle_s + CONFIG.cooldown_s  # nothing learned before tp1pp4 settled
+    for u in range(t + 1, t + 120):
+        state, d = step(state, served(float(u), 20, "tp4pp1", 1.0))
+        assert not d.switches, d.reason
+
+
+def test_a_layout_not_served_yet_must_promise_more():
+    """At load 18 tp1pp4 is profiled 15 % faster than tp4pp1: enough (min_gain 10 %) once tp1pp4 has been served
+    as profiled, not while its correction is only assumed (explore_gain: 20 % then)."""
+    assert 0.84 < PP.tpot(18, CONTEXT) / TP.tpot(18, CONTEXT) < 0.86
+    state = PolicyState("tp4pp1", entered_s=0.0, corrections=(("tp4pp1", 1.0),))
+    _, d = step(state, served(100.0, 18, "tp4pp1", 1.0))
+    assert not d.switches, d.reason
+    _, d = step(dataclasses.replace(state, corrections=(("tp1pp4", 1.0), ("tp4pp1", 1.0))),
+                served(100.0, 18, "tp4pp1", 1.0))
+    assert d.switches and d.target == "tp1pp4", d.reason
+
+
+def test_tpot_from_the_routers_token_count():
+    assert measured_tpot(None, TokenCount(5.0, 100, 8)) == (0.0, -math.inf)
+    # 8 then 12 running (10 on average) made 50 tokens in 2 s: each got a token every 10 * 2 / 50 = 0.4 s.
+    assert measured_tpot(TokenCount(5.0, 100, 8), TokenCount(7.0, 150, 12)) == (pytest.approx(0.4), 5.0)
+    assert measured_tpot(TokenCount(5.0, 100, 0), TokenCount(7.0, 100, 0)) == (0.0, 5.0)    # idle
+    assert measured_tpot(TokenCount(5.0, 900, 4), TokenCount(7.0, 20, 4)) == (0.0, 5.0)    # a restarted router
+
+
+def test_a_measurement_from_before_the_layout_settled_teaches_nothing():
+    state = PolicyState("tp1pp4", entered_s=100.0)
+    early = Observation(t=102.5, running=20, waiting=0, kv_used_blocks=0, context=CONTEXT, measured_tpot_s=1.0,
+                        measured_since_s=101.5)   # began 1.5 s after the switch: inside settle_s
+    assert learn(state, early, PROFILE, CONFIG) is state
+    assert learn(state, served(200.0, 20, "tp1pp4", 3.0), PROFILE, PolicyConfig(learn=0.0)) is state
+    assert learn(state, served(200.0, 20, "tp1pp4", 3.0), PROFILE, CONFIG).correction("tp1pp4") > 1.0
+
+
+@settings(max_examples=100, deadline=None)
+@given(loads=st.lists(st.integers(0, 40), min_size=1, max_size=60), start=st.sampled_from(["tp4pp1", "tp1pp4"]))
+def test_serving_as_profiled_decides_as_the_profile_alone(loads, start):
+    """Corrections of 1 change nothing (explore_gain aside: it is the one rule about what is not learned yet)."""
+    config = dataclasses.replace(CONFIG, explore_gain=0.0)
+    learning, plain = PolicyState(start, entered_s=0.0), PolicyState(start, entered_s=0.0)
+    for i, load in enumerate(loads):
+        t = 1000.0 + i
+        learning, a = step(learning, served(t, max(load, 1), learning.layout, 1.0), config)
+        plain, b = step(plain, obs(t, max(load, 1)), config)
+        assert (a.action, a.target) == (b.action, b.target)
+    assert all(c == pytest.approx(1.0) for _, c in learning.corrections)
+
+
 def test_policy_flags_parse_and_refuse_precisely():
     config = parse_policy("cooldown_s=2.5, window=3,rollout=true")
     assert (config.cooldown_s, config.window, config.rollout) == (2.5, 3, True)
     assert parse_policy("") == PolicyConfig()
     for bad, why in (("cooldown=1", "KEY=VALUE"), ("window=2.5", "not a int"), ("rollout=maybe", "not a bool"),
-                     ("hysteresis=1.5", "hysteresis")):
+                     ("hysteresis=1.5", "hysteresis"), ("learn=2", "learn"), ("explore_gain=0.95", "explore_gain")):
         with pytest.raises(ValueError, match=why):
             parse_policy(bad)
 

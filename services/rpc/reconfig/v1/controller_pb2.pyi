@@ -104,7 +104,7 @@ class LoadBand(_message.Message):
     def __init__(self, low: _Optional[float] = ..., high: _Optional[float] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class AutopilotStatus(_message.Message):
-    __slots__ = ("mode", "live_topology", "profile_path", "profile_machine", "profile_created_unix", "layouts", "switches", "bands", "bands_context_tokens", "action", "target", "reason", "decided_at_unix", "predicted_tpot_seconds", "thresholds", "load", "kv_blocks_used", "context_tokens", "arrival_rate", "ttft_p99_seconds", "tpot_mean_seconds", "has_forecast", "forecast_load", "intent_window", "allowed", "rejected", "num_switches", "last_operation_id", "last_outcome", "error", "calibrating", "worker_layer_seconds", "head_layers")
+    __slots__ = ("mode", "live_topology", "profile_path", "profile_machine", "profile_created_unix", "layouts", "switches", "bands", "bands_context_tokens", "action", "target", "reason", "decided_at_unix", "predicted_tpot_seconds", "thresholds", "load", "kv_blocks_used", "context_tokens", "arrival_rate", "ttft_p99_seconds", "tpot_mean_seconds", "has_forecast", "forecast_load", "intent_window", "allowed", "rejected", "num_switches", "last_operation_id", "last_outcome", "error", "calibrating", "worker_layer_seconds", "head_layers", "learned_corrections")
     class PredictedTpotSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,13 @@ class AutopilotStatus(_message.Message):
         key: int
         value: float
         def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    class LearnedCorrectionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     MODE_FIELD_NUMBER: _ClassVar[int]
     LIVE_TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     PROFILE_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +173,7 @@ class AutopilotStatus(_message.Message):
     CALIBRATING_FIELD_NUMBER: _ClassVar[int]
     WORKER_LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEAD_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LEARNED_CORRECTIONS_FIELD_NUMBER: _ClassVar[int]
     mode: str
     live_topology: str
     profile_path: str
@@ -199,7 +207,8 @@ class AutopilotStatus(_message.Message):
     calibrating: str
     worker_layer_seconds: _containers.ScalarMap[int, float]
     head_layers: float
-    def __init__(self, mode: _Optional[str] = ..., live_topology: _Optional[str] = ..., profile_path: _Optional[str] = ..., profile_machine: _Optional[str] = ..., profile_created_unix: _Optional[float] = ..., layouts: _Optional[_Iterable[_Union[LayoutProfile, _Mapping]]] = ..., switches: _Optional[_Iterable[_Union[SwitchCost, _Mapping]]] = ..., bands: _Optional[_Iterable[_Union[LoadBand, _Mapping]]] = ..., bands_context_tokens: _Optional[float] = ..., action: _Optional[str] = ..., target: _Optional[str] = ..., reason: _Optional[str] = ..., decided_at_unix: _Optional[float] = ..., predicted_tpot_seconds: _Optional[_Mapping[str, float]] = ..., thresholds: _Optional[_Mapping[str, float]] = ..., load: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., context_tokens: _Optional[float] = ..., arrival_rate: _Optional[float] = ..., ttft_p99_seconds: _Optional[float] = ..., tpot_mean_seconds: _Optional[float] = ..., has_forecast: _Optional[bool] = ..., forecast_load: _Optional[float] = ..., intent_window: _Optional[str] = ..., allowed: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Mapping[str, str]] = ..., num_switches: _Optional[int] = ..., last_operation_id: _Optional[str] = ..., last_outcome: _Optional[str] = ..., error: _Optional[str] = ..., calibrating: _Optional[str] = ..., worker_layer_seconds: _Optional[_Mapping[int, float]] = ..., head_layers: _Optional[float] = ...) -> None: ...
+    learned_corrections: _containers.ScalarMap[str, float]
+    def __init__(self, mode: _Optional[str] = ..., live_topology: _Optional[str] = ..., profile_path: _Optional[str] = ..., profile_machine: _Optional[str] = ..., profile_created_unix: _Optional[float] = ..., layouts: _Optional[_Iterable[_Union[LayoutProfile, _Mapping]]] = ..., switches: _Optional[_Iterable[_Union[SwitchCost, _Mapping]]] = ..., bands: _Optional[_Iterable[_Union[LoadBand, _Mapping]]] = ..., bands_context_tokens: _Optional[float] = ..., action: _Optional[str] = ..., target: _Optional[str] = ..., reason: _Optional[str] = ..., decided_at_unix: _Optional[float] = ..., predicted_tpot_seconds: _Optional[_Mapping[str, float]] = ..., thresholds: _Optional[_Mapping[str, float]] = ..., load: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., context_tokens: _Optional[float] = ..., arrival_rate: _Optional[float] = ..., ttft_p99_seconds: _Optional[float] = ..., tpot_mean_seconds: _Optional[float] = ..., has_forecast: _Optional[bool] = ..., forecast_load: _Optional[float] = ..., intent_window: _Optional[str] = ..., allowed: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Mapping[str, str]] = ..., num_switches: _Optional[int] = ..., last_operation_id: _Optional[str] = ..., last_outcome: _Optional[str] = ..., error: _Optional[str] = ..., calibrating: _Optional[str] = ..., worker_layer_seconds: _Optional[_Mapping[int, float]] = ..., head_layers: _Optional[float] = ..., learned_corrections: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class CalibrateRequest(_message.Message):
     __slots__ = ("layouts", "batch_sizes", "prompt_tokens", "output_tokens")
