@@ -25,20 +25,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from switch import MIB, NUM_BYTE_TOKENS, machine_info  # noqa: E402
+from stack import REPO_ROOT  # noqa: E402
+from switch import MIB, machine_info, random_prompts  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = dict(model="smollm2-135m", layouts="tp1pp2:2,tp1pp4:4", active="16,64", prompt_len=32, new_tokens=48)
 QUICK = dict(model="tiny-llama", layouts="tp1pp2:2", active="8", prompt_len=16, new_tokens=16)
 MODES = ("one", "spread")
-
-
-def make_prompts(n: int, length: int, seed: int) -> list[list[int]]:
-    """n random byte-token prompts of `length` tokens."""
-    import random
-
-    rng = random.Random(seed)
-    return [[rng.randrange(3, NUM_BYTE_TOKENS) for _ in range(length)] for _ in range(n)]
 
 
 def log(message: str) -> None:
@@ -84,9 +76,9 @@ async def run_layout(args, topology: str, num_workers: int) -> list[dict]:
                                                  model_dir=str(cluster.model_dir), model_name=args.model,
                                                  max_num_seqs=max(128, max(actives))))
         try:
-            await run_mode(engine, make_prompts(4, args.prompt_len, 7), 4, "spread", "warmup")
+            await run_mode(engine, random_prompts(4, args.prompt_len, 7), 4, "spread", "warmup")
             for n in actives:
-                prompts = make_prompts(n, args.prompt_len, args.seed + n)
+                prompts = random_prompts(n, args.prompt_len, args.seed + n)
                 results = {}
                 for mode in MODES:
                     results[mode] = await run_mode(engine, prompts, args.new_tokens, mode, f"n{n}")

@@ -318,10 +318,15 @@ def measure_copies(num_mb: int, repeats: int = 5) -> tuple[float, float]:
 
 def make_prompts(config: BenchConfig) -> list[list[int]]:
     """Random byte-token prompts of prompt_len tokens."""
+    return random_prompts(config.num_requests, config.prompt_len, config.seed)
+
+
+def random_prompts(num: int, length: int, seed: int) -> list[list[int]]:
+    """`num` random byte-token prompts of `length` tokens."""
     import numpy as np
 
-    rng = np.random.default_rng(config.seed)
-    return rng.integers(3, NUM_BYTE_TOKENS, size=(config.num_requests, config.prompt_len)).tolist()
+    rng = np.random.default_rng(seed)
+    return rng.integers(3, NUM_BYTE_TOKENS, size=(num, length)).tolist()
 
 
 @dataclass(slots=True)

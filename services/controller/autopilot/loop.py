@@ -163,7 +163,8 @@ class Autopilot:
                 await asyncio.wait_for(self._wake.wait(), self.config.interval_s)
 
     # ---- one tick --------------------------------------------------------------------------------------------
-    def observation(self, stats: EngineStats, now: float) -> Observation:
+    def observation(self, stats: EngineStats, now: float, measured: tuple[float, float]) -> Observation:
+        """What the policy sees this tick; `measured`: measured_tpot's (TPOT, since)."""
         window = stats.window
         context = window.mean_context_tokens or (window.mean_prompt_tokens + window.mean_output_tokens / 2)
         return Observation(
@@ -171,6 +172,7 @@ class Autopilot:
             context=context, arrival_rate=window.arrival_rate, prompt_tokens=window.mean_prompt_tokens,
             ttft_p99_s=window.ttft_p99_s,
             tpot_mean_s=window.tpot_mean_s, forecast_load=self.forecast_load(window),
+            measured_tpot_s=measured[0], measured_since_s=measured[1],
         )
 
     @property
@@ -210,8 +212,7 @@ class Autopilot:
             self.state = PolicyState(layout=live, entered_s=now, partition=partition,
                                      last_switch_s=now if self.state else -math.inf,
                                      corrections=self.state.corrections if self.state else ())
-        obs = dataclasses.replace(self.observation(stats, now), measured_tpot_s=measured[0],
-                                  measured_since_s=measured[1])
+        obs = self.observation(stats, now, measured)
         self.state = learn(observe(self.state, obs, self.config.policy), obs, self.profile, self.config.policy)
         window_name, allowed, rejected = self.intent_selection(obs, live)
         decision = decide(self.profile, self.state, obs, self.config.policy, allowed)
