@@ -158,7 +158,8 @@ def _mkl_packed(weight: torch.Tensor) -> torch.Tensor | None:
 class Linear:
     """y = x W^T + b. Once pack() ran (CPU, float32), W lives in MKL's packed GEMM layout instead: F.linear packs W
     again on every call, most of its cost when x has few rows (decode); packed, a decode step at batch 32 takes ~20%
-    less time. MKL computes a packed W at full speed only on the thread that packed it: pack on the model thread."""
+    less time. MKL computes a packed W at full speed only on the thread that packed it, or once that thread has
+    ended: pack on the model thread, or on a thread that ends (services.worker.staging.pack_on_own_thread)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False) -> None:
         """keep_weight: W is held elsewhere too (a tied lm_head shares the embedding), so dropping it frees nothing."""

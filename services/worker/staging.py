@@ -68,6 +68,29 @@ def lower_thread_priority(niceness: int = 19) -> None:
         pass
 
 
+def pack_on_own_thread(model: ShardedCausalLM, pacer: Pacer) -> None:
+    """Pack the model's weights for MKL (Linear.pack) on a thread of its own that has ended when this returns. MKL
+    computes a packed weight with part of the cores for as long as the thread that packed it lives, and the stage
+    thread lives as long as the worker: packed there, the layers a switch brought in decoded at 1.4 of 2 cores for
+    the rest of the layout's life (the steps of a stack switched tp1pp2 -> tp1pp1 took 10-20% longer than a fresh
+    tp1pp1's; bench/after_switch.py). Packed on a thread that ends, they compute at full speed on the model
+    thread, and the packing stays out of the freeze."""
+    failure: list[BaseException] = []
+
+    def pack() -> None:
+        lower_thread_priority()
+        try:
+            model.pack_weights(pacer.piece)
+        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=pack, name="stage-pack")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
 class Staging:
     """The one owner of what a worker has staged (one switch's shard, pool and runner at a time). StageSwitch and
     PreCopyKV run on the stage thread; `take` and `drop` on the model thread (ApplySwitch, Regroup)."""
@@ -95,7 +118,7 @@ class Staging:
         with MappedCheckpoint(shard.manifest) as checkpoint:
             model = shard.build_model(target, partition, checkpoint, live, expert_reshard=False, pacer=pacer)
         # MKL's layout (CPU) now, not in the freeze (packing is idempotent: kept parts are)
-        model.pack_weights(pacer.piece)
+        pack_on_own_thread(model, pacer)
         seconds = time.perf_counter() - started
         shared = set(model.parameter_tensors()) & set(live.model.parameter_tensors()) if live else set()
         tensors = model.parameter_tensors()
