@@ -183,26 +183,6 @@ def profile_status(profile, path: Path):
     return status_pb(pilot)
 
 
-def predict_burst(model, rate: float, prompt: float, output: float) -> tuple[float, float]:
-    """(requests in flight, TPOT) a layout would settle at under `rate` arrivals/s: Little's law on the profile's
-    step model, with decode stretched by the share of time the arrivals' prefills hold the stack (the calibration
-    measures decode steps without prefills between them). A layout that cannot keep up has an infinite load; its
-    TPOT is then that of the requests its KV holds (the others wait, which shows in their TTFT)."""
-    prefill, context = model.prefill(prompt), prompt + output / 2
-    busy = rate * prefill
-    if busy >= 1:
-        return math.inf, math.inf
-    load = rate * prefill
-    for _ in range(1000):
-        new_load = rate * (prefill + (output - 1) * model.effective_tpot(load, context) / (1 - busy))
-        if abs(new_load - load) < 1e-6 * max(load, 1.0):
-            return new_load, model.effective_tpot(new_load, context) / (1 - busy)
-        if new_load > 1e4:
-            break
-        load = 0.5 * (load + new_load)
-    return math.inf, model.tpot(max(1, model.max_requests(context)), context) / (1 - busy)
-
-
 def derive_slo(config: BenchConfig, profile, requests: list[TraceRequest], phases: list[str]) -> dict:
     """TPOT target = 1.5x the best static layout's predicted TPOT at the burst (best: the lowest TPOT of those that
     keep up, else of all); TTFT target = 3x that layout's predicted prefill of the longest prompt, rounded up to
@@ -211,7 +191,7 @@ def derive_slo(config: BenchConfig, profile, requests: list[TraceRequest], phase
     inside = [r for r, p in zip(requests, phases) if p == burst.name] or requests
     prompt = sum(len(r.prompt) for r in inside) / len(inside)
     output = sum(r.max_tokens for r in inside) / len(inside)
-    predictions = {name: predict_burst(profile.layouts[name], burst.rate, prompt, output)
+    predictions = {name: profile.layouts[name].settle(burst.rate, prompt, output)
                    for name in config.layouts if name in profile.layouts}
     if not predictions or all(math.isinf(t) for _, t in predictions.values()):
         raise SystemExit("the profile predicts that every layout's prefills alone exceed the burst: lower it")

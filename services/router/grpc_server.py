@@ -201,6 +201,7 @@ def window_to_pb(window: LoadSnapshot) -> router_pb2.LoadWindow:
         ttft_p50_seconds=window.ttft_p50_s, ttft_p99_seconds=window.ttft_p99_s,
         tpot_mean_seconds=window.tpot_mean_s, tpot_p99_seconds=window.tpot_p99_s, num_finished=window.num_finished,
         mean_context_tokens=window.mean_context_tokens, num_requests=window.num_requests,
+        prompt_tokens_std=window.prompt_tokens_std, output_tokens_std=window.output_tokens_std,
     )
 
 
@@ -210,6 +211,7 @@ def window_from_pb(pb: router_pb2.LoadWindow) -> LoadSnapshot:
         mean_output_tokens=pb.mean_output_tokens, ttft_p50_s=pb.ttft_p50_seconds, ttft_p99_s=pb.ttft_p99_seconds,
         tpot_mean_s=pb.tpot_mean_seconds, tpot_p99_s=pb.tpot_p99_seconds, num_finished=pb.num_finished,
         mean_context_tokens=pb.mean_context_tokens, num_requests=pb.num_requests,
+        prompt_tokens_std=pb.prompt_tokens_std, output_tokens_std=pb.output_tokens_std,
     )
 
 

@@ -4,6 +4,7 @@ controller's autopilot (RouterStats.window) — what /metrics' histograms cannot
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ class LoadSnapshot:
     num_finished: int = 0
     mean_context_tokens: float = 0.0   # of the requests running now: prompt + generated so far
     num_requests: int = 0              # admitted since start (the forecast's history, by difference)
+    prompt_tokens_std: float = 0.0     # the spread of the prompts admitted (population standard deviation)
+    output_tokens_std: float = 0.0     # and of the outputs finished
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -33,6 +36,11 @@ def _quantile(values: list[float], q: float) -> float:
         return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _std(values: list[float]) -> float:
+    """Population standard deviation (0 for fewer than two values)."""
+    return statistics.pstdev(values) if len(values) > 1 else 0.0
 
 
 class LoadWindow:
@@ -75,6 +83,8 @@ class LoadWindow:
             tpot_mean_s=sum(tpots) / len(tpots) if tpots else 0.0, tpot_p99_s=_quantile(tpots, 0.99),
             num_finished=len(self._finished), mean_context_tokens=mean_context_tokens,
             num_requests=self.num_requests,
+            prompt_tokens_std=_std([a[1] for a in self._arrivals]),
+            output_tokens_std=_std([f[3] for f in self._finished]),
         )
 
 

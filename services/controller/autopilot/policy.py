@@ -7,8 +7,13 @@ the live layout A and a candidate B, the profile's crossover n* is T_h — the l
 better has a TPOT at least `min_gain` (10 %) lower: the profile is a fit of noisy samples, and two layouts within a
 few per cent of each other are not worth a switch — and for a layout better at low load, hysteresis times the load
 below which it is that much better is T_l. The rules, in order:
-- a target must hold the KV blocks in use now (plus headroom) and the requests in flight: never switch into a
-  shortage;
+- a target must hold the KV blocks in use now (plus headroom) and the requests in flight, and the KV the arrivals
+  would keep in flight there (`kv_demand`: at the arrival rate now each request stays its prefill plus its output
+  at the target's TPOT; requests that arrive at random and stay independently are in flight Poisson(rate x stay)
+  many at a time, each holding its length, so the KV in flight is a compound Poisson sum whose `kv_quantile` (p99)
+  the target must hold, from the mean and spread of the lengths). A pool sized to the load of the moment fills at
+  the next cluster of arrivals (they queue for KV, and their TTFT shows it): never switch into a shortage, now or
+  at the next cluster;
 - toward the layout that is better at higher load ("up"): as soon as the load now, or the forecast load by the time
   a switch would finish, reaches T_h; only the cooldown since the last switch applies;
 - toward the layout that is better at lower load ("down"): when the mean load over the window falls below T_l, and
@@ -36,7 +41,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field, replace
 
-from services.controller.autopilot.profile import LayoutModel, Profile, crossover, crossunder
+from services.controller.autopilot.profile import LayoutModel, Profile, crossover, crossunder, poisson_quantile
 
 STAGING_SLOWDOWN = 0.1  # serving is about this much slower while the target stages beside it (the blog's bound)
 
@@ -52,6 +57,9 @@ class Observation:
     context: float                    # mean tokens a running request attends over (prompt + half its output)
     arrival_rate: float = 0.0         # requests/s over the router's window
     prompt_tokens: float = 0.0        # mean prompt of the requests admitted in the window
+    output_tokens: float = 0.0        # mean output of the requests finished in the window (0: none finished yet)
+    prompt_tokens_std: float = 0.0    # their spreads (population standard deviations)
+    output_tokens_std: float = 0.0
     ttft_p99_s: float = 0.0
     tpot_mean_s: float = 0.0
     forecast_load: float | None = None  # requests in flight predicted by the time a switch started now would end
@@ -94,6 +102,7 @@ class PolicyConfig:
     min_dwell_s: float = 30.0   # in a layout before a "down" switch
     horizon_s: float = 60.0     # how long the gain of a switch is counted
     kv_headroom: float = 0.1    # a target holds the blocks in use plus this share
+    kv_quantile: float = 0.99   # and this quantile of the KV the arrivals keep in flight there (0: not checked)
     min_gain: float = 0.1       # a target's predicted TPOT must be at least this share lower (the profile is noisy)
     rollout: bool = False       # Moebius's rollout mode: T_l = T_h, W = 1
     learn: float = 0.2          # weight of each tick's measured/predicted TPOT in a layout's correction (0: none)
@@ -105,8 +114,8 @@ class PolicyConfig:
             raise ValueError("hysteresis must be in (0, 1]")
         if self.window < 1 or self.cooldown_s < 0 or self.min_dwell_s < 0 or self.horizon_s <= 0:
             raise ValueError("window >= 1, cooldown_s >= 0, min_dwell_s >= 0 and horizon_s > 0")
-        if self.kv_headroom < 0 or not 0 <= self.min_gain < 1:
-            raise ValueError("kv_headroom must be >= 0 and min_gain in [0, 1)")
+        if self.kv_headroom < 0 or not 0 <= self.min_gain < 1 or not 0 <= self.kv_quantile < 1:
+            raise ValueError("kv_headroom must be >= 0, min_gain and kv_quantile in [0, 1)")
         if not 0 <= self.learn <= 1 or self.settle_s < 0 or not 0 <= self.min_gain + self.explore_gain < 1:
             raise ValueError("learn must be in [0, 1], settle_s >= 0 and min_gain + explore_gain in [0, 1)")
 
@@ -253,6 +262,41 @@ def _for_capacity(live: LayoutModel, other: LayoutModel, obs: Observation, up_lo
                       other.tpot(up_load, obs.context))
 
 
+@dataclass(frozen=True, slots=True)
+class KVDemand:
+    """The KV the arrivals would keep in flight in one layout: `tokens` at the policy's quantile, from `requests`
+    requests in flight on average, each staying `stay_s` and holding `request_tokens` (mean) when it ends."""
+
+    tokens: int
+    requests: float
+    stay_s: float
+    request_tokens: float
+
+
+def kv_demand(model: LayoutModel, obs: Observation, quantile: float) -> KVDemand | None:
+    """The KV tokens the arrivals would keep in flight in `model`'s layout, at `quantile` (None when not measured:
+    no arrivals, nothing finished yet, or `quantile` 0). At the arrival rate now each request stays its prefill
+    plus its output at the layout's TPOT for the load now, so requests that arrive at random and stay independently
+    are in flight Poisson(m = rate x stay) many at a time, each holding its prompt and output (and half a block
+    unfilled, on average). The KV they hold is a compound Poisson sum: mean m·E[L], variance m·E[L²]; its quantile
+    is taken as D times the Poisson quantile of mean m·E[L]/D, D = E[L²]/E[L] (the same mean and variance). With
+    lengths as spread as the Azure conversation trace's (prompt std ~ its mean) D is about twice the mean length:
+    the mean length alone understates the tail, and a pool that holds the mean request count fills at the next
+    cluster of long prompts. Two moments fit the tail within 10% once several requests are in flight
+    (tests/controller/autopilot/test_policy.py simulates it); with one or two a single long request makes the tail
+    and this understates it (by 10-30% there)."""
+    if quantile <= 0 or obs.arrival_rate <= 0 or obs.output_tokens <= 0:
+        return None
+    stay = model.prefill(obs.prompt_tokens) + max(obs.output_tokens - 1, 0.0) * model.effective_tpot(
+        max(obs.load, 1), obs.context)
+    requests = obs.arrival_rate * stay
+    length = obs.prompt_tokens + obs.output_tokens + model.block_size / 2
+    second_moment = obs.prompt_tokens_std ** 2 + obs.output_tokens_std ** 2 + length ** 2
+    dispersion = second_moment / length
+    tokens = math.ceil(dispersion * poisson_quantile(requests * length / dispersion, quantile))
+    return KVDemand(tokens, requests, stay, length - model.block_size / 2)
+
+
 def decide(profile: Profile, state: PolicyState, obs: Observation, config: PolicyConfig,
            allowed: tuple[str, ...] | None = None) -> Decision:
     """Keep the live layout or switch to the best wanted candidate, and say why. `state` must already hold `obs`
@@ -273,8 +317,25 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
     def margin(name: str) -> float:  # a layout whose correction is assumed, not measured, must promise more
         return config.min_gain + (config.explore_gain if learned and name not in learned else 0.0)
 
-    def holds_all(model: LayoutModel) -> bool:  # the blocks in use plus headroom, and every request in flight
+    def holds_now(model: LayoutModel) -> bool:  # the blocks in use plus headroom, and every request in flight
         return model.holds(need_blocks) and model.max_requests(obs.context) >= obs.load
+
+    def kv_tokens(model: LayoutModel) -> int:
+        return model.kv_blocks * model.kv_pools * model.block_size
+
+    def holds_all(model: LayoutModel) -> bool:
+        """What is in flight now, and the KV the arrivals would keep in flight there."""
+        demand = kv_demand(model, obs, config.kv_quantile)
+        return holds_now(model) and (demand is None or kv_tokens(model) >= demand.tokens)
+
+    def shortage(model: LayoutModel) -> str:
+        demand = kv_demand(model, obs, config.kv_quantile)
+        if holds_now(model) and demand is not None:
+            return (f"{model.layout} (KV holds {kv_tokens(model)} tokens; {obs.arrival_rate:.2f} arrivals/s staying "
+                    f"{demand.stay_s:.1f} s keep {demand.requests:.1f} requests of {demand.request_tokens:.0f} "
+                    f"tokens in flight, {demand.tokens} tokens at p{config.kv_quantile * 100:g})")
+        return (f"{model.layout} (KV holds {model.kv_blocks * model.kv_pools} blocks and "
+                f"{model.max_requests(obs.context)} requests; {need_blocks} blocks and {obs.load} requests needed)")
 
     tpots = {live_name: live.effective_tpot(obs.load, obs.context)}
     thresholds: dict[str, float] = {}
@@ -290,8 +351,7 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
         if not cand.wanted:
             continue
         if not holds_all(other):
-            short.append(f"{name} (KV holds {other.kv_blocks * other.kv_pools} blocks, "
-                         f"{need_blocks} needed)")
+            short.append(shortage(other))
             continue
         wanted.append(cand)
 

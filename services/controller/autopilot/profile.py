@@ -107,6 +107,26 @@ class LayoutModel:
         """Tokens per second the layout generates with `batch` requests running."""
         return max(batch, 1.0) / self.tpot(batch, context)
 
+    def settle(self, rate: float, prompt: float, output: float) -> tuple[float, float]:
+        """(Requests in flight, TPOT) this layout settles at under `rate` arrivals/s of `prompt`-token prompts and
+        `output`-token answers: Little's law on the step model, with decode stretched by the share of time the
+        arrivals' prefills hold the stack (the calibration measures decode steps without prefills between them).
+        A layout that cannot keep up has an infinite load; its TPOT is then that of the requests its KV holds (the
+        others wait, which shows in their TTFT)."""
+        prefill, context = self.prefill(prompt), prompt + output / 2
+        busy = max(rate, 0.0) * prefill
+        if busy >= 1:
+            return math.inf, math.inf
+        load = busy
+        for _ in range(1000):
+            new_load = rate * (prefill + max(output - 1, 0.0) * self.effective_tpot(load, context) / (1 - busy))
+            if abs(new_load - load) < 1e-6 * max(load, 1.0):
+                return new_load, self.effective_tpot(new_load, context) / (1 - busy)
+            if new_load > 1e4:
+                break
+            load = 0.5 * (load + new_load)
+        return math.inf, self.tpot(max(1, self.max_requests(context)), context) / (1 - busy)
+
     def prefill(self, tokens: float) -> float:
         return self.prefill_base_s + max(tokens, 0.0) * self.prefill_per_token_s
 
@@ -117,6 +137,25 @@ class LayoutModel:
     def holds(self, used_blocks: int) -> bool:
         """Whether the blocks in use now fit (the KV capacity check of a target)."""
         return used_blocks <= self.kv_blocks * self.kv_pools
+
+
+def poisson_quantile(mean: float, q: float) -> int:
+    """The smallest k with P(X <= k) >= q for X ~ Poisson(mean): requests arriving at random and staying
+    independently (an M/G/inf system) are in flight Poisson(rate x mean stay) many at a time, so a pool sized to the
+    mean alone is short about half the time. inf for an infinite mean."""
+    if math.isinf(mean):
+        return math.inf  # type: ignore[return-value]
+    if mean <= 0:
+        return 0
+    # Term by term in logs (exp(-mean) alone underflows past a mean of ~700), from 12 standard deviations below the
+    # mean (what lies below is under 1e-30 of the mass).
+    k = max(0, math.floor(mean - 12 * math.sqrt(mean)))
+    total, log_mean = 0.0, math.log(mean)
+    while True:
+        total += math.exp(k * log_mean - mean - math.lgamma(k + 1))
+        if total >= q or k > mean + 50 * math.sqrt(mean) + 50:
+            return k
+        k += 1
 
 
 def requests_held(kv_blocks: int, block_size: int, tokens: float) -> int:

@@ -3,7 +3,12 @@ speed turned into layers per stage."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import poisson
 
 from services.controller.autopilot.profile import (
     DecodeSample,
@@ -15,6 +20,7 @@ from services.controller.autopilot.profile import (
     balanced_split,
     crossover,
     fit_layout,
+    poisson_quantile,
     worker_speeds,
 )
 
@@ -33,6 +39,29 @@ def test_costs_are_never_negative():
     noisy = [DecodeSample("x", 1, 100, 0.05), DecodeSample("x", 8, 100, 0.04)]  # slower alone: noise
     model = fit_layout("x", noisy, [], 10, 16, 1)
     assert min(model.step_s, model.per_request_s, model.per_position_s) >= 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(mean=st.floats(min_value=0.0, max_value=3000.0), q=st.floats(min_value=0.01, max_value=0.999))
+def test_poisson_quantile_is_scipys(mean, q):
+    assert poisson_quantile(mean, q) == int(poisson.ppf(q, mean))
+
+
+@settings(max_examples=200, deadline=None)
+@given(rate=st.floats(min_value=0.01, max_value=20.0), prompt=st.floats(min_value=1, max_value=2000),
+       output=st.floats(min_value=2, max_value=500))
+def test_a_layout_settles_where_littles_law_holds(rate, prompt, output):
+    model = LayoutModel("tp1pp2", 0.03, 0.01, 1e-5, 0.02, 3e-4, 4096, 16, 2)
+    load, tpot = model.settle(rate, prompt, output)
+    busy = rate * model.prefill(prompt)
+    if busy >= 1:   # the prefills alone take all of the stack's time
+        assert math.isinf(load) and math.isinf(tpot)
+    elif math.isfinite(load):
+        assert tpot == pytest.approx(model.effective_tpot(load, prompt + output / 2) / (1 - busy), rel=1e-9)
+        assert load == pytest.approx(rate * (model.prefill(prompt) + (output - 1) * tpot), rel=1e-4)
+    else:           # decode cannot keep up: the layout's token rate at its KV's limit is below the demand
+        held = max(1, model.max_requests(prompt + output / 2))
+        assert rate * (output - 1) >= 0.99 * held / model.tpot(held, prompt + output / 2) * (1 - busy)
 
 
 def test_crossover_bands_and_persistence(tmp_path):

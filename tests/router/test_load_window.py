@@ -1,0 +1,44 @@
+"""The router's sliding window of recent load (what the autopilot reads): rates, length means and spreads,
+latency quantiles, the window's edge, and the gRPC round trip."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+
+from services.router.grpc_server import window_from_pb, window_to_pb
+from services.router.load_window import LoadWindow
+
+
+def test_the_window_counts_arrivals_lengths_and_latencies():
+    window = LoadWindow(window_s=10.0)
+    prompts, outputs = [10, 30, 200, 40], [5, 50, 20]
+    for t, prompt in enumerate(prompts):
+        window.admitted(float(t), prompt)
+    for t, output in zip((4.0, 5.0, 6.0), outputs):
+        window.finished(t, ttft_s=t / 10, tpot_s=0.05, output_tokens=output)
+    window.finished(6.5, ttft_s=None, tpot_s=None, output_tokens=0)  # aborted before a token: no sample
+    snap = window.snapshot(7.0, mean_context_tokens=123.0)
+    assert snap.arrival_rate == pytest.approx(len(prompts) / 10.0)
+    assert snap.mean_prompt_tokens == pytest.approx(statistics.mean(prompts))
+    assert snap.prompt_tokens_std == pytest.approx(statistics.pstdev(prompts))
+    assert snap.mean_output_tokens == pytest.approx(statistics.mean(outputs))
+    assert snap.output_tokens_std == pytest.approx(statistics.pstdev(outputs))
+    assert (snap.num_finished, snap.num_requests, snap.mean_context_tokens) == (3, 4, 123.0)
+    assert (snap.ttft_p50_s, snap.ttft_p99_s, snap.tpot_mean_s) == pytest.approx((0.5, 0.6, 0.05))
+    assert window_from_pb(window_to_pb(snap)) == snap
+
+
+def test_what_left_the_window_is_forgotten_and_one_value_has_no_spread():
+    window = LoadWindow(window_s=10.0)
+    window.admitted(0.0, 500)
+    window.admitted(9.0, 20)
+    window.finished(9.0, ttft_s=0.1, tpot_s=None, output_tokens=1)
+    snap = window.snapshot(15.0)
+    assert snap.mean_prompt_tokens == 20 and snap.prompt_tokens_std == 0.0 and snap.output_tokens_std == 0.0
+    assert snap.num_requests == 2 and math.isclose(snap.arrival_rate, 0.1)
+    assert snap.tpot_mean_s == 0.0  # one token: no TPOT sample
+    empty = window.snapshot(100.0)
+    assert (empty.arrival_rate, empty.mean_prompt_tokens, empty.prompt_tokens_std, empty.num_finished) == (0, 0, 0, 0)
