@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipeline import run_mode  # noqa: E402
 from stack import REPO_ROOT  # noqa: E402
 from switch import BenchConfig, machine_info, random_prompts, start_stack, stop_stack  # noqa: E402
 
@@ -74,22 +75,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def burst(engine, prompts: list[list[int]], new_tokens: int, tag: str) -> tuple[float, float, list[list[int]]]:
-    """The prompts at once; (mean TPOT ms, generated tokens/s, the tokens)."""
-    from services.router.contracts import GenerationRequest
-
-    tokens: list[list[int]] = [[] for _ in prompts]
-    times: list[list[float]] = [[] for _ in prompts]
-
-    async def consume(i: int) -> None:
-        async for delta in engine.generate(GenerationRequest(f"{tag}-{i}", tuple(prompts[i]), new_tokens)):
-            tokens[i].extend(delta.token_ids)
-            times[i].extend([time.perf_counter()] * len(delta.token_ids))
-
-    started = time.perf_counter()
-    await asyncio.gather(*(consume(i) for i in range(len(prompts))))
-    seconds = time.perf_counter() - started
-    tpots = [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1]
-    return statistics.mean(tpots) * 1e3, sum(map(len, tokens)) / seconds, tokens
+    """The prompts at once (one micro-batch of decodes, the default scheduler); (mean TPOT ms, tokens/s, tokens)."""
+    result = await run_mode(engine, prompts, new_tokens, "one", tag)
+    return result["tpot_ms"], result["tokens_per_s"], result["tokens"]
 
 
 async def run_case(args, case: Case) -> Case:
