@@ -1,8 +1,8 @@
 """Does a layout decode as fast after a switch into it as when the stack starts in it? Fresh vs switched, side by side.
 
-    python bench/after_switch.py                        # smollm2-135m, 4 workers: tp1pp1 and tp1pp2 (~5 min)
+    python bench/after_switch.py                        # smollm2-135m, 4 workers: tp1pp1 and tp1pp2 (~2 min)
     python bench/after_switch.py --cases tp1pp1,tp1pp2>tp1pp1 --rounds 3
-    python bench/after_switch.py --quick                # tiny-llama, one case (~1 min)
+    python bench/after_switch.py --quick                # tiny-llama, 2 workers: tp1pp1 (~1 min)
 
 Twice a switch left its target slower than a fresh stack of the same layout for the rest of its life: the router
 kept the start layout's micro-batches in flight (tp1pp4 -> tp1pp2: 1.6x the time per token), and the layers a
@@ -37,7 +37,6 @@ DEFAULTS = dict(model="smollm2-135m", cases="tp1pp1,tp1pp2>tp1pp1,tp1pp2,tp1pp4>
                 new_tokens=48, rounds=3, num_workers=4)
 QUICK = dict(model="tiny-llama", cases="tp1pp1,tp1pp2>tp1pp1", active=4, prompt_len=16, new_tokens=16, rounds=2,
              num_workers=2)
-MIB = 1 << 20
 
 
 @dataclass(slots=True)
@@ -103,10 +102,10 @@ async def run_case(args, case: Case) -> Case:
             wall += time.perf_counter() - started
             case.tpot_ms.append(tpot)
             case.tokens_per_s.append(rate)
-        case.cores = sum(cpu_seconds(p) - b for p, b in zip(pids, cpu_before)) / wall
-        case.worker_cores = [round((cpu_seconds(p) - b) / wall, 2) for p, b in zip(pids, cpu_before)]
+        case.worker_cores = [(cpu_seconds(p) - b) / wall for p, b in zip(pids, cpu_before)]
+        case.cores = sum(case.worker_cores)
         log(f"{case.label}: TPOT {case.tpot:.1f} ms (bursts {', '.join(f'{t:.1f}' for t in case.tpot_ms)}), "
-            f"{case.rate:.1f} tok/s, {case.cores:.2f} cores ({' + '.join(map(str, case.worker_cores))})")
+            f"{case.rate:.1f} tok/s, {case.cores:.2f} cores ({' + '.join(f'{c:.2f}' for c in case.worker_cores)})")
     finally:
         await stop_stack(stack)
     return case

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -71,24 +72,12 @@ def lower_thread_priority(niceness: int = 19) -> None:
 def pack_on_own_thread(model: ShardedCausalLM, pacer: Pacer) -> None:
     """Pack the model's weights for MKL (Linear.pack) on a thread of its own that has ended when this returns. MKL
     computes a packed weight with part of the cores for as long as the thread that packed it lives, and the stage
-    thread lives as long as the worker: packed there, the layers a switch brought in decoded at 1.4 of 2 cores for
-    the rest of the layout's life (the steps of a stack switched tp1pp2 -> tp1pp1 took 10-20% longer than a fresh
-    tp1pp1's; bench/after_switch.py). Packed on a thread that ends, they compute at full speed on the model
-    thread, and the packing stays out of the freeze."""
-    failure: list[BaseException] = []
-
-    def pack() -> None:
-        lower_thread_priority()
-        try:
-            model.pack_weights(pacer.piece)
-        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
-            failure.append(exc)
-
-    thread = threading.Thread(target=pack, name="stage-pack")
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
+    thread lives as long as the worker: packed there, the layers a switch brought in decoded at 1.4-1.5 of 2 cores
+    for the rest of the layout's life (1.9 fresh; bench/after_switch.py). Packed on a thread that ends, they
+    compute at full speed on the model thread, and the packing stays out of the freeze."""
+    with ThreadPoolExecutor(1, "stage-pack", initializer=lower_thread_priority) as pool:
+        packed = pool.submit(model.pack_weights, pacer.piece)
+    packed.result()  # the pool's thread has ended (shutdown joined it); a failure is raised here
 
 
 class Staging:

@@ -50,7 +50,6 @@ def test_a_failed_piece_still_rests_and_a_bad_duty_is_refused():
             Pacer(bad)
 
 
-
 def test_staged_weights_are_packed_on_a_thread_that_has_ended(tmp_path, monkeypatch):
     """MKL computes a packed weight with part of the cores while the thread that packed it lives on: staging packs
     on a thread of its own that has ended when it returns (never on the long-lived stage thread)."""
@@ -91,7 +90,7 @@ def test_staged_weights_are_packed_on_a_thread_that_has_ended(tmp_path, monkeypa
         torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_failure_while_packing_is_raised_on_the_callers_thread(tmp_path, monkeypatch):
+def test_a_failure_while_packing_is_raised_on_the_callers_thread():
     from services.worker.staging import pack_on_own_thread
 
     class Broken:

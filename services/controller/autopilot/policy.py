@@ -317,25 +317,19 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
     def margin(name: str) -> float:  # a layout whose correction is assumed, not measured, must promise more
         return config.min_gain + (config.explore_gain if learned and name not in learned else 0.0)
 
-    def holds_now(model: LayoutModel) -> bool:  # the blocks in use plus headroom, and every request in flight
-        return model.holds(need_blocks) and model.max_requests(obs.context) >= obs.load
-
-    def kv_tokens(model: LayoutModel) -> int:
-        return model.kv_blocks * model.kv_pools * model.block_size
-
-    def holds_all(model: LayoutModel) -> bool:
-        """What is in flight now, and the KV the arrivals would keep in flight there."""
+    def shortage(model: LayoutModel) -> str | None:
+        """Why `model`'s KV is short, or None when it holds the blocks in use plus headroom, every request in
+        flight, and the KV the arrivals would keep in flight there."""
+        if not model.holds(need_blocks) or model.max_requests(obs.context) < obs.load:
+            return (f"{model.layout} (KV holds {model.kv_blocks * model.kv_pools} blocks and "
+                    f"{model.max_requests(obs.context)} requests; {need_blocks} blocks and {obs.load} requests needed)")
         demand = kv_demand(model, obs, config.kv_quantile)
-        return holds_now(model) and (demand is None or kv_tokens(model) >= demand.tokens)
-
-    def shortage(model: LayoutModel) -> str:
-        demand = kv_demand(model, obs, config.kv_quantile)
-        if holds_now(model) and demand is not None:
-            return (f"{model.layout} (KV holds {kv_tokens(model)} tokens; {obs.arrival_rate:.2f} arrivals/s staying "
-                    f"{demand.stay_s:.1f} s keep {demand.requests:.1f} requests of {demand.request_tokens:.0f} "
-                    f"tokens in flight, {demand.tokens} tokens at p{config.kv_quantile * 100:g})")
-        return (f"{model.layout} (KV holds {model.kv_blocks * model.kv_pools} blocks and "
-                f"{model.max_requests(obs.context)} requests; {need_blocks} blocks and {obs.load} requests needed)")
+        kv_tokens = model.kv_blocks * model.kv_pools * model.block_size
+        if demand is None or kv_tokens >= demand.tokens:
+            return None
+        return (f"{model.layout} (KV holds {kv_tokens} tokens; {obs.arrival_rate:.2f} arrivals/s staying "
+                f"{demand.stay_s:.1f} s keep {demand.requests:.1f} requests of {demand.request_tokens:.0f} "
+                f"tokens in flight, {demand.tokens} tokens at p{config.kv_quantile * 100:g})")
 
     tpots = {live_name: live.effective_tpot(obs.load, obs.context)}
     thresholds: dict[str, float] = {}
@@ -350,8 +344,8 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
         tpots[name], thresholds[name] = cand.tpot_s, cand.threshold
         if not cand.wanted:
             continue
-        if not holds_all(other):
-            short.append(shortage(other))
+        if (why := shortage(other)) is not None:
+            short.append(why)
             continue
         wanted.append(cand)
 
@@ -370,7 +364,7 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
                         f"{'/'.join(map(str, split))} per stage", tpots, thresholds, split)
 
     if allowed is not None and live_name not in names:  # the intent rules the live layout out: leave it
-        fits = [n for n in names if holds_all(profile.layouts[n])]
+        fits = [n for n in names if shortage(profile.layouts[n]) is None]
         if not fits:
             return keep(f"the live layout {live_name} is outside the intent, but no allowed layout holds the "
                         f"{need_blocks} KV blocks and {obs.load} requests in flight")
