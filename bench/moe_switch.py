@@ -141,7 +141,9 @@ async def run_mode(model_dir: Path, mode: str, occupancies: dict[str, tuple[int,
                     weight_bytes_resharded=operation.weight_bytes_resharded,
                     build_s=max(r.reload_seconds for r in replies), migrate_s=max(r.migrate_seconds for r in replies),
                     resharded_per_worker=max(r.weight_bytes_resharded for r in replies),
-                    kv_peak_extra=max(r.peak_extra_bytes for r in replies)))
+                    kv_peak_extra=max(r.peak_extra_bytes for r in replies),
+                    expert_peak_extra=max(r.expert_peak_extra_bytes for r in replies),
+                    loaded_per_worker=max(r.weight_bytes_loaded for r in replies)))
                 log(f"{mode} {name}: -> {target} downtime {operation.downtime_seconds * 1e3:.0f} ms, build "
                     f"{result['switches'][-1]['build_s'] * 1e3:.0f} ms, resharded "
                     f"{operation.weight_bytes_resharded / MIB:.0f} MiB, loaded {operation.weight_bytes_loaded / MIB:.0f} MiB")
@@ -159,8 +161,8 @@ async def run_mode(model_dir: Path, mode: str, occupancies: dict[str, tuple[int,
 
 def table(result: dict) -> str:
     lines = ["| mode | occupancy | switch | live | KV used | downtime ms | MIGRATING ms | shard build ms | "
-             "experts resharded MiB | weights loaded MiB | restart ÷ switch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "experts resharded MiB | weights loaded MiB | expert peak extra MiB | restart ÷ switch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode in ("reshard", "store"):
         data = result.get(mode)
         if not data:
@@ -171,7 +173,7 @@ def table(result: dict) -> str:
                          f"{s['kv_blocks_total']} | {s['downtime_s'] * 1e3:.0f} | "
                          f"{s['phases_s'].get('MIGRATING', 0) * 1e3:.0f} | {s['build_s'] * 1e3:.0f} | "
                          f"{s['weight_bytes_resharded'] / MIB:.0f} | {s['weight_bytes_loaded'] / MIB:.0f} | "
-                         f"{restart / s['downtime_s']:.1f}× |")
+                         f"{s.get('expert_peak_extra', 0) / MIB:.1f} | {restart / s['downtime_s']:.1f}× |")
     out = "\n".join(lines)
     if "reshard" in result and "store" in result:
         pairs = list(zip(result["reshard"]["switches"], result["store"]["switches"]))
@@ -181,10 +183,17 @@ def table(result: dict) -> str:
         gbps = [a["resharded_per_worker"] / a["build_s"] / 1e9 for a, _ in pairs]
         out += (f"\nreshard GB/s per worker (expert bytes ÷ shard build): {', '.join(f'{g:.2f}' for g in gbps)}; "
                 f"memcpy {result['memcpy_gbps']:.2f} GB/s; ratio {max(gbps) / result['memcpy_gbps']:.2f}")
-    out += (f"\npeak extra memory per worker: the new experts ({result['experts_per_worker'] / MIB:.0f} MiB: the old "
-            f"shard stays whole until the switch commits, so a rollback keeps serving) + one layer's all-to-all "
-            f"buffers ({2 * result['experts_per_worker'] / 4 / MIB:.0f} MiB) + KV "
-            f"({max(s['kv_peak_extra'] for m in ('reshard', 'store') if m in result for s in result[m]['switches']) / MIB:.1f} MiB)")
+    switches = [s for m in ("reshard", "store") if m in result for s in result[m]["switches"]]
+    layer = result["experts_per_worker"] / result["num_sparse_layers"]
+    experts_peak = max(s.get("expert_peak_extra", 0) for s in switches)
+    kv_peak = max(s["kv_peak_extra"] for s in switches)
+    # In reshard mode every weight loaded is a non-expert one (attention, norms), held beside the old until commit.
+    dense = max(s["loaded_per_worker"] for s in result.get("reshard", {"switches": switches})["switches"])
+    total = experts_peak + kv_peak + dense
+    out += (f"\npeak extra memory per worker (in place: each sparse layer's old experts go as its new ones arrive): "
+            f"experts {experts_peak / MIB:.1f} MiB (one layer's: {layer / MIB:.1f} MiB) + KV {kv_peak / MIB:.1f} MiB "
+            f"+ non-expert weights loaded beside the old {dense / MIB:.1f} MiB = {total / MIB:.1f} MiB; target <= one "
+            f"layer + 64 MiB = {(layer + 64 * MIB) / MIB:.1f} MiB: {'met' if total <= layer + 64 * MIB else 'missed'}")
     return out
 
 
@@ -224,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
         args.json.write_text(json.dumps(asyncio.run(run_mode(model_dir, args.mode, occupancies, new_tokens))))
         return
     result: dict = {"memcpy_gbps": memcpy_gbps(), "expert_bytes": expert_bytes, "experts_per_worker": expert_bytes / 4,
-                    "cores": len(os.sched_getaffinity(0))}
+                    "num_sparse_layers": 4, "cores": len(os.sched_getaffinity(0))}
     log(f"memcpy {result['memcpy_gbps']:.2f} GB/s; experts {expert_bytes / MIB:.0f} MiB")
     import subprocess
     import tempfile

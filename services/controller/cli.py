@@ -206,6 +206,9 @@ def format_plan(plan: controller_pb2.PlanResponse) -> str:
     if reshard := sum(w.weight_bytes_reshard for w in workers):
         lines.append(f"of the weights loaded, {format_bytes(reshard)} of experts can change view by all-to-all with "
                      "the stage's peers instead (TP <-> EP; over NCCL by default)")
+    if experts := max((w.expert_peak_extra_bytes for w in workers), default=0):
+        lines.append(f"in place, experts need at most {format_bytes(experts)} beyond the larger shard on a worker "
+                     "(each sparse layer's old experts go as its new ones arrive; a rollback reads them from the store)")
     return "\n".join(lines)
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from services.controller.staging import staged_pool_bytes, staging_needs, staging_verdict
 from services.controller.transaction import Reconfigurer, prepare_workers
-from services.model.expert_reshard import can_reshard
+from services.model.expert_reshard import can_reshard, expert_peak_extra_bytes
 from services.model.spec import ModelSpec
 from services.rpc.reconfig.v1 import controller_pb2, router_pb2
 from services.topology import Placement, WeightFlags, place, plan_kv_migration, plan_weight_reload
+from services.topology.eplb import initial_expert_maps
 from services.topology.migration_plan import num_kv_pools
 
 
@@ -35,6 +36,16 @@ def reshardable_expert_bytes(old: Placement, new: Placement, rank: int, spec: Mo
     else:
         elements = spec.num_experts * len(after.expert_intermediate)
     return len(layers) * elements * 3 * spec.hidden_size * dtype_bytes
+
+
+def in_place_expert_peak(old: Placement, new: Placement, rank: int, spec: ModelSpec, dtype_bytes: int) -> int:
+    """Expert bytes `rank` holds at once beyond the larger of its old and new experts while an in-place switch
+    builds its shard (each sparse layer's old experts go as its new ones arrive), at the maps a fresh load has
+    (EPLB may have changed the live ones: the same counts but for which expert a spare slot copies)."""
+    if rank >= min(len(old.workers), len(new.workers)) or not spec.shape.is_moe:
+        return 0
+    return expert_peak_extra_bytes(old.workers[rank], new.workers[rank], initial_expert_maps(spec.shape, old),
+                                   initial_expert_maps(spec.shape, new), spec.hidden_size, dtype_bytes)
 
 
 async def plan_switch(reconfigurer: Reconfigurer, topology: str, layer_partition=()) -> controller_pb2.PlanResponse:
@@ -72,6 +83,7 @@ async def plan_switch(reconfigurer: Reconfigurer, topology: str, layer_partition
             weight_bytes_keep=reload.keep_bytes(dtype_bytes) if reload else 0,
             peak_extra_bytes=peak, num_kv_blocks_after=capacity if rank in new_ranks else 0,
             weight_bytes_reshard=reshardable_expert_bytes(old, new, rank, spec, dtype_bytes),
+            expert_peak_extra_bytes=in_place_expert_peak(old, new, rank, spec, dtype_bytes),
         ))
     staging_note = "" if reconfigurer.staging else "staging is off: every switch runs in place"
     if not staging_note:

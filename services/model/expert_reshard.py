@@ -14,13 +14,19 @@ The unit on the wire is a `piece`: the slice `cols` of one expert, flattened as 
 (w*H + w*H + H*w elements), so a piece of a whole slice is exactly a TP expert's (gate_up, down) bytes. Buffers
 are 1-D: the splits are element counts that every rank computes from the two placements and the maps it already
 shares, with no metadata exchange. The pure functions below plan, pack and unpack; `reshard_experts` adds the one
-collective.
+collective (and a one-element agreement before it, so that a rank that cannot pack fails the layer on every rank
+instead of leaving its peers in the all-to-all).
+
+In place (`ExpertSwitch.in_place`, the worker's in-freeze switch): each layer's old experts are let go as soon as
+they are packed, so a shard changes view with one layer of extra memory (Moebius' bound), not a second copy of its
+experts; `ExpertLedger` counts it. A rollback then re-reads the layers let go from the weight store
+(`SparseMoeBlock.restore_experts`): it needs no peer, and the store is the bytes every view was cut from.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,6 +52,45 @@ def reshard_wanted(group: TPGroup) -> bool:
         return mode == "on"
     device_group = getattr(group, "device_group", None)
     return device_group is not None and torch.distributed.get_backend(device_group) == "nccl"
+
+
+class ReshardFailed(RuntimeError):
+    """A layer's experts could not change view on some rank of the stage; every rank of it raises this."""
+
+
+@dataclass(slots=True)
+class ExpertLedger:
+    """Expert bytes allocated minus let go while a shard is built from a live one (buffers included): `extra` now,
+    `peak` the most it reached (both relative to the build's start)."""
+
+    extra: int = 0
+    peak: int = 0
+
+    def grow(self, num_bytes: int) -> None:
+        self.extra += num_bytes
+        self.peak = max(self.peak, self.extra)
+
+    def shrink(self, num_bytes: int) -> None:
+        self.extra -= num_bytes
+
+    @property
+    def peak_beyond(self) -> int:
+        """The peak beyond the larger of the two shards' experts (before: 0, after: `extra`)."""
+        return self.peak - max(0, self.extra)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertSwitch:
+    """How a shard built from a live one gets the experts of a sparse layer whose view changes."""
+
+    reshard: bool = True  # from the stage's peers by all-to-all where it can (can_reshard, reshard_wanted); else store
+    in_place: bool = False  # let the live layer's experts go as the new ones arrive (a rollback restores them)
+    ledger: ExpertLedger | None = None  # counts the experts' extra memory
+    fault: Callable[[int], None] | None = None  # called with the layer id before its experts change (fault tests)
+
+
+ALONGSIDE = ExpertSwitch()  # the live shard stays whole (a build beside it, or a test's)
+FROM_STORE = ExpertSwitch(reshard=False)  # no collective: a shard staged while steps use the groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,12 +266,14 @@ def can_reshard(previous: WorkerPlacement | SparseMoeBlock, new_wp: WorkerPlacem
 
 
 def reshard_experts(previous: SparseMoeBlock, new_wp: WorkerPlacement, new_phy2log: Sequence[int],
-                    group: TPGroup) -> list[ExpertWeights]:
+                    group: TPGroup, switch: ExpertSwitch = ALONGSIDE) -> list[ExpertWeights]:
     """The new block's experts by local slot, from `previous` (the other form, same stage) by ONE all-to-all over
     `group` (the stage's ranks, in the same order: every rank of the stage must call this for the same layer).
-    new_phy2log: the new map (EP target: e.g. `initial_phy2log`; TP target: the identity). `previous` is left
-    intact; the result is new tensors (two local slots of one logical expert share them), byte-identical to
-    `load_expert` from the checkpoint. Extra memory while it runs: the send and receive buffers of this layer."""
+    new_phy2log: the new map (EP target: e.g. `initial_phy2log`; TP target: the identity). The result is new
+    tensors (two local slots of one logical expert share them), byte-identical to `load_expert` from the
+    checkpoint. `previous` is left intact, unless `switch.in_place`: then its experts are let go once packed.
+    Extra memory while it runs: this layer's send and receive buffers (in place: about one layer's experts).
+    ReshardFailed on every rank of the stage when one could not pack (nothing is exchanged then)."""
     if not can_reshard(previous, new_wp):
         raise ValueError(f"layer {previous.layer_id}: no all-to-all reshard from {_placement(previous)} to {new_wp}")
     size, rank = group.size, group.rank
@@ -238,7 +285,7 @@ def reshard_experts(previous: SparseMoeBlock, new_wp: WorkerPlacement, new_phy2l
         raise ValueError(f"layer {previous.layer_id}: a map of {len(new_phy2log)} slots for "
                          f"{new_wp.ep_size} ranks of {len(new_wp.expert_slots)}")
     hidden = previous.router.shape[1]
-    held = {previous.phy2log[s]: w for s, w in zip(previous.slots, previous.experts, strict=True)}
+    ledger = switch.ledger or ExpertLedger()
     if previous.is_expert_parallel:  # EP -> TP
         if new_phy2log != tuple(range(previous.num_experts)):
             raise ValueError(f"layer {previous.layer_id}: a TP layout's map must be the identity")
@@ -250,15 +297,90 @@ def reshard_experts(previous: SparseMoeBlock, new_wp: WorkerPlacement, new_phy2l
         plan = tp_to_ep_plan(new_phy2log, size, rank)
         cols = [range(width)] * size
     step = piece_numel(width, hidden)
-    send = pack(held, plan.sends, cols, hidden)
+    send, failure = None, None
+    try:
+        if switch.fault is not None:
+            switch.fault(previous.layer_id)
+        held = {previous.phy2log[s]: w for s, w in zip(previous.slots, previous.experts, strict=True)}
+        send = pack(held, plan.sends, cols, hidden)
+        del held
+    except Exception as exc:  # noqa: BLE001 (told to the stage below, raised on every rank)
+        failure = exc
+    if not stage_agrees(group, failure is None, previous.router.device):
+        raise ReshardFailed(f"layer {previous.layer_id}: experts could not change view "
+                            f"({type(failure).__name__}: {failure} here)" if failure else
+                            f"layer {previous.layer_id}: a peer of the stage could not pack its experts") from failure
+    ledger.grow(_nbytes(send))
+    if switch.in_place:
+        ledger.shrink(previous.release_experts())
     recv = send.new_empty(sum(plan.recv_splits(step)))
+    ledger.grow(_nbytes(recv))
     group.all_to_all(recv, send, plan.recv_splits(step), plan.send_splits(step))
+    ledger.shrink(_nbytes(send))
     del send
-    if previous.is_expert_parallel:
+    if previous.is_expert_parallel:  # the receive buffer becomes the layer's storage
         slices = unpack_slices(recv, plan, previous.num_experts, width, hidden)
         return [slices[new_phy2log[s]] for s in new_wp.expert_slots]
     whole = unpack_whole(recv, plan, width, hidden)
+    ledger.grow(expert_bytes(list(whole.values())))
+    ledger.shrink(_nbytes(recv))
     return [whole[new_phy2log[s]] for s in new_wp.expert_slots]
+
+
+def expert_peak_extra_bytes(old: WorkerPlacement, new: WorkerPlacement, old_maps: Mapping[int, Sequence[int]],
+                            new_maps: Mapping[int, Sequence[int]], hidden: int, dtype_bytes: int,
+                            reshard: bool = True) -> int:
+    """What `ExpertLedger.peak_beyond` of an in-place build of `new` from `old` on one rank will be: the same steps
+    as `reshard_experts` and `SparseMoeBlock`'s load, counted. old_maps / new_maps: each sparse layer's physical ->
+    logical map (of the layers each placement holds); reshard: a view change goes by all-to-all where it can."""
+    extra = peak = 0
+
+    def step(num_bytes: int) -> None:
+        nonlocal extra, peak
+        extra += num_bytes
+        peak = max(peak, extra)
+
+    def whole(num_experts: int, width: int) -> int:
+        return num_experts * piece_numel(width, hidden) * dtype_bytes
+
+    for layer in (i for i in new.layers if i in new_maps):
+        new_held = slot_experts(new_maps[layer], new.expert_slots)
+        new_width = len(new.expert_intermediate)
+        if layer not in old.layers:  # new to this rank: loaded whole, nothing let go
+            step(whole(len(new_held), new_width))
+            continue
+        old_map, old_width = old_maps[layer], len(old.expert_intermediate)
+        old_held = slot_experts(old_map, old.expert_slots)
+        size = new.tp_size * new.ep_size
+        if (old.ep_size > 1) != (new.ep_size > 1) and reshard and can_reshard(old, new):
+            plan = (ep_to_tp_plan(old_map, size, new.stage_rank) if old.ep_size > 1
+                    else tp_to_ep_plan(new_maps[layer], size, new.stage_rank))
+            width = new_width if old.ep_size > 1 else old_width
+            sent = sum(plan.send_splits(piece_numel(width, hidden))) * dtype_bytes
+            received = sum(plan.recv_splits(piece_numel(width, hidden))) * dtype_bytes
+            step(sent)
+            step(-whole(len(old_held), old_width))
+            step(received)
+            step(-sent)
+            if old.ep_size == 1:  # TP -> EP: the slices interleaved into whole experts, then the buffer goes
+                step(whole(len(new_held), new_width))
+                step(-received)
+            continue
+        kept = set(old_held) & set(new_held) if old_width == new_width else set()
+        step(whole(len(set(new_held) - kept), new_width))
+        step(-whole(len(set(old_held) - kept), old_width))
+    return peak - max(0, extra)
+
+
+def stage_agrees(group: TPGroup, ok: bool, device: torch.device) -> bool:
+    """True when every rank of `group` says ok: one float summed on the group's device (an NCCL group reduces
+    only GPU tensors)."""
+    flag = torch.tensor([1.0 if ok else 0.0], device=device)
+    return int(group.all_reduce(flag).item()) == group.size
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def expert_bytes(experts: Sequence[ExpertWeights]) -> int:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from services.model.attention import AttentionMetadata, paged_attention, write_kv
+from services.model.expert_reshard import ALONGSIDE, ExpertSwitch
 from services.model.layers import (
     Linear,
     ParallelLMHead,
@@ -131,14 +132,16 @@ class ShardedCausalLM:
 
     def __init__(self, spec: ModelSpec, wp: WorkerPlacement, loader: ShardLoader, group: TPGroup,
                  previous: ShardedCausalLM | None = None, *, ep_group: TPGroup | None = None,
-                 expert_maps: Mapping[int, Sequence[int]] | None = None, expert_reshard: bool = True) -> None:
+                 expert_maps: Mapping[int, Sequence[int]] | None = None,
+                 expert_switch: ExpertSwitch = ALONGSIDE) -> None:
         """Build this worker's shard. With `previous` (a live reconfiguration), parts whose slice is unchanged —
         a layer's heads, its MLP columns, an expert slice held before, the same vocabulary rows — are kept, not
         copied again. In an EP layout `group` is a single-rank group (attention and dense MLPs are whole here) and
         `ep_group`, over the stage's ranks, carries the experts' all-to-alls. expert_maps: {sparse layer: phy2log}
-        (None or a layer left out: the identity, possible only without redundant slots). expert_reshard: a sparse
-        layer switching between its TP and EP view may take its experts from the stage's peers by all-to-all (a
-        collective of the stage's ranks); False: from `loader`."""
+        (None or a layer left out: the identity, possible only without redundant slots). expert_switch: how a
+        sparse layer whose view changes gets its experts (by all-to-all with the stage's peers, a collective of the
+        stage's ranks, or from `loader`) and whether `previous` lets go of them layer by layer (in place: then
+        `previous` serves again only after its `restore_experts`)."""
         if wp.ep_size > 1 and ep_group is None:
             raise ValueError(f"an EP layout (ep_size={wp.ep_size}) needs the stage's ep_group")
         self.spec = spec
@@ -155,13 +158,14 @@ class ShardedCausalLM:
             else:
                 self.embed = VocabParallelEmbedding(loader.rows(EMBED, wp.vocab_rows), wp.vocab_rows, group)
         # Kept parts share their tensors but get new wrappers (the new groups): the previous shard stays intact,
-        # so a rolled-back switch can go on serving with it.
+        # so a rolled-back switch can go on serving with it (but for the experts an in-place expert_switch took:
+        # `restore_experts` first).
         old_layers = dict(zip(old.layers, previous.layers)) if old is not None else {}
         same_attention = old is not None and (old.q_heads, old.kv_heads) == (wp.q_heads, wp.kv_heads)
         same_dense = old is not None and old.intermediate == wp.intermediate
         moe_group = ep_group if wp.ep_size > 1 else group
         self.layers = [self._layer(i, loader, group, moe_group, old_layers.get(i), same_attention, same_dense,
-                                   expert_reshard) for i in wp.layers]
+                                   expert_switch) for i in wp.layers]
         self.final_norm = self.lm_head = None
         if wp.is_last_stage:
             kept_norm = previous.final_norm if previous is not None else None
@@ -177,13 +181,13 @@ class ShardedCausalLM:
 
     def _layer(self, layer_id: int, loader: ShardLoader, group: TPGroup, moe_group: TPGroup,
                kept: DecoderLayer | None, same_attention: bool, same_dense: bool,
-               expert_reshard: bool = True) -> DecoderLayer:
+               expert_switch: ExpertSwitch = ALONGSIDE) -> DecoderLayer:
         """Layer `layer_id`, reusing what `kept` (the previous shard's same layer, if any) holds of it."""
         mlp: DenseMLP | SparseMoeBlock | None = None  # None: DecoderLayer builds the dense MLP
         if layer_id in self.spec.moe_layers:
             old_block = kept.mlp if kept is not None and isinstance(kept.mlp, SparseMoeBlock) else None
             mlp = SparseMoeBlock(self.spec, self.placement, layer_id, loader, moe_group,
-                                 self.expert_maps[layer_id], previous=old_block, reshard=expert_reshard)
+                                 self.expert_maps[layer_id], previous=old_block, switch=expert_switch)
         elif kept is not None and same_dense:
             mlp = kept.mlp.regrouped(group)
         elif kept is not None and same_attention:
@@ -196,6 +200,11 @@ class ShardedCausalLM:
         """This shard's sparse layers, by global layer id (for the worker's load window and EPLB remaps)."""
         return {i: layer.mlp for i, layer in zip(self.placement.layers, self.layers)
                 if isinstance(layer.mlp, SparseMoeBlock)}
+
+    def restore_experts(self, loader: ShardLoader) -> list[int]:
+        """Bring back the experts an in-place switch took from this shard (its rollback), from `loader`; returns
+        the layers restored."""
+        return [layer for layer, block in self.moe_blocks().items() if block.restore_experts(loader)]
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:

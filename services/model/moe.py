@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from services.model.expert_reshard import can_reshard, expert_bytes, reshard_experts, reshard_wanted
+from services.model.expert_reshard import (
+    ALONGSIDE, ExpertLedger, ExpertSwitch, can_reshard, expert_bytes, reshard_experts, reshard_wanted,
+)
 from services.model.layers import ShardLoader, TPGroup
 from services.model.spec import ModelSpec
 from services.topology import WorkerPlacement
@@ -83,14 +85,15 @@ class SparseMoeBlock:
 
     def __init__(self, spec: ModelSpec, wp: WorkerPlacement, layer_id: int, loader: ShardLoader, group: TPGroup,
                  phy2log: Sequence[int] | None = None, previous: SparseMoeBlock | None = None,
-                 reshard: bool = True) -> None:
+                 switch: ExpertSwitch = ALONGSIDE) -> None:
         """group: the TP group (TP form) or the stage's EP group (EP form). phy2log: the logical expert of every
         physical slot (None: the identity; the TP form accepts only the identity). previous: this layer's block
         before a reconfiguration: the router and the experts it holds with the same intermediate slice are shared,
         not loaded again (an EP -> TP switch at full width reloads only the experts this rank lacked); when it is in
         the other form over the same stage (tp{P} <-> ep{P}, see `can_reshard`), the experts come from it by one
         all-to-all over `group` instead (every rank of the stage builds this layer at the same time), unless
-        `reshard` is False (a shard staged while steps use the same group) or RECONFIG_EXPERT_RESHARD says no.
+        `switch.reshard` is False (a shard staged while steps use the same group) or RECONFIG_EXPERT_RESHARD says
+        no. `switch.in_place`: `previous` lets go of its experts once this block has what it needs of them.
         resharded_bytes / loaded_bytes: this rank's expert bytes that came by that all-to-all / from `loader`."""
         self.placement = wp
         self.layer_id = layer_id
@@ -102,6 +105,8 @@ class SparseMoeBlock:
         self.slots = wp.expert_slots
         self.intermediate = wp.expert_intermediate
         self.group = group
+        self.moe_style = spec.moe_style
+        self.released = False  # an in-place switch took its experts (restore_experts brings them back)
         num_physical = len(phy2log) if phy2log is not None else spec.num_experts
         if len(self.slots) * wp.ep_size != num_physical:
             raise ValueError(f"layer {layer_id}: {wp.ep_size} ranks of {len(self.slots)} slots do not hold the "
@@ -119,13 +124,19 @@ class SparseMoeBlock:
         else:
             self.router = loader.full(router_tensor_name(spec.moe_style, layer_id))  # [E, hidden]
         if (previous is not None and previous.is_expert_parallel != self.is_expert_parallel
-                and reshard and can_reshard(previous, wp) and reshard_wanted(group)):
-            self.experts = reshard_experts(previous, wp, self.phy2log, group)  # by local slot
+                and switch.reshard and can_reshard(previous, wp) and reshard_wanted(group)):
+            self.experts = reshard_experts(previous, wp, self.phy2log, group, switch)  # by local slot
             self.resharded_bytes = expert_bytes(self.experts)
         else:
             kept = {id(t) for weights in held.values() for t in weights}
+            if switch.fault is not None and previous is not None:
+                switch.fault(layer_id)
             self.experts = self._load_experts(loader, spec.moe_style, held)  # by local slot
             self.loaded_bytes = expert_bytes([w for w in self.experts if id(w[0]) not in kept])
+            ledger = switch.ledger or ExpertLedger()
+            ledger.grow(self.loaded_bytes)
+            if switch.in_place and previous is not None:
+                ledger.shrink(previous.release_experts(keep={id(t) for w in self.experts for t in w}))
         device = self.router.device
         self.num_copies, self.copy_slots = copy_tables(self.phy2log, self.num_experts, device)
         self.load = torch.zeros(num_physical, dtype=torch.int64, device=device)  # (token, k) assignments per slot
@@ -144,6 +155,21 @@ class SparseMoeBlock:
             experts.append(held[logical])
         return experts
 
+    def release_experts(self, keep: Container[int] = frozenset()) -> int:
+        """An in-place switch's old block: let go of every expert tensor (but those whose id is in `keep`: the new
+        block shares them); returns the bytes let go. The block cannot run until `restore_experts`."""
+        freed = expert_bytes([tuple(t for t in w if id(t) not in keep) for w in self.experts])
+        self.experts, self.released = [], True
+        return freed
+
+    def restore_experts(self, loader: ShardLoader) -> int:
+        """Load the experts an in-place switch took (its rollback) from `loader`, as this block's own first load
+        did (the same slots, map and slice: the same bytes); returns the bytes loaded (0: nothing was taken)."""
+        if not self.released:
+            return 0
+        self.experts, self.released = self._load_experts(loader, self.moe_style, {}), False
+        return expert_bytes(self.experts)
+
     @property
     def num_physical(self) -> int:
         """Physical expert slots of this layer across the stage."""
@@ -159,6 +185,8 @@ class SparseMoeBlock:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (T may be 0: the rank still joins the collectives) -> [T, hidden], reduced over the group."""
+        if self.released:
+            raise RuntimeError(f"layer {self.layer_id}: its experts went to an in-place switch; restore them first")
         weights, experts = route(x, self.router, self.top_k, self.renormalize, self.cast_weights)  # [T, k] each
         slots = physical_slots(experts, self.num_copies, self.copy_slots)  # [T, k]
         if self.counts_load:

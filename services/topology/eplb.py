@@ -362,3 +362,10 @@ class LoadWindow:
         self._totals[:] = 0
         self._next = 0
         self._count = 0
+
+
+def initial_expert_maps(shape, placement) -> dict[int, tuple[int, ...]]:
+    """Every sparse layer's physical -> logical map at load (shape: a ModelShape; placement: its Placement): the
+    identity, or with redundant slots (an EP layout) `initial_phy2log` (EPLB's rebalances change it at runtime)."""
+    phy2log = initial_phy2log(shape.num_experts, placement.num_physical_experts, placement.topology.ep)
+    return {layer: phy2log for layer in shape.moe_layers}

@@ -10,12 +10,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import structlog
 import torch
 
+from services.model.expert_reshard import ALONGSIDE, ExpertLedger, ExpertSwitch
 from services.model.layers import ShardLoader, SingleRankGroup
 from services.model.llama import ShardedCausalLM
 from services.model.spec import ModelSpec
 from services.rpc.reconfig.v1 import worker_pb2
 from services.topology import Placement, Topology, candidate_topologies, place, plan_kv_migration
-from services.topology.eplb import initial_phy2log
+from services.topology.eplb import initial_expert_maps
 from services.weightstore.client import MappedCheckpoint
 from services.weightstore.manifest import Manifest
 from services.worker.config import WorkerConfig
@@ -145,15 +146,17 @@ class WorkerShard:
                                      self.dtype, self.config.kv_cache_bytes)
 
     def build(self, topology: Topology, partition, checkpoint: MappedCheckpoint, previous: ModelRunner | None,
-              kv_cache: KVCache | None, model: ShardedCausalLM | None = None) -> ModelRunner | None:
+              kv_cache: KVCache | None, model: ShardedCausalLM | None = None,
+              experts: ExpertSwitch = ALONGSIDE) -> ModelRunner | None:
         """The runner of `topology` on this rank (None on standby): its shard (`model` when staged, else built now
-        from `previous` and the checkpoint) over `kv_cache` (None: a new one of the configured budget)."""
+        from `previous` and the checkpoint, its experts as `experts` says) over `kv_cache` (None: a new one of the
+        configured budget)."""
         if not 0 <= self.rank < topology.num_workers:
             return None
         placement = self.placement(topology, partition)
         wp = placement.workers[self.rank]
         if model is None:
-            model = self.build_model(topology, partition, checkpoint, previous)
+            model = self.build_model(topology, partition, checkpoint, previous, experts)
         if kv_cache is None:
             kv_cache = KVCache(wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size, self.dtype,
                                self.device, self.config.kv_cache_bytes)
@@ -161,20 +164,35 @@ class WorkerShard:
                            cuda_graphs=self.device.type == "cuda" and not self.config.enforce_eager)
 
     def build_model(self, topology: Topology, partition, checkpoint: MappedCheckpoint, previous: ModelRunner | None,
-                    expert_reshard: bool = True, pacer: Pacer = UNPACED) -> ShardedCausalLM:
-        """This rank's shard of `topology`, sharing what `previous` holds of it. expert_reshard: experts may change
-        view by all-to-all with the stage's peers (a collective: never while steps run, i.e. not when staging).
-        pacer: each tensor copy is a piece of its duty cycle (staging)."""
+                    experts: ExpertSwitch = ALONGSIDE, pacer: Pacer = UNPACED) -> ShardedCausalLM:
+        """This rank's shard of `topology`, sharing what `previous` holds of it. experts: whether experts may change
+        view by all-to-all with the stage's peers (a collective: never while steps run, i.e. not when staging) and
+        whether `previous` lets go of them layer by layer (in the freeze). pacer: each tensor copy is a piece of
+        its duty cycle (staging)."""
         placement = self.placement(topology, partition)
         wp = placement.workers[self.rank]
         # The stage's group: tensor-parallel collectives, or in an EP layout the experts' all-to-all (attention
         # is whole on each rank, data-parallel).
         stage_group = self.parallel.tp_group(topology, wp.pp_rank) if self.parallel else None
         group, ep_group = (SingleRankGroup(), stage_group) if topology.is_expert_parallel else (stage_group, None)
-        loader = ShardLoader(checkpoint.tensor, set(self.manifest.tensors), self.dtype, self.device, pacer.piece)
         expert_maps = initial_expert_maps(self.spec.shape, placement) if self.spec.shape.is_moe else None
-        return ShardedCausalLM(self.spec, wp, loader, group, previous.model if previous else None,
-                               ep_group=ep_group, expert_maps=expert_maps, expert_reshard=expert_reshard)
+        return ShardedCausalLM(self.spec, wp, self._loader(checkpoint, pacer), group,
+                               previous.model if previous else None, ep_group=ep_group, expert_maps=expert_maps,
+                               expert_switch=experts)
+
+    def _loader(self, checkpoint: MappedCheckpoint, pacer: Pacer = UNPACED) -> ShardLoader:
+        return ShardLoader(checkpoint.tensor, set(self.manifest.tensors), self.dtype, self.device, pacer.piece)
+
+    def _restore_experts(self, old: ModelRunner | None) -> None:
+        """After a switch that did not happen: the experts an in-place build took from the live shard, back from
+        the weight store (the same bytes), so that the old layout serves again."""
+        if old is None or not any(block.released for block in old.model.moe_blocks().values()):
+            return
+        started = time.perf_counter()
+        with MappedCheckpoint(self.manifest) as checkpoint:
+            layers = old.model.restore_experts(self._loader(checkpoint))
+        log.warning("worker.experts_restored", rank=self.rank, layers=layers,
+                    seconds=round(time.perf_counter() - started, 4))
 
     # ---- switching -----------------------------------------------------------------------------------------------
     def import_kv(self, request: worker_pb2.ImportKVRequest) -> worker_pb2.ImportKVResponse:
@@ -216,9 +234,14 @@ class WorkerShard:
         except SwitchFailed:
             raise  # every rank moved its KV back: the old layout is whole
         except Exception as exc:
-            # Cut off mid-way (a peer died, a collective failed): what this worker holds is no layout any more.
+            # Cut off mid-way (a peer died, a collective failed): what this worker holds is no layout any more,
+            # but its old shard is whole again (a recovery may keep it).
             if self._new_cache is not None:
                 self._new_cache.close()
+            try:
+                self._restore_experts(old)
+            except Exception:  # noqa: BLE001 (the cut-off is what the caller must hear of)
+                log.exception("worker.experts_restore_failed", rank=rank)
             self.leave_world(exc)
             raise
         finally:
@@ -315,12 +338,17 @@ class WorkerShard:
         self.kv_intact = bool(request.drop_kv) or request.precopied
         old_kv = old.kv_cache if old else None
         fault = lambda layer: FAULTS.check("migrate", rank=rank, layer=layer)  # noqa: E731
+        # A sparse layer whose experts change lets the live ones go as the new ones arrive (one layer of extra
+        # memory, not a second copy of the experts); a switch that does not happen brings them back from the store.
+        ledger = ExpertLedger()
+        experts = ExpertSwitch(in_place=True, ledger=ledger,
+                               fault=lambda layer: FAULTS.check("reshard", rank=rank, layer=layer))
         with MappedCheckpoint(self.manifest) as checkpoint, ThreadPoolExecutor(1, "reload") as pool:
             # The shard reload overlaps the KV migration (both copy memory; torch releases the GIL). A staged shard
             # only needs its runner over the new cache.
             reload = _resolved((staged_runner, 0.0)) if staged_runner is not None else pool.submit(
                 self._timed_build, target, partition, checkpoint, old, new_cache,
-                staged.model if staged is not None else None)
+                staged.model if staged is not None else None, experts)
             try:
                 if request.precopied:  # only the delta moves: the old pools stay whole until the commit
                     # One agreement for the delta and the shard (staged: its runner is ready at once).
@@ -331,17 +359,21 @@ class WorkerShard:
                         plan, rank, old_kv, new_cache, used, channel, self.agree, fault=fault, block_maps=block_maps)
             except MigrationAborted as aborted:
                 _result_or_none(reload)
+                reload = None  # the new shard goes before the old one's experts come back
                 if request.precopied:
                     if precopied is not None:
                         precopied.close()
                     raise SwitchFailed(f"{aborted}; rolled back (layers [] moved back: the KV was pre-copied, the "
                                        "old pools were only read)") from aborted
                 self._rollback(plan, aborted.done_layers, old, new_cache, request)
+                self._restore_experts(old)
                 raise SwitchFailed(f"{aborted}; rolled back (layers {aborted.done_layers} moved back)") from aborted
             built = _result_or_none(reload)
             if not request.precopied and not self.agree(built is not None):  # a shard failed: undo the migration
+                built = reload = None
                 self._rollback(plan, plan.layers() if plan else [], old, new_cache, request)
-                raise SwitchFailed(f"switch to {target}: a worker failed to load its shard; rolled back")
+                self._restore_experts(old)
+                raise SwitchFailed(f"switch to {target}: a worker failed to build its shard; rolled back")
         runner, reload_seconds = built
         finishing = time.perf_counter()
         if precopied is not None:
@@ -366,7 +398,8 @@ class WorkerShard:
         log.info("worker.switched", operation_id=request.operation_id, topology=str(target),
                  kv_channel=type(channel).__name__ if channel is not None else None,
                  kv_received=stats.bytes_received, kv_local=stats.bytes_local, weights_loaded=loaded,
-                 weights_reused=reused, weights_resharded=resharded, migrate_s=round(stats.seconds, 4),
+                 weights_reused=reused, weights_resharded=resharded, expert_peak_extra=ledger.peak_beyond,
+                 migrate_s=round(stats.seconds, 4),
                  reload_s=round(reload_seconds, 4), apply_s=round(apply_seconds, 4),
                  finish_s=round(time.perf_counter() - finishing, 4), total_s=round(time.perf_counter() - started, 4))
         return worker_pb2.ApplySwitchResponse(
@@ -376,6 +409,7 @@ class WorkerShard:
             apply_seconds=apply_seconds, weight_bytes_resharded=resharded, used_staged=staged is not None,
             used_precopy=precopied is not None, used_staged_runner=staged_runner is not None,
             staged_graphs=staged.staged_graphs if staged_runner is not None else 0,
+            expert_peak_extra_bytes=ledger.peak_beyond,
         )
 
     def _rollback(self, plan, layers: list[int], old: ModelRunner | None, new_cache: KVCache | None,
@@ -471,14 +505,6 @@ class WorkerShard:
         self.staging.drop()
         if self.runner is not None:
             self.runner.kv_cache.close()
-
-
-def initial_expert_maps(shape, placement: Placement) -> dict[int, tuple[int, ...]]:
-    """Every sparse layer's physical -> logical map at load: the identity, or with redundant slots (an EP layout)
-    the EPLB policy's placement for a uniform load (EPLB's rebalances change it at runtime)."""
-    num_ranks = placement.topology.ep
-    phy2log = initial_phy2log(shape.num_experts, placement.num_physical_experts, num_ranks)
-    return {layer: phy2log for layer in shape.moe_layers}
 
 
 class SwitchFailed(RuntimeError):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from services.model.expert_reshard import FROM_STORE
 from services.model.llama import ShardedCausalLM
 from services.rpc.reconfig.v1 import worker_pb2
 from services.topology import Topology, plan_kv_migration
@@ -105,7 +106,7 @@ class Staging:
         started = time.perf_counter()
         pacer = Pacer.of_request(request.duty)
         with MappedCheckpoint(shard.manifest) as checkpoint:
-            model = shard.build_model(target, partition, checkpoint, live, expert_reshard=False, pacer=pacer)
+            model = shard.build_model(target, partition, checkpoint, live, FROM_STORE, pacer=pacer)
         # MKL's layout (CPU) now, not in the freeze (packing is idempotent: kept parts are)
         pack_on_own_thread(model, pacer)
         seconds = time.perf_counter() - started

@@ -3,6 +3,8 @@ checkpoint loads (the exchange simulated in-process), and the real thing across 
 
 from __future__ import annotations
 
+import gc
+import weakref
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from services.model.expert_reshard import (ReshardPlan, can_reshard, ep_to_tp_plan, first_holders, pack,
+from services.model.expert_reshard import (ExpertLedger, ExpertSwitch, ReshardFailed, ReshardPlan, can_reshard,
+                                           ep_to_tp_plan, expert_bytes, expert_peak_extra_bytes, first_holders, pack,
                                            piece_numel, read_piece, slot_experts, tp_slice, tp_to_ep_plan,
                                            unpack_slices, unpack_whole, write_piece)
 from services.model.layers import ShardLoader, SingleRankGroup
@@ -22,7 +25,7 @@ from services.model.llama import ShardedCausalLM
 from services.model.moe import SparseMoeBlock, load_expert
 from services.model.spec import ModelSpec
 from services.topology import Topology, place
-from services.topology.eplb import initial_phy2log
+from services.topology.eplb import initial_expert_maps, initial_phy2log
 from services.topology.experts import expert_tensor_names
 from tests.conftest import make_checkpoint
 
@@ -246,6 +249,65 @@ def _check_model_switch(rank: int, world: int, model_dir: Path) -> None:
         assert _same_experts(block.experts, tp.moe_blocks()[layer].experts)
 
 
+def _fault_at(rank: int, layer: int):
+    """A fault hook that fails `layer` on `rank` only."""
+    def fault(at: int) -> None:
+        if at == layer and dist.get_rank() == rank:
+            raise RuntimeError(f"injected at layer {at}")
+    return fault
+
+
+def _check_in_place(rank: int, world: int, model_dir: Path) -> None:
+    """tp{P} -> ep{P} -> tp{P} in place: each sparse layer's old experts are let go (nothing keeps them alive), the
+    ledger counts what the pure prediction says (one layer of experts without spare slots); a fault at a layer
+    fails it on every rank, and the layers let go come back from the store byte-identical; by all-to-all and from
+    the store alike."""
+    spec = ModelSpec.from_dir(model_dir)
+    loader, _ = _counting_loader(load_file(model_dir / "model.safetensors"), torch.float32)
+    group = _world_group(rank, world)
+    tp_wp = place(Topology(tp=world), spec.shape).workers[rank]
+    identity = {layer: tuple(range(spec.num_experts)) for layer in spec.moe_layers}
+    tp = ShardedCausalLM(spec, tp_wp, loader, group)
+    before = {layer: _snapshot(block) for layer, block in tp.moe_blocks().items()}
+    x = torch.randn(5, spec.hidden_size, generator=torch.Generator().manual_seed(1))
+    outputs = {layer: block(x.clone()) for layer, block in tp.moe_blocks().items()}
+    last = spec.moe_layers[-1]
+    ep_wp = place(Topology(ep=world), spec.shape).workers[rank]
+    with pytest.raises(ReshardFailed, match=f"layer {last}"):
+        ShardedCausalLM(spec, ep_wp, loader, SingleRankGroup(), tp, ep_group=group,
+                        expert_switch=ExpertSwitch(in_place=True, fault=_fault_at(world - 1, last)))
+    released = [layer for layer, block in tp.moe_blocks().items() if block.released]
+    assert released == [layer for layer in spec.moe_layers if layer < last] and released
+    with pytest.raises(RuntimeError, match="restore them first"):
+        tp.moe_blocks()[released[0]](x)
+    assert tp.restore_experts(loader) == released
+    assert all(_same_experts(block.experts, before[layer]) for layer, block in tp.moe_blocks().items())
+    for reshard, extra in ((True, 0), (False, 0), (True, world), (False, world)):
+        placement = place(Topology(ep=world), spec.shape, num_redundant_experts=extra)
+        ep_wp, maps = placement.workers[rank], initial_expert_maps(spec.shape, placement)
+        ledger = ExpertLedger()
+        old_tensors = [weakref.ref(t) for block in tp.moe_blocks().values() for w in block.experts for t in w]
+        ep = ShardedCausalLM(spec, ep_wp, loader, SingleRankGroup(), tp, ep_group=group, expert_maps=maps,
+                             expert_switch=ExpertSwitch(reshard=reshard, in_place=True, ledger=ledger))
+        gc.collect()
+        assert not [ref for ref in old_tensors if ref() is not None], "an old expert tensor is still alive"
+        assert ledger.peak_beyond == expert_peak_extra_bytes(tp_wp, ep_wp, identity, maps, spec.hidden_size, 4,
+                                                             reshard)
+        layer_bytes = expert_bytes(next(iter(ep.moe_blocks().values())).experts)
+        assert ledger.peak_beyond == layer_bytes or extra, (ledger, layer_bytes)
+        for layer, block in ep.moe_blocks().items():
+            direct = SparseMoeBlock(spec, ep_wp, layer, loader, group, maps[layer])
+            assert _same_experts(block.experts, direct.experts), (reshard, extra, layer)
+        ledger = ExpertLedger()
+        tp = ShardedCausalLM(spec, tp_wp, loader, group, ep,
+                             expert_switch=ExpertSwitch(reshard=reshard, in_place=True, ledger=ledger))
+        assert ledger.peak_beyond == expert_peak_extra_bytes(ep_wp, tp_wp, maps, identity, spec.hidden_size, 4,
+                                                             reshard)
+        assert all(block.released for block in ep.moe_blocks().values())
+        for layer, block in tp.moe_blocks().items():
+            assert _same_experts(block.experts, before[layer]) and torch.equal(block(x.clone()), outputs[layer])
+
+
 def _run(rank: int, world: int, store_path: str, model_dirs: dict[str, str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
@@ -259,6 +321,7 @@ def _run(rank: int, world: int, store_path: str, model_dirs: dict[str, str]) -> 
                 for layer in spec.moe_layers:
                     _check_layer(rank, world, spec, layer, tensors, dtype)
         _check_model_switch(rank, world, Path(model_dirs["mixtral"]))
+        _check_in_place(rank, world, Path(model_dirs["qwen3_moe"]))
     finally:
         dist.destroy_process_group()
 

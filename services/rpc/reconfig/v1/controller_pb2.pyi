@@ -267,7 +267,7 @@ class PlanRequest(_message.Message):
     def __init__(self, topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerPlan(_message.Message):
-    __slots__ = ("rank", "state_before", "state_after", "kv_bytes_in", "kv_bytes_local", "weight_bytes_load", "weight_bytes_keep", "peak_extra_bytes", "num_kv_blocks_after", "weight_bytes_reshard")
+    __slots__ = ("rank", "state_before", "state_after", "kv_bytes_in", "kv_bytes_local", "weight_bytes_load", "weight_bytes_keep", "peak_extra_bytes", "num_kv_blocks_after", "weight_bytes_reshard", "expert_peak_extra_bytes")
     RANK_FIELD_NUMBER: _ClassVar[int]
     STATE_BEFORE_FIELD_NUMBER: _ClassVar[int]
     STATE_AFTER_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +278,7 @@ class WorkerPlan(_message.Message):
     PEAK_EXTRA_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_AFTER_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_RESHARD_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_PEAK_EXTRA_BYTES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     state_before: str
     state_after: str
@@ -288,7 +289,8 @@ class WorkerPlan(_message.Message):
     peak_extra_bytes: int
     num_kv_blocks_after: int
     weight_bytes_reshard: int
-    def __init__(self, rank: _Optional[int] = ..., state_before: _Optional[str] = ..., state_after: _Optional[str] = ..., kv_bytes_in: _Optional[int] = ..., kv_bytes_local: _Optional[int] = ..., weight_bytes_load: _Optional[int] = ..., weight_bytes_keep: _Optional[int] = ..., peak_extra_bytes: _Optional[int] = ..., num_kv_blocks_after: _Optional[int] = ..., weight_bytes_reshard: _Optional[int] = ...) -> None: ...
+    expert_peak_extra_bytes: int
+    def __init__(self, rank: _Optional[int] = ..., state_before: _Optional[str] = ..., state_after: _Optional[str] = ..., kv_bytes_in: _Optional[int] = ..., kv_bytes_local: _Optional[int] = ..., weight_bytes_load: _Optional[int] = ..., weight_bytes_keep: _Optional[int] = ..., peak_extra_bytes: _Optional[int] = ..., num_kv_blocks_after: _Optional[int] = ..., weight_bytes_reshard: _Optional[int] = ..., expert_peak_extra_bytes: _Optional[int] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
     __slots__ = ("from_topology", "to_topology", "workers", "num_used_blocks", "num_kv_blocks_after", "num_requests_preempted", "fits", "is_candidate", "stages", "staging_note")

@@ -312,7 +312,7 @@ class BlockMap(_message.Message):
     def __init__(self, src_pool: _Optional[int] = ..., dst_pool: _Optional[int] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ApplySwitchResponse(_message.Message):
-    __slots__ = ("kv_bytes_received", "kv_bytes_local", "weight_bytes_loaded", "weight_bytes_reused", "migrate_seconds", "reload_seconds", "peak_extra_bytes", "built_groups", "info", "apply_seconds", "weight_bytes_resharded", "used_staged", "used_precopy", "used_staged_runner", "staged_graphs")
+    __slots__ = ("kv_bytes_received", "kv_bytes_local", "weight_bytes_loaded", "weight_bytes_reused", "migrate_seconds", "reload_seconds", "peak_extra_bytes", "built_groups", "info", "apply_seconds", "weight_bytes_resharded", "used_staged", "used_precopy", "used_staged_runner", "staged_graphs", "expert_peak_extra_bytes")
     KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_LOCAL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +328,7 @@ class ApplySwitchResponse(_message.Message):
     USED_PRECOPY_FIELD_NUMBER: _ClassVar[int]
     USED_STAGED_RUNNER_FIELD_NUMBER: _ClassVar[int]
     STAGED_GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_PEAK_EXTRA_BYTES_FIELD_NUMBER: _ClassVar[int]
     kv_bytes_received: int
     kv_bytes_local: int
     weight_bytes_loaded: int
@@ -343,7 +344,8 @@ class ApplySwitchResponse(_message.Message):
     used_precopy: bool
     used_staged_runner: bool
     staged_graphs: int
-    def __init__(self, kv_bytes_received: _Optional[int] = ..., kv_bytes_local: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., weight_bytes_reused: _Optional[int] = ..., migrate_seconds: _Optional[float] = ..., reload_seconds: _Optional[float] = ..., peak_extra_bytes: _Optional[int] = ..., built_groups: _Optional[bool] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., apply_seconds: _Optional[float] = ..., weight_bytes_resharded: _Optional[int] = ..., used_staged: _Optional[bool] = ..., used_precopy: _Optional[bool] = ..., used_staged_runner: _Optional[bool] = ..., staged_graphs: _Optional[int] = ...) -> None: ...
+    expert_peak_extra_bytes: int
+    def __init__(self, kv_bytes_received: _Optional[int] = ..., kv_bytes_local: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., weight_bytes_reused: _Optional[int] = ..., migrate_seconds: _Optional[float] = ..., reload_seconds: _Optional[float] = ..., peak_extra_bytes: _Optional[int] = ..., built_groups: _Optional[bool] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., apply_seconds: _Optional[float] = ..., weight_bytes_resharded: _Optional[int] = ..., used_staged: _Optional[bool] = ..., used_precopy: _Optional[bool] = ..., used_staged_runner: _Optional[bool] = ..., staged_graphs: _Optional[int] = ..., expert_peak_extra_bytes: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "num_logprobs")
