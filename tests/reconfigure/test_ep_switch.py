@@ -131,14 +131,16 @@ async def _snapshot(stubs, tables, head_dim: int) -> dict[tuple[str, int, int], 
     return snapshot
 
 
-async def _switch(engine, stubs, topology: str) -> None:
-    """One switch driven by hand with the router frozen throughout (no step between switches)."""
+async def _switch(engine, stubs, topology: str) -> list:
+    """One switch driven by hand with the router frozen throughout (no step between switches); the workers'
+    ApplySwitch replies."""
     target = SwitchTarget(Topology.parse(topology))
     prepared, capacity = await prepare_workers(stubs, target, 60)
     maps = await engine.rebind(capacity, dp_size=target.topology.num_kv_pools)
-    await apply_workers(stubs, target, prepared, capacity, engine.used_block_ids() if maps is None else [],
-                        f"bytes-{topology}", 60, block_maps=block_maps_to_pb(maps) if maps else ())
+    replies = await apply_workers(stubs, target, prepared, capacity, engine.used_block_ids() if maps is None else [],
+                                  f"bytes-{topology}", 60, block_maps=block_maps_to_pb(maps) if maps else ())
     await engine.rebind(capacity, tuple(engine.driver.addresses))  # the same workers, in their new layout
+    return replies
 
 
 async def test_tp_ep_tp_keeps_every_kv_byte(moe_checkpoint):
@@ -160,11 +162,14 @@ async def _there_and_back(cluster, prompts, head_dim):
         await until(lambda: engine.stats().num_generation_tokens >= 8 * 5, what="KV of prompts and outputs")
         plan = await plan_switch(stack.reconfigurer, "ep4pp1")  # what the switch below will move
         assert all(w.weight_bytes_reshard > 0 for w in plan.workers) and sum(w.kv_bytes_in for w in plan.workers)
+        # In place: one sparse layer of a worker's experts (2 sparse layers here) beyond its shards, as planned
+        assert all(2 * w.expert_peak_extra_bytes == w.weight_bytes_reshard for w in plan.workers)
         await engine.freeze()
         before_tables = _tables(engine)
         before = await _snapshot(stubs, before_tables, head_dim)
         assert len(before) == len(before_tables) * 3 * 2  # every request, layer and KV head
-        await _switch(engine, stubs, "ep4pp1")
+        replies = await _switch(engine, stubs, "ep4pp1")
+        assert [r.expert_peak_extra_bytes for r in replies] == [w.expert_peak_extra_bytes for w in plan.workers]
         middle = _tables(engine)
         assert {rid for rid in middle} == set(before_tables) and len({p for p, _ in middle.values()}) > 1
         assert _equal(await _snapshot(stubs, middle, head_dim), before)  # each request whole on its EP rank
