@@ -106,6 +106,8 @@ class LiveRun:
     moves: dict[str, int]            # front.totals.moves by outcome
     decided: dict[str, int]          # migrations the policy asked for, by reason (executed or not)
     move_failures: dict[str, int]    # failed moves by error
+    full_targets: dict[str, int]     # reservations a target refused for want of blocks, by what held them
+    waited_for_room: int             # moves that waited for the moves out of their target first
     step_errors: dict[str, int]      # policy steps that raised, by error
     kv_bytes_moved: int
     move_downtime_s: float
@@ -278,6 +280,37 @@ def _count_move_failures(failures: Counter):
         front_engine.move_request = move
 
 
+@contextlib.contextmanager
+def _count_full_targets(front, full: Counter):
+    """Why a target had no room for a move's reservation: the blocks of requests moving out of it (the policy has
+    them on their targets already; they leave at their commit) covered the shortfall, or not (the target is full
+    without them: the policy filled it, the requests grew since its tick)."""
+    import grpc
+
+    from services.front.instances import Instance
+    from services.router.block_manager import num_blocks_for
+
+    migrate_in = Instance.migrate_in
+
+    async def recording_migrate_in(self, request, *args, **kwargs):
+        try:
+            return await migrate_in(self, request, *args, **kwargs)
+        except grpc.aio.AioRpcError as exc:
+            needed = re.match(r"(\d+) more KV blocks are needed, (\d+) are free", exc.details() or "")
+            if needed:
+                leaving = sum(num_blocks_for(r.kv_tokens, self.block_size) for r in front._routes.values()
+                              if r.moving and r.instance is self)
+                short = int(needed[1]) - int(needed[2])
+                full[("held by moves out of it" if leaving >= short else "full without them")] += 1
+            raise
+
+    Instance.migrate_in = recording_migrate_in
+    try:
+        yield
+    finally:
+        Instance.migrate_in = migrate_in
+
+
 async def run_policy(config: BenchConfig, policy: str, engines, addresses, model_dir, workload, prompts) -> LiveRun:
     from services.front.engine import FrontEngine, FrontSettings
     from services.front.instances import Instance
@@ -289,7 +322,7 @@ async def run_policy(config: BenchConfig, policy: str, engines, addresses, model
     front = FrontEngine(instances, Tokenizer.from_dir(model_dir), config.model,
                         FrontSettings(policy=policy, interval_s=config.interval_s))
     await front.start()
-    decided, step_errors, move_failures = Counter(), Counter(), Counter()
+    decided, step_errors, move_failures, full_targets = Counter(), Counter(), Counter(), Counter()
     _count_decisions(front, decided, step_errors)
     records = [RequestRecord(len(p), int(o), float(a))
                for p, o, a in zip(prompts, workload.output_tokens, workload.arrival_s)]
@@ -297,7 +330,7 @@ async def run_policy(config: BenchConfig, policy: str, engines, addresses, model
     t0 = time.perf_counter()
     sampler = asyncio.create_task(_sample(front, t0, samples, config.interval_s))
     try:
-        with _count_move_failures(move_failures):
+        with _count_move_failures(move_failures), _count_full_targets(front, full_targets):
             await asyncio.gather(*(_send(front, GenerationRequest(f"{policy}-{i}", prompt, record.max_tokens),
                                          record, t0) for i, (prompt, record) in enumerate(zip(prompts, records))))
         average = front.time_average_instances()  # read at once: the window ends with the last request
@@ -307,6 +340,7 @@ async def run_policy(config: BenchConfig, policy: str, engines, addresses, model
         await front.stop()
     await asyncio.sleep(0.2)  # the routers free the last requests' blocks after their streams end
     return LiveRun(policy, records, seconds, average, dict(totals.moves), dict(decided), dict(move_failures),
+                   dict(full_targets), totals.waited_for_room,
                    dict(step_errors), totals.kv_bytes_moved, totals.move_downtime_s,
                    sum(e.scheduler.num_preemptions for e in engines) - preempted,
                    sum(e.scheduler.block_manager.num_used for e in engines), front.policy.config.capacity,
@@ -381,6 +415,7 @@ def summarize(run: LiveRun, sim, exact, free, batched, rates: tuple[float, float
         "decided_per_s": sum(run.decided.values()) / run.seconds, "moved": moved, "failed": run.moves["failed"],
         "finished_before_move": run.moves["finished"], "decided": run.decided,
         "sim_migrations_by_reason": sim.migrations_by_reason, "move_failures": run.move_failures,
+        "full_targets": run.full_targets, "waited_for_room": run.waited_for_room,
         "policy_step_errors": run.step_errors,
         "sim_exact_instances": exact.mean_instances, "sim_exact_migrations_per_s": exact.migrations_per_s,
         "sim_exact_migrations_by_reason": exact.migrations_by_reason,
@@ -437,6 +472,8 @@ def policy_notes(row: dict) -> list[str]:
              f"{row['batched_sim_migrations_per_s']:.2f} mig/s"]
     if row["move_failures"]:
         lines.append(f"  failed moves: {row['move_failures']}")
+    lines.append(f"  targets without room for a reservation: {row['full_targets'] or 'none'}; moves that waited for "
+                 f"the moves out of their target: {row['waited_for_room']}")
     if row["policy_step_errors"]:
         lines.append(f"  policy steps that raised (the front then applies that tick's updates one by one): "
                      f"{row['policy_step_errors']}")

@@ -25,6 +25,7 @@ import structlog
 
 from services.front.instances import Instance, free_name, request_to_pb
 from services.front.metrics import front_metrics
+from services.front.order import Outgoing, free_tokens, leaving_first
 from services.front.rates import FrontTotals, average, choose_modes
 from services.front.route import Route
 from services.front.slots import Slots
@@ -83,6 +84,7 @@ class FrontEngine:
         self._routes: dict[str, Route] = {}
         self.slots = Slots(instances)  # policy instance ids -> the instances they are bound to
         self._moves: set[asyncio.Task] = set()
+        self._outgoing = Outgoing()  # moves in flight by the instance they leave
         self._kv_unreachable: set[tuple[str, str]] = set()  # (source, target) whose KV moves were refused
         self._task: asyncio.Task | None = None
         self._last_tick = time.monotonic()
@@ -397,7 +399,8 @@ class FrontEngine:
                 continue
             startable.append((migration, route, target))
         reprefill = self._choose_modes([m for m, _, _ in startable])
-        for migration, route, target in startable:
+        order = leaving_first([(id(route.instance), id(target)) for _, route, target in startable])
+        for migration, route, target in (startable[i] for i in order):
             if migration.request_id in reprefill and reprefill[migration.request_id] is None:
                 self._drop(migration, "deferred")
                 continue
@@ -428,14 +431,23 @@ class FrontEngine:
         source slot (`policy_source`), an operator's move that worked onto the target's slot."""
         source, source_call = route.instance, route.latest_call
         successor = route.successors[id(source_call)] = asyncio.get_running_loop().create_future()
+        leaving_target, this = self._outgoing.from_(target), asyncio.get_running_loop().create_future()
+        route.destination = target
+        self._outgoing.begin(source, this)
         try:
+            if leaving_target and free_tokens(target, self._routes.values(), self._policy_tokens, route) \
+                    < self._policy_tokens(route):  # its room comes as those moves commit (services/front/order.py)
+                self.totals.waited_for_room += 1
+                await asyncio.wait(leaving_target, timeout=self.settings.move.stop_timeout_s)
             result = await move_request(route.wire, source, target, self.settings.move,
                                         self._by_reprefill(source, target, reprefill))
         except BaseException:
             route.successors.pop(id(source_call), None)
             raise
         finally:
-            route.moving = False
+            route.moving, route.destination = False, None
+            this.set_result(None)
+            self._outgoing.end(source, this)
         request_id = route.request.request_id
         if result.kv_unreachable:
             self._kv_unreachable.add((source.name, target.name))

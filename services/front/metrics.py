@@ -33,6 +33,11 @@ def front_metrics(front: FrontEngine, labels: list[str], label_names: tuple[str,
     for outcome, count in front.totals.moves.items():
         moves.add_metric([*labels, outcome], count)
     yield moves
+    waited = CounterMetricFamily("reconfig:front_migrations_waited_for_room", "Moves that waited for the moves out "
+                                 "of their target to commit first (its room was still held by them).",
+                                 labels=label_names)
+    waited.add_metric(labels, front.totals.waited_for_room)
+    yield waited
     moved = CounterMetricFamily("reconfig:front_migration_kv_bytes", "KV bytes moved between instances.",
                                 labels=label_names)
     moved.add_metric(labels, front.totals.kv_bytes_moved)

@@ -23,6 +23,7 @@ class FrontTotals:
     instance_seconds: float = 0.0      # integral of instances in use over time
     seconds: float = 0.0
     reprefilled: int = 0               # moves made by re-prefill (the measured rates chose it)
+    waited_for_room: int = 0           # moves that waited for moves out of their target to commit first
     # Measured (exponential averages): KV bytes/s of moves, KV bytes per token, prompt tokens/s to first token.
     link_bytes_per_s: float = 0.0
     kv_bytes_per_token: float = 0.0

@@ -23,6 +23,7 @@ class Route:
     call: object = None                # the call whose responses are read now
     latest_call: object = None         # the call on `instance` (ahead of `call` while a move's source drains)
     moving: bool = False
+    destination: Instance | None = None  # where it is moving (while `moving`; it runs on `instance` until then)
     started: float = 0.0               # when it was sent to its first instance (monotonic)
     # id(call) -> the call that continues it once its instance ends it with "migrated" (set by the move).
     successors: dict[int, asyncio.Future] = field(default_factory=dict)
