@@ -11,9 +11,11 @@ below which it is that much better is T_l. The rules, in order:
   would keep in flight there (`kv_demand`: at the arrival rate now each request stays its prefill plus its output
   at the target's TPOT; requests that arrive at random and stay independently are in flight Poisson(rate x stay)
   many at a time, each holding its length, so the KV in flight is a compound Poisson sum whose `kv_quantile` (p99)
-  the target must hold, from the mean and spread of the lengths). A pool sized to the load of the moment fills at
-  the next cluster of arrivals (they queue for KV, and their TTFT shows it): never switch into a shortage, now or
-  at the next cluster;
+  the target must hold, from the mean and spread of the lengths), at the highest arrival rate of the last
+  `horizon_s` (the horizon a switch's gain is counted over: a burst that just ended is what the target must be able
+  to take again within it; bench/autopilot.py's switch into tp1pp1 as a burst died down, with a cluster of arrivals
+  15 s later, is why). A pool sized to the load of the moment fills at the next cluster of arrivals (they queue
+  for KV, and their TTFT shows it): never switch into a shortage, now or at the next cluster;
 - toward the layout that is better at higher load ("up"): as soon as the load now, or the forecast load by the time
   a switch would finish, reaches T_h; only the cooldown since the last switch applies;
 - toward the layout that is better at lower load ("down"): when the mean load over the window falls below T_l, and
@@ -159,7 +161,12 @@ class PolicyState:
     partition: tuple[int, ...] | None = None  # its layers per stage (None: the even split)
     last_switch_s: float = -math.inf  # when the last switch ended (cooldown)
     loads: tuple[int, ...] = ()       # the last `window` loads, newest last
+    arrivals: tuple[tuple[float, float], ...] = ()  # (t, arrival rate) of the ticks of the last horizon_s
     corrections: tuple[tuple[str, float], ...] = ()  # per layout served: measured TPOT / the profile's (learned)
+
+    def peak_arrival_rate(self) -> float:
+        """The highest arrival rate of the remembered ticks (0: none)."""
+        return max((rate for _, rate in self.arrivals), default=0.0)
 
     def correction(self, layout: str) -> float:
         """The learned factor of `layout`; for one not served yet, the geometric mean of those learned (1: none)."""
@@ -184,14 +191,16 @@ class Decision:
 
 
 def observe(state: PolicyState, obs: Observation, config: PolicyConfig) -> PolicyState:
-    """Remember this tick's load (the window of the "down" rule)."""
-    return replace(state, loads=(state.loads + (obs.load,))[-config.effective_window:])
+    """Remember this tick's load (the window of the "down" rule) and arrival rate (the KV check's, over the
+    horizon)."""
+    arrivals = tuple(a for a in state.arrivals if a[0] >= obs.t - config.horizon_s) + ((obs.t, obs.arrival_rate),)
+    return replace(state, loads=(state.loads + (obs.load,))[-config.effective_window:], arrivals=arrivals)
 
 
 def switched(state: PolicyState, target: str, now: float, partition: tuple[int, ...] | None = None) -> PolicyState:
     """The live layout changed (by the policy or an operator): dwell and cooldown start now; what was learned stays."""
     return PolicyState(layout=target, entered_s=now, partition=partition, last_switch_s=now, loads=state.loads,
-                       corrections=state.corrections)
+                       arrivals=state.arrivals, corrections=state.corrections)
 
 
 LEARN_CLAMP = (0.2, 5.0)  # one tick's measured / predicted is taken within these bounds (a stall, a burst of prefills)
@@ -311,6 +320,8 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
     mean_load = sum(loads) / len(loads)
     up_load = max(float(obs.load), obs.forecast_load or 0.0)
     need_blocks = math.ceil(obs.kv_used_blocks * (1 + config.kv_headroom))
+    peak_rate = max(obs.arrival_rate, state.peak_arrival_rate())  # the KV check's: the horizon's highest
+    at_peak = replace(obs, arrival_rate=peak_rate)
 
     learned = dict(state.corrections)
 
@@ -323,11 +334,12 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
         if not model.holds(need_blocks) or model.max_requests(obs.context) < obs.load:
             return (f"{model.layout} (KV holds {model.kv_blocks * model.kv_pools} blocks and "
                     f"{model.max_requests(obs.context)} requests; {need_blocks} blocks and {obs.load} requests needed)")
-        demand = kv_demand(model, obs, config.kv_quantile)
+        demand = kv_demand(model, at_peak, config.kv_quantile)
         kv_tokens = model.kv_blocks * model.kv_pools * model.block_size
         if demand is None or kv_tokens >= demand.tokens:
             return None
-        return (f"{model.layout} (KV holds {kv_tokens} tokens; {obs.arrival_rate:.2f} arrivals/s staying "
+        peak = f" (the highest of the last {config.horizon_s:.0f} s)" if peak_rate > obs.arrival_rate else ""
+        return (f"{model.layout} (KV holds {kv_tokens} tokens; {peak_rate:.2f} arrivals/s{peak} staying "
                 f"{demand.stay_s:.1f} s keep {demand.requests:.1f} requests of {demand.request_tokens:.0f} "
                 f"tokens in flight, {demand.tokens} tokens at p{config.kv_quantile * 100:g})")
 

@@ -135,6 +135,24 @@ def test_never_into_a_layout_the_arrivals_would_overfill():
         assert d.switches, d.reason
 
 
+def test_the_kv_check_holds_the_highest_arrival_rate_of_the_horizon():
+    """A burst of 4 arrivals/s 30 s ago, 2 now: tp1pp4 (better at 20 in flight) holds what 2/s keep in flight
+    but not 4/s, so it waits until the burst is a horizon (60 s) old."""
+    small = Profile("m", "x", {"tp4pp1": TP, "tp1pp4": layout("tp1pp4", 0.060, 0.001, kv_blocks=360)}, SWITCH)
+
+    def tick(t: float, rate: float) -> Observation:
+        return dataclasses.replace(obs(t, 20, used_blocks=260), arrival_rate=rate, prompt_tokens=100.0,
+                                   output_tokens=100.0)
+
+    state, d = step(PolicyState("tp4pp1", entered_s=0.0), tick(100.0, 4.0), profile=small)
+    assert not d.switches and "4.00 arrivals/s staying" in d.reason, d.reason
+    state, d = step(state, tick(130.0, 2.0), profile=small)
+    assert not d.switches and "4.00 arrivals/s (the highest of the last 60 s)" in d.reason, d.reason
+    state, d = step(state, tick(161.0, 2.0), profile=small)
+    assert d.switches and d.target == "tp1pp4", d.reason
+    assert [t for t, _ in state.arrivals] == [130.0, 161.0]  # a tick older than the horizon is forgotten
+
+
 def test_the_kv_demand_is_the_compound_poisson_quantile():
     """Simulated: requests in flight ~ Poisson(m), each holding a length drawn with the observed mean and spread
     (gamma: long-tailed, as prompts are); the demand is within 10% of the simulated p99 of their sum once several
