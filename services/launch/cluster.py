@@ -19,6 +19,7 @@ from services.topology import Topology, assign_gpus, validate
 from services.weightstore.shm import cleanup_stale_segments
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import cleanup_stale_kv_segments
+from services.worker.shm_exchange import cleanup_stale_exchange_segments
 
 log = structlog.get_logger(__name__)
 
@@ -247,6 +248,7 @@ class LocalCluster:
         self._processes = [entry for entry in self._processes if entry[2] not in {p for _, p in dead}]
         cleanup_stale_segments()  # a killed worker could not unlink its KV pool: remove what has a dead owner
         cleanup_stale_kv_segments()
+        cleanup_stale_exchange_segments()
         return [f"{name} (pid {p.pid}, exit code {p.exitcode})" for name, p in dead]
 
     def stop_services(self, names: tuple[str, ...], timeout_s: float = 10.0) -> None:
@@ -265,6 +267,7 @@ class LocalCluster:
         # A child killed with SIGKILL could not unlink its segments: remove whatever has a dead owner.
         cleanup_stale_segments()
         cleanup_stale_kv_segments()
+        cleanup_stale_exchange_segments()
 
 
 def _terminate(group: list[mp.process.BaseProcess], timeout_s: float) -> None:

@@ -15,7 +15,8 @@ The unit on the wire is a `piece`: the slice `cols` of one expert, flattened as 
 are 1-D: the splits are element counts that every rank computes from the two placements and the maps it already
 shares, with no metadata exchange. The pure functions below plan, pack and unpack; `reshard_experts` adds the one
 collective (and a one-element agreement before it, so that a rank that cannot pack fails the layer on every rank
-instead of leaving its peers in the all-to-all).
+instead of leaving its peers in the all-to-all). Host tensors of one host go through shared memory, not gloo's
+sockets (the group's `bulk_exchange`, services/worker/shm_exchange.py).
 
 In place (`ExpertSwitch.in_place`, the worker's in-freeze switch): each layer's old experts are let go as soon as
 they are packed, so a shard changes view with one layer of extra memory (Moebius' bound), not a second copy of its
@@ -39,8 +40,9 @@ if TYPE_CHECKING:
     from services.model.moe import ExpertWeights, SparseMoeBlock
 
 # How a TP <-> EP switch moves experts: "on" (all-to-all), "off" (re-cut from the weight store), "auto" (default:
-# all-to-all over NCCL; on gloo the shared-memory store is faster: bench/moe_switch.py measured the all-to-all at a
-# quarter of its speed on CPU). The same in the environment of every worker of a stack.
+# all-to-all over NCCL; on CPU the shared-memory store is faster: its build copies each byte once, the all-to-all
+# packs, exchanges and lays out: bench/moe_switch.py measured its shard build at 2-3x the store's through shared
+# memory, 5-7x over gloo's sockets). The same in the environment of every worker of a stack.
 RESHARD_ENV = "RECONFIG_EXPERT_RESHARD"
 
 
@@ -174,12 +176,14 @@ def write_piece(out: torch.Tensor, weights: ExpertWeights, cols: range) -> None:
 
 
 def pack(held: Mapping[int, ExpertWeights], sends: Sequence[Sequence[int]], cols: Sequence[range],
-         hidden: int) -> torch.Tensor:
+         hidden: int, alloc: Callable[[int, torch.dtype], torch.Tensor] | None = None) -> torch.Tensor:
     """The send buffer: for each peer p in rank order, the pieces `cols[p]` of its experts `sends[p]` (logical ids,
-    looked up in `held`), in list order. -> 1-D, sum(len(sends[p]) * piece_numel(len(cols[p]), hidden))."""
+    looked up in `held`), in list order. -> 1-D, sum(len(sends[p]) * piece_numel(len(cols[p]), hidden)), from
+    `alloc(numel, dtype)` when given (a shared-memory send buffer), else a new tensor on the experts' device."""
     sample = next(iter(held.values()))[0]
     total = sum(len(experts) * piece_numel(len(c), hidden) for experts, c in zip(sends, cols, strict=True))
-    out = torch.empty(total, dtype=sample.dtype, device=sample.device)
+    out = alloc(total, sample.dtype) if alloc is not None else torch.empty(total, dtype=sample.dtype,
+                                                                           device=sample.device)
     offset = 0
     for experts, c in zip(sends, cols):
         step = piece_numel(len(c), hidden)
@@ -297,16 +301,22 @@ def reshard_experts(previous: SparseMoeBlock, new_wp: WorkerPlacement, new_phy2l
         plan = tp_to_ep_plan(new_phy2log, size, rank)
         cols = [range(width)] * size
     step = piece_numel(width, hidden)
+    # One host, host tensors: through shared memory, not gloo's sockets (the same on every rank of the stage).
+    bulk = group.bulk_exchange() if previous.router.device.type == "cpu" and hasattr(group, "bulk_exchange") \
+        else None
     send, failure = None, None
     try:
         if switch.fault is not None:
             switch.fault(previous.layer_id)
         held = {previous.phy2log[s]: w for s, w in zip(previous.slots, previous.experts, strict=True)}
-        send = pack(held, plan.sends, cols, hidden)
+        send = pack(held, plan.sends, cols, hidden, bulk.send_buffer if bulk is not None else None)
         del held
     except Exception as exc:  # noqa: BLE001 (told to the stage below, raised on every rank)
         failure = exc
     if not stage_agrees(group, failure is None, previous.router.device):
+        send = None
+        if bulk is not None:
+            bulk.discard()
         raise ReshardFailed(f"layer {previous.layer_id}: experts could not change view "
                             f"({type(failure).__name__}: {failure} here)" if failure else
                             f"layer {previous.layer_id}: a peer of the stage could not pack its experts") from failure
@@ -315,7 +325,7 @@ def reshard_experts(previous: SparseMoeBlock, new_wp: WorkerPlacement, new_phy2l
         ledger.shrink(previous.release_experts())
     recv = send.new_empty(sum(plan.recv_splits(step)))
     ledger.grow(_nbytes(recv))
-    group.all_to_all(recv, send, plan.recv_splits(step), plan.send_splits(step))
+    (bulk or group).all_to_all(recv, send, plan.recv_splits(step), plan.send_splits(step))
     ledger.shrink(_nbytes(send))
     del send
     if previous.is_expert_parallel:  # the receive buffer becomes the layer's storage

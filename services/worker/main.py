@@ -20,6 +20,7 @@ from services.weightstore.client import fetch_manifest
 from services.worker.cuda_ipc import preload_cuda_ipc
 from services.worker.faults import FAULTS
 from services.worker.kv_cache import cleanup_stale_kv_segments
+from services.worker.shm_exchange import cleanup_stale_exchange_segments
 from services.worker.shard import WorkerShard, worker_device
 from services.worker.parallel import ParallelState, device_backend
 from services.worker.server import WorkerServicer, start_server
@@ -31,6 +32,7 @@ async def serve_worker(config: WorkerConfig, ready: Connection | None = None) ->
     """Run one worker until Shutdown, SIGTERM or SIGINT."""
     started = time.perf_counter()
     cleanup_stale_kv_segments()
+    cleanup_stale_exchange_segments()
     if config.faults:
         FAULTS.configure(config.faults)
     manifest = await fetch_manifest(config.weightstore_address)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from services.model.layers import SingleRankGroup, TPGroup
 from services.topology import Topology
+from services.worker.shm_exchange import ShmAllToAll, on_one_host
 
 CPU_BACKEND = "gloo"  # flags, agreements, barriers, metadata: host tensors on every machine
 
@@ -53,6 +54,7 @@ class DistTPGroup:
         self.ranks = ranks
         self.size = len(ranks)
         self.rank = ranks.index(rank)
+        self._bulk: ShmAllToAll | bool | None = None  # None: not asked yet; False: none here
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor, group=_live(self.device_group))
@@ -70,6 +72,16 @@ class DistTPGroup:
         dist.all_to_all_single(output, input.contiguous(), output_splits, input_splits,
                                group=_live(self.device_group))
         return output
+
+    def bulk_exchange(self) -> ShmAllToAll | None:
+        """An all-to-all of large host buffers through shared memory (services/worker/shm_exchange.py) when the
+        group's tensors live on the host (gloo) and every rank is on this host; None otherwise (NCCL moves device
+        buffers itself). The first call is a collective of the group: every rank asks at the same point."""
+        if self._bulk is None:
+            cpu = _live(self.cpu_group)
+            on_host = dist.get_backend(_live(self.device_group)) == "gloo"
+            self._bulk = ShmAllToAll(cpu, self.rank) if on_host and on_one_host(cpu) else False
+        return self._bulk or None
 
     def drop(self) -> None:
         """Forget both groups (the worker left its world)."""

@@ -4,6 +4,7 @@ checkpoint loads (the exchange simulated in-process), and the real thing across 
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 from datetime import timedelta
 from pathlib import Path
@@ -190,9 +191,12 @@ def _counting_loader(tensors, dtype: torch.dtype) -> tuple[ShardLoader, list[str
     return ShardLoader(lambda name: loaded.append(name) or tensors[name], set(tensors), dtype, CPU), loaded
 
 
-def _check_layer(rank: int, world: int, spec: ModelSpec, layer: int, tensors, dtype: torch.dtype) -> None:
+def _check_layer(rank: int, world: int, spec: ModelSpec, layer: int, tensors, dtype: torch.dtype,
+                 over_sockets: bool = False) -> None:
     loader, loaded = _counting_loader(tensors, dtype)
     group = _world_group(rank, world)
+    if over_sockets:  # as across hosts: gloo's all-to-all, not the shared-memory exchange
+        group._bulk = False
     tp_wp = place(Topology(tp=world), spec.shape).workers[rank]
     tp_block = SparseMoeBlock(spec, tp_wp, layer, loader, group)
     assert tp_block.loaded_bytes == sum(t.numel() * t.element_size() for w in tp_block.experts for t in w)
@@ -308,6 +312,31 @@ def _check_in_place(rank: int, world: int, model_dir: Path) -> None:
             assert _same_experts(block.experts, before[layer]) and torch.equal(block(x.clone()), outputs[layer])
 
 
+def _check_exchange(rank: int, world: int) -> None:
+    """The shared-memory all-to-all delivers what gloo's all_to_all_single does, empty parts included; its
+    segments are gone afterwards."""
+    from services.weightstore.shm import list_segments
+    from services.worker.shm_exchange import SEGMENT_PREFIX, ShmAllToAll
+
+    exchange = ShmAllToAll(dist.group.WORLD, rank)
+    for seed in range(4):
+        splits = torch.randint(0, 5, (world, world), generator=torch.Generator().manual_seed(seed)).tolist()
+        if seed == 0:
+            splits[0] = [0] * world  # a rank that sends nothing (EP -> TP: one holding only spare copies)
+        send_splits, recv_splits = splits[rank], [splits[p][rank] for p in range(world)]
+        data = torch.arange(sum(send_splits), dtype=torch.float32) + 1000 * rank
+        expected = torch.empty(sum(recv_splits))
+        dist.all_to_all_single(expected, data, recv_splits, send_splits)
+        send = exchange.send_buffer(data.numel(), data.dtype)
+        send.copy_(data)
+        got = torch.full_like(expected, -1.0)
+        exchange.all_to_all(got, send, recv_splits, send_splits)
+        del send
+        assert torch.equal(got, expected), (seed, rank)
+    dist.barrier()
+    assert not [name for name in list_segments(SEGMENT_PREFIX) if f"-{os.getpid()}-" in name]
+
+
 def _run(rank: int, world: int, store_path: str, model_dirs: dict[str, str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
@@ -319,9 +348,10 @@ def _run(rank: int, world: int, store_path: str, model_dirs: dict[str, str]) -> 
             dtypes = (torch.float32, torch.bfloat16) if world == 2 else (torch.float32,)
             for dtype in dtypes:
                 for layer in spec.moe_layers:
-                    _check_layer(rank, world, spec, layer, tensors, dtype)
+                    _check_layer(rank, world, spec, layer, tensors, dtype, over_sockets=dtype == torch.bfloat16)
         _check_model_switch(rank, world, Path(model_dirs["mixtral"]))
         _check_in_place(rank, world, Path(model_dirs["qwen3_moe"]))
+        _check_exchange(rank, world)
     finally:
         dist.destroy_process_group()
 
