@@ -238,11 +238,13 @@ class WorkerShard:
             # but its old shard is whole again (a recovery may keep it).
             if self._new_cache is not None:
                 self._new_cache.close()
+            # Leave first: peers blocked on this worker fail now, and the frames holding the failed build go with
+            # the traceback it drops, before the old experts come back.
+            self.leave_world(exc)
             try:
                 self._restore_experts(old)
             except Exception:  # noqa: BLE001 (the cut-off is what the caller must hear of)
                 log.exception("worker.experts_restore_failed", rank=rank)
-            self.leave_world(exc)
             raise
         finally:
             self.is_waking = self.is_switching = False
