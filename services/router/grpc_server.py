@@ -202,6 +202,7 @@ def window_to_pb(window: LoadSnapshot) -> router_pb2.LoadWindow:
         tpot_mean_seconds=window.tpot_mean_s, tpot_p99_seconds=window.tpot_p99_s, num_finished=window.num_finished,
         mean_context_tokens=window.mean_context_tokens, num_requests=window.num_requests,
         prompt_tokens_std=window.prompt_tokens_std, output_tokens_std=window.output_tokens_std,
+        arrival_dispersion=window.arrival_dispersion,
     )
 
 
@@ -212,6 +213,8 @@ def window_from_pb(pb: router_pb2.LoadWindow) -> LoadSnapshot:
         tpot_mean_s=pb.tpot_mean_seconds, tpot_p99_s=pb.tpot_p99_seconds, num_finished=pb.num_finished,
         mean_context_tokens=pb.mean_context_tokens, num_requests=pb.num_requests,
         prompt_tokens_std=pb.prompt_tokens_std, output_tokens_std=pb.output_tokens_std,
+        arrival_dispersion=pb.arrival_dispersion or 1.0,  # 0: a router that does not report it (or arrivals
+        # perfectly even): read as random, which the policy treats the same
     )
 
 

@@ -9,6 +9,7 @@ from collections import deque
 from dataclasses import dataclass
 
 DEFAULT_WINDOW_S = 60.0
+DISPERSION_BIN_S = 2.0  # arrivals are counted in bins this long for their index of dispersion
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,9 @@ class LoadSnapshot:
     num_requests: int = 0              # admitted since start (the forecast's history, by difference)
     prompt_tokens_std: float = 0.0     # the spread of the prompts admitted (population standard deviation)
     output_tokens_std: float = 0.0     # and of the outputs finished
+    # Variance / mean of the arrivals counted in DISPERSION_BIN_S bins over the window: 1 for arrivals at random
+    # (Poisson), more when they come in clusters (the Azure conversation trace's burst: 1.3), 1 when none came.
+    arrival_dispersion: float = 1.0
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -36,6 +40,21 @@ def _quantile(values: list[float], q: float) -> float:
         return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def dispersion(times: list[float], start: float, end: float, bin_s: float = DISPERSION_BIN_S) -> float:
+    """Index of dispersion (variance / mean) of the counts of `times` in the bins of [start, end) (1.0 when there
+    are fewer than two bins or no arrival)."""
+    num_bins = int((end - start) // bin_s)
+    if num_bins < 2 or not times:
+        return 1.0
+    counts = [0] * num_bins
+    for t in times:
+        index = int((t - start) // bin_s)
+        if 0 <= index < num_bins:
+            counts[index] += 1
+    mean = sum(counts) / num_bins
+    return statistics.pvariance(counts) / mean if mean > 0 else 1.0
 
 
 def _std(values: list[float]) -> float:
@@ -85,6 +104,7 @@ class LoadWindow:
             num_requests=self.num_requests,
             prompt_tokens_std=_std([a[1] for a in self._arrivals]),
             output_tokens_std=_std([f[3] for f in self._finished]),
+            arrival_dispersion=dispersion([a[0] for a in self._arrivals], now - self.window_s, now),
         )
 
 

@@ -42,3 +42,25 @@ def test_what_left_the_window_is_forgotten_and_one_value_has_no_spread():
     assert snap.tpot_mean_s == 0.0  # one token: no TPOT sample
     empty = window.snapshot(100.0)
     assert (empty.arrival_rate, empty.mean_prompt_tokens, empty.prompt_tokens_std, empty.num_finished) == (0, 0, 0, 0)
+
+
+def test_the_arrivals_dispersion_is_one_at_random_more_in_clusters_less_when_even():
+    """Counts in 2 s bins over the window: variance / mean."""
+    even, clustered = LoadWindow(window_s=60.0), LoadWindow(window_s=60.0)
+    for k in range(30):
+        even.admitted(1.0 + 2.0 * k, 10)  # one per bin
+    for k in range(10):
+        clustered.admitted(40.1 + 0.1 * k, 10)  # ten in one bin of thirty
+    assert even.snapshot(60.0).arrival_dispersion == 0.0
+    mean = 10 / 30
+    assert clustered.snapshot(60.0).arrival_dispersion == pytest.approx((100 / 30 - mean ** 2) / mean)
+    assert LoadWindow().snapshot(5.0).arrival_dispersion == 1.0  # nothing came: no evidence of clusters
+    random = LoadWindow(window_s=600.0)
+    import numpy as np
+
+    for t in np.cumsum(np.random.default_rng(0).exponential(1.0, 2000)):
+        if t < 600.0:
+            random.admitted(float(t), 10)
+    assert random.snapshot(600.0).arrival_dispersion == pytest.approx(1.0, abs=0.15)
+    assert window_from_pb(window_to_pb(clustered.snapshot(60.0))).arrival_dispersion == pytest.approx(
+        clustered.snapshot(60.0).arrival_dispersion)

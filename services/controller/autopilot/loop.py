@@ -171,7 +171,7 @@ class Autopilot:
             t=now, running=stats.num_running, waiting=stats.num_waiting, kv_used_blocks=stats.num_kv_blocks_used,
             context=context, arrival_rate=window.arrival_rate, prompt_tokens=window.mean_prompt_tokens,
             output_tokens=window.mean_output_tokens, prompt_tokens_std=window.prompt_tokens_std,
-            output_tokens_std=window.output_tokens_std,
+            output_tokens_std=window.output_tokens_std, arrival_dispersion=window.arrival_dispersion,
             ttft_p99_s=window.ttft_p99_s,
             tpot_mean_s=window.tpot_mean_s, forecast_load=self.forecast_load(window),
             measured_tpot_s=measured[0], measured_since_s=measured[1],

@@ -11,7 +11,8 @@ below which it is that much better is T_l. The rules, in order:
   would keep in flight there (`kv_demand`: at the arrival rate now each request stays its prefill plus its output
   at the target's TPOT; requests that arrive at random and stay independently are in flight Poisson(rate x stay)
   many at a time, each holding its length, so the KV in flight is a compound Poisson sum whose `kv_quantile` (p99)
-  the target must hold, from the mean and spread of the lengths), at the highest arrival rate of the last
+  the target must hold, from the mean and spread of the lengths, and wider when the arrivals come in clusters
+  (the router's index of dispersion of their counts)), at the highest arrival rate of the last
   `horizon_s` (the horizon a switch's gain is counted over: a burst that just ended is what the target must be able
   to take again within it; bench/autopilot.py's switch into tp1pp1 as a burst died down, with a cluster of arrivals
   15 s later, is why). A pool sized to the load of the moment fills at the next cluster of arrivals (they queue
@@ -62,6 +63,7 @@ class Observation:
     output_tokens: float = 0.0        # mean output of the requests finished in the window (0: none finished yet)
     prompt_tokens_std: float = 0.0    # their spreads (population standard deviations)
     output_tokens_std: float = 0.0
+    arrival_dispersion: float = 1.0   # variance / mean of the arrival counts (1: at random; more: clustered)
     ttft_p99_s: float = 0.0
     tpot_mean_s: float = 0.0
     forecast_load: float | None = None  # requests in flight predicted by the time a switch started now would end
@@ -288,7 +290,9 @@ def kv_demand(model: LayoutModel, obs: Observation, quantile: float) -> KVDemand
     plus its output at the layout's TPOT for the load now, so requests that arrive at random and stay independently
     are in flight Poisson(m = rate x stay) many at a time, each holding its prompt and output (and half a block
     unfilled, on average). The KV they hold is a compound Poisson sum: mean m·E[L], variance m·E[L²]; its quantile
-    is taken as D times the Poisson quantile of mean m·E[L]/D, D = E[L²]/E[L] (the same mean and variance). With
+    is taken as D times the Poisson quantile of mean m·E[L]/D, D = E[L²]/E[L] (the same mean and variance).
+    Arrivals that come in clusters (the router's index of dispersion I of their counts, above 1) make the count in
+    flight vary I times as much: the variance is then m·(E[L²] + (I - 1)·E[L]²), and D grows to match. With
     lengths as spread as the Azure conversation trace's (prompt std ~ its mean) D is about twice the mean length:
     the mean length alone understates the tail, and a pool that holds the mean request count fills at the next
     cluster of long prompts. Two moments fit the tail within 10% once several requests are in flight
@@ -301,7 +305,8 @@ def kv_demand(model: LayoutModel, obs: Observation, quantile: float) -> KVDemand
     requests = obs.arrival_rate * stay
     length = obs.prompt_tokens + obs.output_tokens + model.block_size / 2
     second_moment = obs.prompt_tokens_std ** 2 + obs.output_tokens_std ** 2 + length ** 2
-    dispersion = second_moment / length
+    clustering = max(obs.arrival_dispersion, 1.0) - 1.0  # an underdispersed window is taken as random
+    dispersion = (second_moment + clustering * length ** 2) / length
     tokens = math.ceil(dispersion * poisson_quantile(requests * length / dispersion, quantile))
     return KVDemand(tokens, requests, stay, length - model.block_size / 2)
 
@@ -339,6 +344,8 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
         if demand is None or kv_tokens >= demand.tokens:
             return None
         peak = f" (the highest of the last {config.horizon_s:.0f} s)" if peak_rate > obs.arrival_rate else ""
+        if obs.arrival_dispersion > 1:
+            peak += f", clustered x{obs.arrival_dispersion:.2f},"
         return (f"{model.layout} (KV holds {kv_tokens} tokens; {peak_rate:.2f} arrivals/s{peak} staying "
                 f"{demand.stay_s:.1f} s keep {demand.requests:.1f} requests of {demand.request_tokens:.0f} "
                 f"tokens in flight, {demand.tokens} tokens at p{config.kv_quantile * 100:g})")

@@ -122,9 +122,11 @@ def test_never_into_a_layout_the_arrivals_would_overfill():
     spread = dataclasses.replace(steady, prompt_tokens_std=150.0)
     _, d = step(PolicyState("tp4pp1", entered_s=0.0), steady, profile=small)
     assert d.switches and d.target == "tp1pp4", d.reason
-    for short in (spread, dataclasses.replace(steady, arrival_rate=4.0)):
+    for short in (spread, dataclasses.replace(steady, arrival_rate=4.0),
+                  dataclasses.replace(steady, arrival_dispersion=2.0)):
         _, d = step(PolicyState("tp4pp1", entered_s=0.0), short, profile=small)
         assert not d.switches and "short of KV" in d.reason, d.reason
+    assert "2.00 arrivals/s, clustered x2.00, staying" in d.reason, d.reason
     _, d = step(PolicyState("tp4pp1", entered_s=0.0), spread, profile=small)
     assert ("KV holds 5760 tokens; 2.00 arrivals/s staying 7.9 s keep 15.9 requests of 200 tokens in flight, "
             "6008 tokens at p99") in d.reason, d.reason
@@ -172,6 +174,30 @@ def test_the_kv_demand_is_the_compound_poisson_quantile():
         sums = np.array([rng.gamma(mean ** 2 / var, var / mean, n).sum() for n in counts])
         assert demand.requests >= 3
         assert demand.tokens == pytest.approx(np.quantile(sums, 0.99), rel=0.1), (rate, prompt, spread)
+
+
+def test_clustered_arrivals_widen_the_kv_demand_to_their_simulated_p99():
+    """Requests in flight counted as overdispersed (negative binomial of mean m and variance m x I, I the router's
+    index of dispersion of arrivals), each holding a gamma length: the demand follows the simulated p99 within 10%,
+    grows with I, and is the Poisson one at I <= 1."""
+    import numpy as np
+
+    model = layout("tp1pp2", 0.03, 0.01, kv_blocks=10_000)
+    rng = np.random.default_rng(1)
+    base = dataclasses.replace(obs(0.0, 4), arrival_rate=3.0, prompt_tokens=90.0, output_tokens=34.0,
+                               prompt_tokens_std=60.0, output_tokens_std=14.0)
+    poisson = kv_demand(model, base, 0.99).tokens
+    assert kv_demand(model, dataclasses.replace(base, arrival_dispersion=0.5), 0.99).tokens == poisson
+    previous = poisson
+    for index in (1.3, 2.0, 3.0):
+        demand = kv_demand(model, dataclasses.replace(base, arrival_dispersion=index), 0.99)
+        assert demand.tokens > previous
+        previous = demand.tokens
+        m, mean, var = demand.requests, 90.0 + 34.0 + 8.0, 60.0 ** 2 + 14.0 ** 2
+        p = 1 / index  # negative binomial with mean m, variance m / p
+        counts = rng.negative_binomial(m * p / (1 - p), p, 20_000)
+        sums = np.array([rng.gamma(mean ** 2 / var, var / mean, n).sum() for n in counts])
+        assert demand.tokens == pytest.approx(np.quantile(sums, 0.99), rel=0.1), index
 
 
 def test_a_live_layout_short_of_kv_moves_to_one_that_holds_the_load():

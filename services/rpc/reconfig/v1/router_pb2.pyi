@@ -371,7 +371,7 @@ class WorkerTime(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., head_seconds: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class LoadWindow(_message.Message):
-    __slots__ = ("window_seconds", "arrival_rate", "mean_prompt_tokens", "mean_output_tokens", "ttft_p50_seconds", "ttft_p99_seconds", "tpot_mean_seconds", "tpot_p99_seconds", "num_finished", "mean_context_tokens", "num_requests", "prompt_tokens_std", "output_tokens_std")
+    __slots__ = ("window_seconds", "arrival_rate", "mean_prompt_tokens", "mean_output_tokens", "ttft_p50_seconds", "ttft_p99_seconds", "tpot_mean_seconds", "tpot_p99_seconds", "num_finished", "mean_context_tokens", "num_requests", "prompt_tokens_std", "output_tokens_std", "arrival_dispersion")
     WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_RATE_FIELD_NUMBER: _ClassVar[int]
     MEAN_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -385,6 +385,7 @@ class LoadWindow(_message.Message):
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_STD_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_STD_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_DISPERSION_FIELD_NUMBER: _ClassVar[int]
     window_seconds: float
     arrival_rate: float
     mean_prompt_tokens: float
@@ -398,4 +399,5 @@ class LoadWindow(_message.Message):
     num_requests: int
     prompt_tokens_std: float
     output_tokens_std: float
-    def __init__(self, window_seconds: _Optional[float] = ..., arrival_rate: _Optional[float] = ..., mean_prompt_tokens: _Optional[float] = ..., mean_output_tokens: _Optional[float] = ..., ttft_p50_seconds: _Optional[float] = ..., ttft_p99_seconds: _Optional[float] = ..., tpot_mean_seconds: _Optional[float] = ..., tpot_p99_seconds: _Optional[float] = ..., num_finished: _Optional[int] = ..., mean_context_tokens: _Optional[float] = ..., num_requests: _Optional[int] = ..., prompt_tokens_std: _Optional[float] = ..., output_tokens_std: _Optional[float] = ...) -> None: ...
+    arrival_dispersion: float
+    def __init__(self, window_seconds: _Optional[float] = ..., arrival_rate: _Optional[float] = ..., mean_prompt_tokens: _Optional[float] = ..., mean_output_tokens: _Optional[float] = ..., ttft_p50_seconds: _Optional[float] = ..., ttft_p99_seconds: _Optional[float] = ..., tpot_mean_seconds: _Optional[float] = ..., tpot_p99_seconds: _Optional[float] = ..., num_finished: _Optional[int] = ..., mean_context_tokens: _Optional[float] = ..., num_requests: _Optional[int] = ..., prompt_tokens_std: _Optional[float] = ..., output_tokens_std: _Optional[float] = ..., arrival_dispersion: _Optional[float] = ...) -> None: ...
