@@ -320,20 +320,20 @@ def reshard_experts(previous: SparseMoeBlock, new_wp: WorkerPlacement, new_phy2l
         raise ReshardFailed(f"layer {previous.layer_id}: experts could not change view "
                             f"({type(failure).__name__}: {failure} here)" if failure else
                             f"layer {previous.layer_id}: a peer of the stage could not pack its experts") from failure
-    ledger.grow(_nbytes(send))
+    ledger.grow(send.nbytes)
     if switch.in_place:
         ledger.shrink(previous.release_experts())
     recv = send.new_empty(sum(plan.recv_splits(step)))
-    ledger.grow(_nbytes(recv))
+    ledger.grow(recv.nbytes)
     (bulk or group).all_to_all(recv, send, plan.recv_splits(step), plan.send_splits(step))
-    ledger.shrink(_nbytes(send))
+    ledger.shrink(send.nbytes)
     del send
     if previous.is_expert_parallel:  # the receive buffer becomes the layer's storage
         slices = unpack_slices(recv, plan, previous.num_experts, width, hidden)
         return [slices[new_phy2log[s]] for s in new_wp.expert_slots]
     whole = unpack_whole(recv, plan, width, hidden)
     ledger.grow(expert_bytes(list(whole.values())))
-    ledger.shrink(_nbytes(recv))
+    ledger.shrink(recv.nbytes)
     return [whole[new_phy2log[s]] for s in new_wp.expert_slots]
 
 
@@ -387,10 +387,6 @@ def stage_agrees(group: TPGroup, ok: bool, device: torch.device) -> bool:
     only GPU tensors)."""
     flag = torch.tensor([1.0 if ok else 0.0], device=device)
     return int(group.all_reduce(flag).item()) == group.size
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def expert_bytes(experts: Sequence[ExpertWeights]) -> int:

@@ -343,10 +343,12 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
         kv_tokens = model.kv_blocks * model.kv_pools * model.block_size
         if demand is None or kv_tokens >= demand.tokens:
             return None
-        peak = f" (the highest of the last {config.horizon_s:.0f} s)" if peak_rate > obs.arrival_rate else ""
+        rate = f"{peak_rate:.2f} arrivals/s"
+        if peak_rate > obs.arrival_rate:
+            rate += f" (the highest of the last {config.horizon_s:.0f} s)"
         if obs.arrival_dispersion > 1:
-            peak += f", clustered x{obs.arrival_dispersion:.2f},"
-        return (f"{model.layout} (KV holds {kv_tokens} tokens; {peak_rate:.2f} arrivals/s{peak} staying "
+            rate += f", clustered x{obs.arrival_dispersion:.2f},"
+        return (f"{model.layout} (KV holds {kv_tokens} tokens; {rate} staying "
                 f"{demand.stay_s:.1f} s keep {demand.requests:.1f} requests of {demand.request_tokens:.0f} "
                 f"tokens in flight, {demand.tokens} tokens at p{config.kv_quantile * 100:g})")
 
