@@ -1,5 +1,6 @@
 """Moebius on CPU: live tp4 <-> ep4 switches of an MoE model, experts resharded by all-to-all vs re-read from the
-weight store, at low and high KV occupancy, next to a cold restart; memcpy measured in the same run.
+weight store (in the freeze) vs staged beside the steps with the KV pre-copied, at low and high KV occupancy, next
+to a cold restart; memcpy measured in the same run.
 
     python bench/moe_switch.py [--quick] [--out bench/results]
 
@@ -7,8 +8,10 @@ A Qwen3-MoE-style checkpoint made for the run (hidden 512, 4 sparse layers, 8/4 
 top-2: 201 MB of experts in fp32, 50 MB per worker) is served by 4 workers in tp4pp1 through the router's
 engine and the controller's transaction, in process. For each way of moving experts (`reshard`: one all-to-all per
 sparse layer over the stage's group, gloo here; `store`: RECONFIG_EXPERT_RESHARD=off, every expert slice re-cut
-from the shared-memory weight store) and each occupancy, requests decode while the stack switches tp4 -> ep4 ->
-tp4; each switch's downtime, phases, the workers' shard-build time and bytes are recorded. The cold restart is
+from the shared-memory weight store; `staged`: the default strategy, the target's shards built from the store
+while serving and the running requests' KV pre-copied into the target's pools, so the freeze copies the last blocks
+only) and each occupancy, requests decode while the stack switches tp4 -> ep4 -> tp4; each switch's downtime,
+phases, the workers' shard-build time and bytes are recorded. The cold restart is
 stopping the stack, starting it again and re-prefilling the live requests' tokens. Prints a table; writes JSON and
 a plot. Heavy imports stay inside functions: worker processes re-import this module as `__mp_main__`.
 """
@@ -27,6 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 TOKEN = "bench-moe-switch"
 MIB = 1 << 20
+MODES = ("reshard", "store", "staged")
 
 
 def log(message: str) -> None:
@@ -128,8 +132,9 @@ async def run_mode(model_dir: Path, mode: str, occupancies: dict[str, tuple[int,
                 await asyncio.sleep(0.005)
             for target in ("ep4pp1", "tp4pp1"):
                 stats = engine.stats()
-                # In place: a staged switch builds its shards from the store while serving, with no all-to-all.
-                operation = await stack["reconfigurer"].reconfigure(target, strategy="in-place")
+                # reshard and store: in place (a staged switch builds its shards from the store, no all-to-all)
+                strategy = "staged" if mode == "staged" else "in-place"
+                operation = await stack["reconfigurer"].reconfigure(target, strategy=strategy)
                 if operation.state is not OperationState.SUCCEEDED:
                     raise RuntimeError(f"{mode} -> {target}: {operation.state.name}: {operation.error}")
                 replies = [w.applied for w in stack["workers"]]
@@ -138,7 +143,8 @@ async def run_mode(model_dir: Path, mode: str, occupancies: dict[str, tuple[int,
                     kv_blocks_used=stats.num_kv_blocks_used, kv_blocks_total=stats.num_kv_blocks_total,
                     downtime_s=operation.downtime_seconds, phases_s=dict(operation.phase_seconds),
                     kv_bytes_moved=operation.kv_bytes_moved, weight_bytes_loaded=operation.weight_bytes_loaded,
-                    weight_bytes_resharded=operation.weight_bytes_resharded,
+                    weight_bytes_resharded=operation.weight_bytes_resharded, precopy=operation.precopy,
+                    kv_bytes_precopied=operation.kv_bytes_precopied,
                     build_s=max(r.reload_seconds for r in replies), migrate_s=max(r.migrate_seconds for r in replies),
                     resharded_per_worker=max(r.weight_bytes_resharded for r in replies),
                     kv_peak_extra=max(r.peak_extra_bytes for r in replies),
@@ -161,9 +167,10 @@ async def run_mode(model_dir: Path, mode: str, occupancies: dict[str, tuple[int,
 
 def table(result: dict) -> str:
     lines = ["| mode | occupancy | switch | live | KV used | downtime ms | MIGRATING ms | shard build ms | "
-             "experts resharded MiB | weights loaded MiB | expert peak extra MiB | restart ÷ switch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for mode in ("reshard", "store"):
+             "experts resharded MiB | weights loaded MiB | expert peak extra MiB | staging / pre-copy ms | "
+             "KV pre-copied / in freeze MiB | restart ÷ switch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for mode in MODES:
         data = result.get(mode)
         if not data:
             continue
@@ -173,7 +180,9 @@ def table(result: dict) -> str:
                          f"{s['kv_blocks_total']} | {s['downtime_s'] * 1e3:.0f} | "
                          f"{s['phases_s'].get('MIGRATING', 0) * 1e3:.0f} | {s['build_s'] * 1e3:.0f} | "
                          f"{s['weight_bytes_resharded'] / MIB:.0f} | {s['weight_bytes_loaded'] / MIB:.0f} | "
-                         f"{s.get('expert_peak_extra', 0) / MIB:.1f} | {restart / s['downtime_s']:.1f}× |")
+                         f"{s.get('expert_peak_extra', 0) / MIB:.1f} | {s['phases_s'].get('STAGING', 0) * 1e3:.0f} / "
+                         f"{s['phases_s'].get('PRECOPY', 0) * 1e3:.0f} | {s.get('kv_bytes_precopied', 0) / MIB:.1f} / "
+                         f"{s['kv_bytes_moved'] / MIB:.1f} | {restart / s['downtime_s']:.1f}× |")
     out = "\n".join(lines)
     if "reshard" in result and "store" in result:
         pairs = list(zip(result["reshard"]["switches"], result["store"]["switches"]))
@@ -183,6 +192,15 @@ def table(result: dict) -> str:
         gbps = [a["resharded_per_worker"] / a["build_s"] / 1e9 for a, _ in pairs]
         out += (f"\nreshard GB/s per worker (expert bytes ÷ shard build): {', '.join(f'{g:.2f}' for g in gbps)}; "
                 f"memcpy {result['memcpy_gbps']:.2f} GB/s; ratio {max(gbps) / result['memcpy_gbps']:.2f}")
+    if "staged" in result:
+        for other in ("reshard", "store"):
+            if other in result:
+                pairs = list(zip(result["staged"]["switches"], result[other]["switches"]))
+                out += (f"\ndowntime, {other} in the freeze ÷ staged with the KV pre-copied (same switch): "
+                        + ", ".join(f"{a['occupancy']} →{a['target']} {b['downtime_s'] / a['downtime_s']:.1f}× "
+                                    f"({b['downtime_s'] * 1e3:.0f} / {a['downtime_s'] * 1e3:.0f} ms)"
+                                    for a, b in pairs))
+    # In place only: a staged switch holds the target's shard beside the live one (the staging budget decides).
     switches = [s for m in ("reshard", "store") if m in result for s in result[m]["switches"]]
     layer = result["experts_per_worker"] / result["num_sparse_layers"]
     experts_peak = max(s.get("expert_peak_extra", 0) for s in switches)
@@ -206,7 +224,7 @@ def plot(result: dict, path: Path) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(8, 4))
-    modes = [m for m in ("reshard", "store") if m in result]
+    modes = [m for m in MODES if m in result]
     labels = [f"{s['occupancy']} →{s['target']}" for s in result[modes[0]]["switches"]]
     width = 0.8 / len(modes)
     for i, mode in enumerate(modes):
@@ -223,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one occupancy, fewer tokens")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
-    parser.add_argument("--mode", choices=("reshard", "store"), help=argparse.SUPPRESS)  # one mode, in a child
+    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # one mode, in a child
     parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     occupancies = {"low": (4, 16)} if args.quick else {"low": (4, 16), "high": (48, 160)}
@@ -238,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     import subprocess
     import tempfile
 
-    for mode in ("reshard", "store"):
+    for mode in MODES:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "mode.json"
             command = [sys.executable, __file__, "--mode", mode, "--json", str(out)] + (["--quick"] if args.quick else [])

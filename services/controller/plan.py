@@ -87,7 +87,7 @@ async def plan_switch(reconfigurer: Reconfigurer, topology: str, layer_partition
         ))
     staging_note = "" if reconfigurer.staging else "staging is off: every switch runs in place"
     if not staging_note:
-        pools = staged_pool_bytes(spec, state.topology, target, capacity, block_size, dtype_bytes) \
+        pools = staged_pool_bytes(spec, target, capacity, block_size, dtype_bytes) \
             if reconfigurer.kv_precopy else {}
         staging_note = staging_verdict(staging_needs(weights, target.topology, dtype_bytes, pools),
                                        reconfigurer.staging_budget_bytes)

@@ -61,12 +61,10 @@ def staging_needs(reloads: Mapping[int, WeightReload], target: Topology, dtype_b
             if rank < target.num_workers}
 
 
-def staged_pool_bytes(spec: ModelSpec, live: Topology, target: SwitchTarget, capacity: int, block_size: int,
+def staged_pool_bytes(spec: ModelSpec, target: SwitchTarget, capacity: int, block_size: int,
                       dtype_bytes: int) -> dict[int, int]:
     """Rank -> bytes of the KV pool it pre-copies into (the target's capacity over its layers and KV heads; an
-    upper bound: layers it keeps as they are need none); empty when the switch cannot pre-copy."""
-    if live.num_kv_pools > 1 or target.topology.num_kv_pools > 1:
-        return {}
+    upper bound: layers it keeps as they are need none)."""
     placement = place(target.topology, spec.shape, target.layer_partition)
     return {rank: 2 * capacity * block_size * len(w.kv_heads) * spec.head_dim * dtype_bytes * len(w.layers)
             for rank, w in enumerate(placement.workers)}
@@ -99,11 +97,9 @@ class Precopy:
     bytes_copied: int
 
 
-def precopy_refusal(live: Topology, target: Topology, staged: list[bool]) -> str:
+def precopy_refusal(target: Topology, staged: list[bool]) -> str:
     """Why this switch may not pre-copy its KV ("" when it may): every rank active in the target must hold a
-    staged shard (the pool goes with it), and blocks must keep their ids (one KV pool on both sides)."""
-    if live.num_kv_pools > 1 or target.num_kv_pools > 1:
-        return "the switch renumbers KV blocks (several KV pools: expert parallel)"
+    staged shard (the pool goes with it)."""
     missing = [rank for rank in range(target.num_workers) if rank >= len(staged) or not staged[rank]]
     if missing:
         return f"worker {missing[0]} staged no shard of the target"
@@ -122,10 +118,11 @@ async def precopy_kv(workers: list[worker_pb2_grpc.WorkerStub], router: router_p
     rounds = copied_bytes = 0
     while rounds < PRECOPY_MAX_ROUNDS:
         blocks = await router.PreCopyBlocks(
-            router_pb2.PreCopyBlocksRequest(operation_id=operation_id, num_kv_blocks=capacity),
+            router_pb2.PreCopyBlocksRequest(operation_id=operation_id, num_kv_blocks=capacity,
+                                            dp_size=target.topology.num_kv_pools),
             timeout=timeout(), metadata=metadata)
         request = worker_pb2.PreCopyKVRequest(operation_id=operation_id, num_kv_blocks=capacity,
-                                              block_ids=blocks.block_ids, warm_block_ids=blocks.warm_block_ids,
+                                              block_maps=blocks.block_maps, warm_block_maps=blocks.warm_block_maps,
                                               peers=peers, duty=duty)
         replies = await asyncio.gather(*(w.PreCopyKV(request, timeout=timeout(), metadata=metadata)
                                          for w in receivers), return_exceptions=True)
@@ -137,10 +134,11 @@ async def precopy_kv(workers: list[worker_pb2_grpc.WorkerStub], router: router_p
         rounds += 1
         round_bytes = sum(r.kv_bytes_received + r.kv_bytes_local for r in replies)
         copied_bytes += round_bytes
-        log.info("controller.precopy_round", operation_id=operation_id, round=rounds, blocks=len(blocks.block_ids),
-                 warm_blocks=len(blocks.warm_block_ids), used=blocks.num_used, bytes=round_bytes,
-                 seconds=round(max(r.seconds for r in replies), 4))
-        if rounds > 1 and len(blocks.block_ids) <= PRECOPY_STOP_BLOCKS:
+        num_blocks = sum(len(m.src_block_ids) for m in blocks.block_maps)
+        log.info("controller.precopy_round", operation_id=operation_id, round=rounds, blocks=num_blocks,
+                 warm_blocks=sum(len(m.src_block_ids) for m in blocks.warm_block_maps), used=blocks.num_used,
+                 bytes=round_bytes, seconds=round(max(r.seconds for r in replies), 4))
+        if rounds > 1 and num_blocks <= PRECOPY_STOP_BLOCKS:
             break
     return Precopy(prepared, capacity, rounds, copied_bytes)
 

@@ -186,7 +186,7 @@ class Reconfigurer:
         reloads = planned_reloads(self.spec, self.state.topology, self.state.layer_partition, target.topology,
                                   target.layer_partition)
         dtype_bytes = prepared[0].kv_dtype_bytes
-        pools = staged_pool_bytes(self.spec, self.state.topology, target, capacity, prepared[0].block_size,
+        pools = staged_pool_bytes(self.spec, target, capacity, prepared[0].block_size,
                                   dtype_bytes) if self.kv_precopy else {}
         return staging_verdict(staging_needs(reloads, target.topology, dtype_bytes, pools), self.staging_budget_bytes)
 
@@ -211,7 +211,7 @@ class Reconfigurer:
         """PRECOPY, while the router serves: the KV of running requests into the staged pools, in rounds. None when
         this switch cannot (the status says why): the freeze moves all the KV. A failure or the deadline here
         changes nothing live: the staged shards and pools are dropped."""
-        why_not = precopy_refusal(self.state.topology, target.topology, staged)
+        why_not = precopy_refusal(target.topology, staged)
         if not why_not:
             progress.enter(PRECOPY_PHASE)
             try:

@@ -135,6 +135,26 @@ class DataParallelBlocks:
         self._pools[rank].truncate(seq, num_tokens)
         self._bind(seq, rank)
 
+    def reserve(self, request_id: str, rank: int, num_blocks: int) -> list[int]:
+        """Up to `num_blocks` free ids of rank's pool (lowest first; fewer when fewer are free) for a request that
+        holds blocks of no other rank here: a KV pre-copy reserving a request's blocks in the target's pools."""
+        if self._rank.get(request_id, rank) != rank:
+            raise ValueError(f"{request_id} holds blocks of rank {self._rank[request_id]}, not {rank}")
+        pool = self._pools[rank]
+        taken = pool.take(request_id, max(0, min(num_blocks, pool.num_free))) or []
+        if taken:
+            self._rank[request_id] = rank
+        return taken
+
+    def give_back(self, request_id: str, block_ids: Sequence_[int]) -> None:
+        """Return some of a request's reserved ids; it stays bound to its rank (release() ends the reservation)."""
+        rank = self._rank.get(request_id)
+        if rank is None:
+            return
+        for block_id in block_ids:
+            if self._pools[rank].owner(block_id) == request_id:
+                self._pools[rank].release(block_id)
+
     def release(self, request_id: str, block_ids: list[int]) -> None:
         """Return a request's blocks when only its id and ids are known (it ended while these pools were set
         aside by a switch that then rolled back)."""
@@ -199,38 +219,75 @@ class Repartition:
     unplaced: tuple[str, ...]           # requests no new pool could hold: the caller preempts them
 
 
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """What a KV pre-copy reserved in the target's pools while serving (PoolPrecopy.reserved): the pools, holding
+    the requests' reserved ids, and per request its pool, its ids by position in its block table and how many
+    leading positions hold KV copied already (the freeze copies only the others)."""
+
+    blocks: DataParallelBlocks
+    requests: Mapping[str, tuple[int, list[int], int]]  # request_id -> (rank, ids by position, positions copied)
+
+
 def repartition(blocks: DataParallelBlocks, tables: Mapping[str, Sequence_[int]], num_ranks: int,
-                num_blocks: int) -> Repartition:
+                num_blocks: int, reserved: Reserved | None = None) -> Repartition:
     """New pools (num_ranks of num_blocks ids) for the requests holding blocks now (tables: request_id -> block
     ids, in token order; blocks gives each one's current pool). Requests are assigned longest first onto the least
     loaded rank (assign_requests: Moebius' TP -> EP rule; to one pool, everyone goes to it), and take the lowest
     free ids there; a request its rank cannot hold goes to the least used rank that can, else it is unplaced.
-    Pure: `blocks` is not changed."""
-    new = DataParallelBlocks(num_ranks, num_blocks, blocks.block_size)
+
+    reserved: a pre-copy's reservations in the new pools. A request with one keeps its rank and reserved ids (it
+    takes more there for the blocks it got since) and its copied positions are left out of the maps; one its rank
+    cannot hold any more gives its reservation up and is placed as above, whole. Pure: `blocks` is not changed
+    (`reserved.blocks` is taken over)."""
+    if reserved is None:
+        new, presets = DataParallelBlocks(num_ranks, num_blocks, blocks.block_size), {}
+    else:
+        new, presets = reserved.blocks, reserved.requests
+        if (new.num_ranks, new.num_blocks_per_rank) != (num_ranks, num_blocks):
+            raise ValueError(f"the pre-copy reserved {new.num_ranks} pools of {new.num_blocks_per_rank} blocks, the "
+                             f"switch wants {num_ranks} of {num_blocks}")
     counts = {rid: len(ids) for rid, ids in tables.items() if ids}
-    assignment = assign_requests(counts, num_ranks)
     block_tables: dict[str, list[int]] = {}
     maps: BlockMaps = {}
     unplaced = []
-    for request_id in sorted(counts, key=lambda rid: (-counts[rid], rid)):
+
+    def place(request_id: str, rank: int, ids: list[int], num_copied: int) -> None:
+        block_tables[request_id] = ids
+        src, dst = maps.setdefault((blocks._rank[request_id], rank), ([], []))
+        src.extend(tables[request_id][num_copied:])
+        dst.extend(ids[num_copied:])
+
+    for request_id in sorted(presets, key=lambda rid: (-len(presets[rid][1]), rid)):
+        rank, ids, num_copied = presets[request_id]
+        if request_id not in counts or request_id not in blocks._rank:
+            new.release(request_id, ids)
+            continue
+        need = counts[request_id]
+        new.give_back(request_id, ids[need:])  # positions its table no longer reaches (a failed step's slots)
+        ids = ids[:need] + new.reserve(request_id, rank, need - len(ids[:need]))
+        if len(ids) < need:  # its rank is full: it goes wherever it fits, moved whole
+            new.release(request_id, ids)
+            continue
+        place(request_id, rank, ids, min(num_copied, need))
+    rest = {rid: count for rid, count in counts.items() if rid not in block_tables}
+    assignment = assign_requests(rest, num_ranks, loads=new.per_rank_used())
+    for request_id in sorted(rest, key=lambda rid: (-counts[rid], rid)):
         ranks = [assignment[request_id]] + sorted((r for r in range(num_ranks) if r != assignment[request_id]),
                                                   key=lambda r: (new._pools[r].num_used, r))
         rank = next((r for r in ranks if new._pools[r].can_allocate(counts[request_id])), None)
-        old_rank = blocks._rank.get(request_id)
-        if rank is None or old_rank is None:
+        if rank is None or request_id not in blocks._rank:
             unplaced.append(request_id)
             continue
-        taken = new._pools[rank].take(request_id, counts[request_id])
-        new._rank[request_id] = rank
-        block_tables[request_id] = taken
-        src, dst = maps.setdefault((old_rank, rank), ([], []))
-        src.extend(tables[request_id])
-        dst.extend(taken)
+        place(request_id, rank, new.reserve(request_id, rank, counts[request_id]), 0)
+    maps = {pair: ids for pair, ids in maps.items() if ids[0]}
     return Repartition(new, block_tables, maps, tuple(unplaced))
 
 
-def assign_requests(block_counts: Mapping[str, int], num_ranks: int) -> dict[str, int]:
-    """request_id -> DP rank for rebalancing: longest first onto the least loaded rank (ties: lowest rank).
+def assign_requests(block_counts: Mapping[str, int], num_ranks: int,
+                    loads: Sequence_[int] = ()) -> dict[str, int]:
+    """request_id -> DP rank for rebalancing: longest first onto the least loaded rank (ties: lowest rank); `loads`:
+    blocks each rank holds already (none by default).
 
     Greedy LPT: the fullest rank ends within the largest request of the optimum (and within 4/3 of it), which is
     what matters when requests have to be re-prefilled or moved to even out the KV. Requests are taken by block
@@ -240,10 +297,11 @@ def assign_requests(block_counts: Mapping[str, int], num_ranks: int) -> dict[str
         raise ValueError(f"need num_ranks >= 1, got {num_ranks}")
     if negative := sorted(rid for rid, count in block_counts.items() if count < 0):
         raise ValueError(f"negative block counts for {negative}")
-    loads = [(0, rank) for rank in range(num_ranks)]  # min-heap of (blocks assigned, rank)
+    heap = [(loads[rank] if loads else 0, rank) for rank in range(num_ranks)]  # min-heap of (blocks, rank)
+    heapq.heapify(heap)
     assignment: dict[str, int] = {}
     for request_id in sorted(block_counts, key=lambda rid: (-block_counts[rid], rid)):
-        load, rank = heapq.heappop(loads)
+        load, rank = heapq.heappop(heap)
         assignment[request_id] = rank
-        heapq.heappush(loads, (load + block_counts[request_id], rank))
+        heapq.heappush(heap, (load + block_counts[request_id], rank))
     return assignment

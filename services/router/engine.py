@@ -33,7 +33,7 @@ from services.router.expert_balance import EplbSettings, ExpertBalancer
 from services.router.load_window import LoadWindow, RequestTimer
 from services.router.migration import InstanceMigrations
 from services.router.output import RequestStream
-from services.router.precopy import KVPrecopy, PrecopyRound, PrecopyUnsupported
+from services.router.precopy import KVPrecopy, PoolPrecopy, PrecopyRound
 from services.router.scheduler import ScheduledBatch, Scheduler
 from services.router.sequence import Sequence, SequenceStatus
 from services.topology import Topology
@@ -95,7 +95,7 @@ class Engine:
         self.num_steps = 0  # steps completed (EPLB's step_interval counts them)
         self._expert_commit: tuple[int, asyncio.Future] | None = None  # EPLB: (epoch, done) for the next step
         self.experts = ExpertBalancer(self, eplb)  # MoE: EPLB's trigger, status and commit
-        self.precopy: KVPrecopy | None = None  # the KV pre-copy of the switch under way (precopy_blocks)
+        self.precopy: KVPrecopy | PoolPrecopy | None = None  # the switch's KV pre-copy (precopy_blocks)
         self.load = LoadWindow()  # arrivals and latencies of the last minute (RouterStats.window: the autopilot)
         self.migrations = InstanceMigrations(self)  # requests moving to or from other instances (MELL)
         self._step_done = asyncio.Event()  # set and replaced each time a step returns (wait_step)
@@ -247,7 +247,8 @@ class Engine:
         return self._held_at - self._frozen_at
 
     async def rebind(self, num_kv_blocks: int, worker_addresses: tuple[str, ...] | None = None,
-                     drop_kv: bool = False, dp_size: int = 0, worker_infos: list | None = None) -> BlockMaps | None:
+                     drop_kv: bool = False, dp_size: int = 0, worker_infos: list | None = None,
+                     precopy_operation_id: str = "") -> BlockMaps | None:
         """Frozen only. Take a new KV capacity (the newest requests are preempted if live blocks exceed it) and,
         with worker_addresses, stream steps to the active workers of the new layout (_swap_driver). drop_kv: the
         workers lost the KV of the running requests, so every one of them is preempted (re-prefilled later).
@@ -256,7 +257,10 @@ class Engine:
         expert-parallel layout), every running request gets a pool of the target and ids there, and the block maps
         the workers' migration follows are returned. Rebinding back to the old width before any step restores the
         old pools exactly (a rolled-back switch); taking the new workers (worker_addresses) commits the new ones.
-        worker_infos: the workers' infos in the new layout, when the caller has them (not asked again)."""
+        worker_infos: the workers' infos in the new layout, when the caller has them (not asked again).
+        precopy_operation_id: the switch whose rounds pre-copied into the target's pools (PoolPrecopy): every
+        request keeps the pool and ids reserved for it, and the maps hold only what the rounds did not copy. (With
+        one pool on both sides, kv_to_move gives the delta.)"""
         if worker_addresses is not None:
             if self._inflight:
                 raise RuntimeError("rebind with steps in flight: freeze first")
@@ -268,7 +272,9 @@ class Engine:
             log.info("engine.pools_restored", num_ranks=dp_size)
             self.scheduler.rebind(num_kv_blocks)
         elif dp_size and (dp_size > 1 or blocks.num_ranks > 1):
-            maps, preempted = self.scheduler.repartition(dp_size, num_kv_blocks)
+            precopy = self._end_precopy(precopy_operation_id, PoolPrecopy)
+            reserved = precopy.reservations(self.scheduler.running, blocks) if precopy is not None else None
+            maps, preempted = self.scheduler.repartition(dp_size, num_kv_blocks, reserved)
             log.info("engine.pools_repartitioned", num_ranks=dp_size, num_blocks=num_kv_blocks,
                      moved=sum(len(src) for src, _ in maps.values()), preempted=len(preempted))
         else:
@@ -307,31 +313,51 @@ class Engine:
     def used_block_ids(self) -> list[int]:
         return self.scheduler.block_manager.used_block_ids()
 
-    def precopy_blocks(self, operation_id: str, num_kv_blocks: int) -> PrecopyRound:
-        """A KV pre-copy round of switch `operation_id` (serving goes on): the full blocks of running requests not
-        handed out before in this operation, below the target capacity, and their partly filled ones to warm. A new
-        operation id starts afresh."""
+    def precopy_blocks(self, operation_id: str, num_kv_blocks: int, num_kv_pools: int = 1) -> PrecopyRound:
+        """A KV pre-copy round of switch `operation_id` (serving goes on) into a target of `num_kv_pools` pools of
+        `num_kv_blocks` blocks: the full blocks of running requests not handed out before in this operation, and
+        their partly filled ones to warm, as block maps. One pool on both sides: blocks keep their ids (those at or
+        above the target's capacity are left to the freeze); else each request gets a pool of the target and ids
+        there, reserved until the freeze (PoolPrecopy). A new operation id starts afresh."""
         blocks = self.scheduler.block_manager
-        if blocks.num_ranks > 1:
-            raise PrecopyUnsupported("KV pre-copy needs one KV pool: the layout is expert parallel")
-        if num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
-        if self.precopy is None or self.precopy.operation_id != operation_id:
-            self.precopy = KVPrecopy(operation_id, num_kv_blocks)
-        ids = self.precopy.next_round(self.scheduler.running, blocks.block_size)
-        warm = self.precopy.warm(self.scheduler.running, blocks.block_size)
-        return PrecopyRound(ids, warm, self.precopy.num_copied, blocks.num_used)
+        if num_kv_blocks < 1 or num_kv_pools < 1:
+            raise ValueError(f"need num_kv_blocks >= 1 and num_kv_pools >= 1, got {num_kv_blocks}, {num_kv_pools}")
+        precopy = self.precopy
+        if precopy is None or precopy.operation_id != operation_id:
+            if blocks.num_ranks == 1 and num_kv_pools == 1:
+                precopy = KVPrecopy(operation_id, num_kv_blocks)
+            else:
+                precopy = PoolPrecopy(operation_id, num_kv_pools, num_kv_blocks, blocks.block_size,
+                                      same_pools=num_kv_pools == blocks.num_ranks)
+            self.precopy = precopy
+        if isinstance(precopy, PoolPrecopy):
+            if (precopy.target.num_ranks, precopy.num_kv_blocks) != (num_kv_pools, num_kv_blocks):
+                raise ValueError(f"operation {operation_id!r} pre-copies into {precopy.target.num_ranks} pools of "
+                                 f"{precopy.num_kv_blocks} blocks, not {num_kv_pools} of {num_kv_blocks}")
+            maps, warm = precopy.next_round(self.scheduler.running, blocks)
+        else:
+            ids = precopy.next_round(self.scheduler.running, blocks.block_size)
+            warm_ids = precopy.warm(self.scheduler.running, blocks.block_size)
+            maps = {(0, 0): (ids, list(ids))} if ids else {}
+            warm = {(0, 0): (warm_ids, list(warm_ids))} if warm_ids else {}
+        return PrecopyRound(maps, warm, precopy.num_copied, blocks.num_used)
+
+    def _end_precopy(self, operation_id: str, kind: type) -> KVPrecopy | PoolPrecopy | None:
+        """The record of the pre-copy `operation_id` ("": none ran), which ends here (also when it is not found:
+        ValueError, the switch gives up on it)."""
+        precopy, self.precopy = self.precopy, None
+        if not operation_id:
+            return None
+        if not isinstance(precopy, kind) or precopy.operation_id != operation_id:
+            raise ValueError(f"no KV pre-copy of operation {operation_id!r} ran here")
+        return precopy
 
     def kv_to_move(self, precopy_operation_id: str = "") -> list[int]:
-        """Frozen: the used block ids a switch's KV migration must copy now: all of them, or with the operation
-        whose rounds pre-copied the rest, only the delta. The pre-copy record ends here."""
+        """Frozen, one KV pool: the used block ids a switch's KV migration must copy now: all of them, or with the
+        operation whose rounds pre-copied the rest, only the delta. The pre-copy record ends here."""
         used = self.used_block_ids()
-        precopy, self.precopy = self.precopy, None
-        if not precopy_operation_id:
-            return used
-        if precopy is None or precopy.operation_id != precopy_operation_id:
-            raise ValueError(f"no KV pre-copy of operation {precopy_operation_id!r} ran here")
-        return precopy.delta(self.scheduler.running, used)
+        precopy = self._end_precopy(precopy_operation_id, KVPrecopy)
+        return used if precopy is None else precopy.delta(self.scheduler.running, used)
 
     def record_switch(self, report: SwitchReport) -> None:
         """Count a finished layout switch (the controller sends it on the Resume that ends the switch)."""

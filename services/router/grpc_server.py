@@ -26,7 +26,6 @@ from services.rpc.auth import TokenAuthInterceptor, generate_token, is_authorize
 from services.rpc.errors import ErrorInterceptor, check_address
 from services.router.expert_balance import ExpertBalanceAborted, ExpertBalanceError
 from services.router.migration import MigrationRefused, RouterFrozen
-from services.router.precopy import PrecopyUnsupported
 from services.router.load_window import LoadSnapshot
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from services.worker.step import SamplingParams, WorkerTime
@@ -54,17 +53,20 @@ class AdminEngine(EngineProtocol, Protocol):
         ...
 
     def rebind(self, num_kv_blocks: int, worker_addresses: tuple[str, ...] | None = None,
-               drop_kv: bool = False, dp_size: int = 0, worker_infos: list | None = None) -> object:
+               drop_kv: bool = False, dp_size: int = 0, worker_infos: list | None = None,
+               precopy_operation_id: str = "") -> object:
         """Take a new KV capacity (frozen only), optionally new workers (and their infos), dropping the KV, and
-        another number of KV pools (then it returns the block maps); may return an awaitable."""
+        another number of KV pools (then it returns the block maps: after that operation's pre-copy, of what it
+        did not copy); may return an awaitable."""
         ...
 
     def kv_to_move(self, precopy_operation_id: str = "") -> list[int]:
         """Frozen: the used block ids a KV migration copies now (only the delta after a pre-copy)."""
         ...
 
-    def precopy_blocks(self, operation_id: str, num_kv_blocks: int) -> tuple[list[int], int, int]:
-        """A KV pre-copy round while serving: (block ids to copy, handed out so far, used now)."""
+    def precopy_blocks(self, operation_id: str, num_kv_blocks: int, num_kv_pools: int = 1) -> tuple:
+        """A KV pre-copy round while serving: (block maps to copy, block maps to warm, handed out so far, used
+        now)."""
         ...
 
     def resume(self) -> object:
@@ -331,7 +333,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             maps = await _maybe_await(self.engine.rebind(request.num_kv_blocks, tuple(request.worker_addresses) or None,
                                                          request.drop_kv, request.dp_size,
-                                                         list(request.worker_infos) or None))
+                                                         list(request.worker_infos) or None,
+                                                         request.precopy_operation_id))
         except WorkerUnreachable as exc:  # the old streams stay in place
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         if request.resume:
@@ -348,11 +351,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """A KV pre-copy round while serving: the full blocks not handed out before in this operation."""
         if not request.operation_id:
             raise ValueError("PreCopyBlocks needs an operation_id")
-        try:
-            found = self.engine.precopy_blocks(request.operation_id, request.num_kv_blocks)
-        except PrecopyUnsupported as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        return router_pb2.PreCopyBlocksResponse(block_ids=found.block_ids, warm_block_ids=found.warm_block_ids,
+        found = self.engine.precopy_blocks(request.operation_id, request.num_kv_blocks, request.dp_size or 1)
+        return router_pb2.PreCopyBlocksResponse(block_maps=block_maps_to_pb(found.block_maps),
+                                                warm_block_maps=block_maps_to_pb(found.warm_block_maps),
                                                 num_precopied=found.num_copied, num_used=found.num_used)
 
     async def Resume(self, request, context):  # noqa: N802

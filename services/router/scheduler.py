@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from services.router.block_manager import BlockManager, num_blocks_for
 from services.router.config import SchedulerConfig
 from services.router.contracts import QueueFullError, RequestError
-from services.router.dp import BlockMaps, DataParallelBlocks, repartition
+from services.router.dp import BlockMaps, DataParallelBlocks, Reserved, repartition
 from services.router.sequence import Sequence, SequenceStatus
 from services.worker.step import SequenceOutput, SequenceStep, TokenLogprob
 
@@ -352,10 +352,12 @@ class Scheduler:
             preempted.append(victim)
         return preempted
 
-    def repartition(self, num_ranks: int, num_blocks: int) -> tuple[BlockMaps, list[Sequence]]:
+    def repartition(self, num_ranks: int, num_blocks: int,
+                    reserved: Reserved | None = None) -> tuple[BlockMaps, list[Sequence]]:
         """Frozen only: move to `num_ranks` KV pools of `num_blocks` ids (a switch to or from an expert-parallel
-        layout; dp.repartition says who goes where). Returns the block maps the workers' KV migration follows
-        (identity per pool when the width stays), and the requests preempted because no new pool could hold them.
+        layout; dp.repartition says who goes where, keeping what a pre-copy `reserved`). Returns the block maps the
+        workers' KV migration follows (identity per pool when the width stays and nothing was pre-copied; after a
+        pre-copy only what it did not copy), and the requests preempted because no new pool could hold them.
         The old pools are kept until commit_partition() (the switch succeeded) or restore_partition() (it rolled
         back: every request gets its old pool and ids again)."""
         if not self._is_frozen or self._inflight:
@@ -367,13 +369,13 @@ class Scheduler:
         if too_large:
             raise ValueError(f"{len(too_large)} requests (e.g. {too_large[0]!r}) need more than {num_blocks} blocks")
         old = self.block_manager
-        if num_ranks == old.num_ranks:
+        if num_ranks == old.num_ranks and reserved is None:
             preempted = self.rebind(num_blocks)
             maps = {(rank, rank): (list(ids), list(ids))
                     for rank, ids in enumerate(self.block_manager.used_block_ids_per_rank()) if ids}
             return maps, preempted
         tables = {s.request_id: list(s.block_ids) for s in self.running if s.block_ids}
-        plan = repartition(old, tables, num_ranks, num_blocks)
+        plan = repartition(old, tables, num_ranks, num_blocks, reserved)
         preempted = []
         for request_id in plan.unplaced:  # free in the old pools, as a preemption does
             seq = self._sequences[request_id]

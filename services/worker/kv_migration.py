@@ -115,6 +115,17 @@ def block_maps_from_proto(messages: Iterable) -> BlockMaps | None:
     return maps
 
 
+def merge_block_maps(*maps: BlockMaps | None) -> BlockMaps:
+    """Several maps as one (a pair's ids concatenated; None adds nothing): a pre-copy round's full and warm blocks."""
+    merged: BlockMaps = {}
+    for block_maps in maps:
+        for pair, (src_ids, dst_ids) in (block_maps or {}).items():
+            src, dst = merged.setdefault(pair, ([], []))
+            src.extend(src_ids)
+            dst.extend(dst_ids)
+    return merged
+
+
 def block_counts(block_maps: Mapping[tuple[int, int], tuple[list[int], list[int]]]) -> dict[tuple[int, int], int]:
     """(src_pool, dst_pool) -> blocks the pair moves (what a receive buffer holds; plan.bytes_moved's input)."""
     return {pair: len(src_ids) for pair, (src_ids, _) in block_maps.items()}

@@ -4,10 +4,11 @@ the freeze, copy only the delta and hand the pool to the new runner.
 The staged pool is allocated at the first round: a layer tensor for every local layer of the target, except the
 layers this rank keeps as they are (same heads, same block count: the live tensor moves over at the cutover,
 nothing to copy). Each round copies full blocks (the router's PreCopyBlocks: they never change while their
-request holds them) from the peers' live pools (shared memory on CPU, CUDA IPC between the GPU workers of a host)
-and from this worker's own, on the stage thread, beside the steps; and the partly filled last blocks too, to warm
-them: their pages are then mapped on both sides when the freeze copies them again (first-touch page faults were two
-thirds of a cutover's copy on CPU). The peers' pools stay mapped from the first round to the end of the switch (one
+request holds them; as block maps, to the same ids with one KV pool on both sides, else to the ids the router
+reserved for their requests in the target's pools) from the peers' live pools (shared memory on CPU, CUDA IPC
+between the GPU workers of a host) and from this worker's own, on the stage thread, beside the steps; and the
+partly filled last blocks too, to warm them: their pages are then mapped on both sides when the freeze copies
+them again (first-touch page faults were two thirds of a cutover's copy on CPU). The peers' pools stay mapped from the first round to the end of the switch (one
 channel). Nothing here touches the live pools, so a failed or abandoned pre-copy only drops the staged pool. The
 cutover (`finish`) copies the delta the same way, then every rank of the world agrees once; the kept layers move
 over only when the whole switch has succeeded (`commit`). A failure before leaves the old layout exactly as it was
@@ -26,13 +27,7 @@ import torch
 from services.topology import KVMigrationPlan
 from services.worker.channel import CudaIpcChannel, ShmChannel
 from services.worker.kv_cache import KVCache
-from services.worker.kv_migration import (
-    MigrationAborted,
-    MigrationStats,
-    fill_layer,
-    identity_block_maps,
-    pool_blocks,
-)
+from services.worker.kv_migration import BlockMaps, MigrationAborted, MigrationStats, fill_layer, pool_blocks
 from services.worker.pacing import UNPACED, Pacer
 
 
@@ -63,19 +58,19 @@ class StagedKV:
     def num_bytes(self) -> int:
         return self.cache.num_bytes
 
-    def copy(self, live: KVCache | None, block_ids: list[int], fault: Callable[[int], None] | None = None,
+    def copy(self, live: KVCache | None, block_maps: BlockMaps, fault: Callable[[int], None] | None = None,
              pacer: Pacer = UNPACED) -> MigrationStats:
-        """Copy `block_ids` (they keep their ids) of every layer this rank fills: from the peers' live pools
-        (the channel) and from `live` (its own), a layer per piece of `pacer` (a pre-copy round; the freeze does
-        not pace). No collective; the live pools are only read."""
+        """Copy the blocks of `block_maps` ((live pool, target pool) -> (live ids, target ids)) of every layer this
+        rank fills: from the peers' live pools (the channel) and from `live` (its own), a layer per piece of
+        `pacer` (a pre-copy round; the freeze does not pace). No collective; the live pools are only read."""
         started = time.perf_counter()
         stats = MigrationStats()
-        if block_ids:
-            maps = pool_blocks(identity_block_maps(block_ids))
+        maps = pool_blocks({pair: ids for pair, ids in block_maps.items() if ids[0]})
+        if maps:
             for layer in self.plan.layers():
                 if not self.cache.has_layer(layer) or layer in self.kept_layers:
                     continue
-                transfers = [t for t in self.plan.for_layer(layer) if t.dst_rank == self.rank]
+                transfers = [t for t in self.plan.for_layer(layer) if t.dst_rank == self.rank and t.pools in maps]
                 received = self.channel.exchange(layer, [], [t for t in transfers if not t.is_local])
                 if fault is not None:
                     fault(layer)
@@ -103,7 +98,7 @@ class StagedKV:
         self.cache.close()
 
 
-def finish_precopy(staged: StagedKV | None, live: KVCache | None, delta: list[int], agree: Callable[[bool], bool],
+def finish_precopy(staged: StagedKV | None, live: KVCache | None, delta: BlockMaps, agree: Callable[[bool], bool],
                    fault: Callable[[int], None] | None = None, ready: Callable[[], bool] = lambda: True
                    ) -> MigrationStats:
     """The cutover of a pre-copied switch (collective, the router frozen): copy the delta into this rank's staged

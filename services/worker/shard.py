@@ -354,7 +354,8 @@ class WorkerShard:
             try:
                 if request.precopied:  # only the delta moves: the old pools stay whole until the commit
                     # One agreement for the delta and the shard (staged: its runner is ready at once).
-                    stats = finish_precopy(precopied, old_kv, used, self.agree, fault,
+                    delta = identity_block_maps(used) if block_maps is None else block_maps
+                    stats = finish_precopy(precopied, old_kv, delta, self.agree, fault,
                                            ready=lambda: _result_or_none(reload) is not None)
                 else:
                     stats = MigrationStats() if plan is None else migrate_kv(

@@ -24,6 +24,7 @@ from services.worker.channel import channel_kind, peer_channel
 from services.worker.decode_graphs import WARM_BATCHES
 from services.worker.faults import FAULTS
 from services.worker.kv_cache import KVCache
+from services.worker.kv_migration import block_maps_from_proto, merge_block_maps
 from services.worker.kv_precopy import StagedKV
 from services.worker.model_runner import ModelRunner
 from services.worker.pacing import Pacer
@@ -143,7 +144,7 @@ class Staging:
         """A KV pre-copy round: copy full blocks from the live pools into the staged pool of the target (allocated
         at the first round, with the target's runner over it: on a GPU its decode graphs are captured then).
         ValueError: nothing is staged for the operation on this live runner. supported=False: the peers' pools
-        cannot be read directly here (several hosts), or the switch renumbers blocks: the KV moves in the freeze."""
+        cannot be read directly here (several hosts): the KV moves in the freeze."""
         shard, staged = self.shard, self._staged
         rank = shard.rank
         if staged is None or not staged.is_for(request.operation_id, shard.runner, shard.parallel.generation):
@@ -156,8 +157,6 @@ class Staging:
             plan = plan_kv_migration(shard.placement(shard.topology, shard.layer_partition),
                                      active_ranks(shard.topology), shard.placement(staged.topology, staged.partition),
                                      active_ranks(staged.topology))
-            if plan.renumbers_blocks:
-                return worker_pb2.PreCopyKVResponse(supported=False)
             wp = plan.new.workers[rank]
             block_size = shard.config.block_size
             target = KVCache(wp.layers, len(wp.kv_heads), shard.spec.head_dim, block_size, shard.dtype, shard.device,
@@ -168,8 +167,9 @@ class Staging:
             staged.runner, staged.staged_graphs = self._runner(staged, live)
         if staged.kv.cache.num_blocks != request.num_kv_blocks:
             raise ValueError(f"the staged pool holds {staged.kv.cache.num_blocks} blocks, not {request.num_kv_blocks}")
-        stats = staged.kv.copy(live, sorted({*request.block_ids, *request.warm_block_ids}),
-                               fault=lambda layer: FAULTS.check("precopy", rank=rank, layer=layer),
+        blocks = merge_block_maps(block_maps_from_proto(request.block_maps),
+                                  block_maps_from_proto(request.warm_block_maps))
+        stats = staged.kv.copy(live, blocks, fault=lambda layer: FAULTS.check("precopy", rank=rank, layer=layer),
                                pacer=Pacer.of_request(request.duty))
         return worker_pb2.PreCopyKVResponse(
             supported=True, kv_bytes_received=stats.bytes_received, kv_bytes_local=stats.bytes_local,

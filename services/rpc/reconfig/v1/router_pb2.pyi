@@ -241,24 +241,26 @@ class RebindRequest(_message.Message):
     def __init__(self, num_kv_blocks: _Optional[int] = ..., worker_addresses: _Optional[_Iterable[str]] = ..., drop_kv: _Optional[bool] = ..., dp_size: _Optional[int] = ..., precopy_operation_id: _Optional[str] = ..., resume: _Optional[bool] = ..., switch: _Optional[_Union[SwitchReport, _Mapping]] = ..., worker_infos: _Optional[_Iterable[_Union[_worker_pb2.WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class PreCopyBlocksRequest(_message.Message):
-    __slots__ = ("operation_id", "num_kv_blocks")
+    __slots__ = ("operation_id", "num_kv_blocks", "dp_size")
     OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     operation_id: str
     num_kv_blocks: int
-    def __init__(self, operation_id: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
+    dp_size: int
+    def __init__(self, operation_id: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., dp_size: _Optional[int] = ...) -> None: ...
 
 class PreCopyBlocksResponse(_message.Message):
-    __slots__ = ("block_ids", "num_precopied", "num_used", "warm_block_ids")
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("block_maps", "num_precopied", "num_used", "warm_block_maps")
+    BLOCK_MAPS_FIELD_NUMBER: _ClassVar[int]
     NUM_PRECOPIED_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_FIELD_NUMBER: _ClassVar[int]
-    WARM_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    WARM_BLOCK_MAPS_FIELD_NUMBER: _ClassVar[int]
+    block_maps: _containers.RepeatedCompositeFieldContainer[_worker_pb2.BlockMap]
     num_precopied: int
     num_used: int
-    warm_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_precopied: _Optional[int] = ..., num_used: _Optional[int] = ..., warm_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    warm_block_maps: _containers.RepeatedCompositeFieldContainer[_worker_pb2.BlockMap]
+    def __init__(self, block_maps: _Optional[_Iterable[_Union[_worker_pb2.BlockMap, _Mapping]]] = ..., num_precopied: _Optional[int] = ..., num_used: _Optional[int] = ..., warm_block_maps: _Optional[_Iterable[_Union[_worker_pb2.BlockMap, _Mapping]]] = ...) -> None: ...
 
 class RebindResponse(_message.Message):
     __slots__ = ("stats", "used_block_ids", "block_maps")

@@ -154,7 +154,7 @@ class StageSwitchRequest(_message.Message):
     def __init__(self, operation_id: _Optional[str] = ..., topology: _Optional[str] = ..., layer_partition: _Optional[_Iterable[int]] = ..., duty: _Optional[float] = ...) -> None: ...
 
 class PreCopyKVRequest(_message.Message):
-    __slots__ = ("operation_id", "num_kv_blocks", "block_ids", "peers", "warm_block_ids", "duty")
+    __slots__ = ("operation_id", "num_kv_blocks", "block_maps", "peers", "warm_block_maps", "duty")
     class PeersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -164,17 +164,17 @@ class PreCopyKVRequest(_message.Message):
         def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[PeerPool, _Mapping]] = ...) -> None: ...
     OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_MAPS_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
-    WARM_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    WARM_BLOCK_MAPS_FIELD_NUMBER: _ClassVar[int]
     DUTY_FIELD_NUMBER: _ClassVar[int]
     operation_id: str
     num_kv_blocks: int
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_maps: _containers.RepeatedCompositeFieldContainer[BlockMap]
     peers: _containers.MessageMap[int, PeerPool]
-    warm_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    warm_block_maps: _containers.RepeatedCompositeFieldContainer[BlockMap]
     duty: float
-    def __init__(self, operation_id: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[_Mapping[int, PeerPool]] = ..., warm_block_ids: _Optional[_Iterable[int]] = ..., duty: _Optional[float] = ...) -> None: ...
+    def __init__(self, operation_id: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_maps: _Optional[_Iterable[_Union[BlockMap, _Mapping]]] = ..., peers: _Optional[_Mapping[int, PeerPool]] = ..., warm_block_maps: _Optional[_Iterable[_Union[BlockMap, _Mapping]]] = ..., duty: _Optional[float] = ...) -> None: ...
 
 class PreCopyKVResponse(_message.Message):
     __slots__ = ("supported", "kv_bytes_received", "kv_bytes_local", "seconds", "staged_pool_bytes")
