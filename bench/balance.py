@@ -87,7 +87,7 @@ def _even(num_layers: int, topology: str):
 
 
 def format_table(result: dict) -> str:
-    lines = [f"per layer and step: " + ", ".join(f"rank {r} {ms:.2f} ms" for r, ms in result["worker_layer_ms"].items())
+    lines = ["per layer and step: " + ", ".join(f"rank {r} {ms:.2f} ms" for r, ms in result["worker_layer_ms"].items())
              + f"; last stage's head = {result['head_layers']:.1f} layers",
              f"even split {result['even']}  ->  by speed {result['balanced']} (the calibration adopted: "
              f"{result['adopted_by_calibration'] or 'none'})"]

@@ -206,6 +206,9 @@ def format_plan(plan: controller_pb2.PlanResponse) -> str:
     if reshard := sum(w.weight_bytes_reshard for w in workers):
         lines.append(f"of the weights loaded, {format_bytes(reshard)} of experts can change view by all-to-all with "
                      "the stage's peers instead (TP <-> EP; over NCCL by default)")
+    if len(plan.pools) > 1 or any(p.src_pool for p in plan.placements):  # to, from or between EP layouts
+        lines.append("running requests' KV after: " + ", ".join(
+            f"pool {p.pool} {p.num_requests} requests / {p.num_blocks} blocks" for p in plan.pools))
     if experts := max((w.expert_peak_extra_bytes for w in workers), default=0):
         lines.append(f"in place, experts need at most {format_bytes(experts)} beyond the larger shard on a worker "
                      "(each sparse layer's old experts go as its new ones arrive; a rollback reads them from the store)")
@@ -218,7 +221,8 @@ def plan_to_json(plan: controller_pb2.PlanResponse) -> dict:
     def scalars(pb) -> dict:
         return {f.name: getattr(pb, f.name) for f in pb.DESCRIPTOR.fields if f.message_type is None}
 
-    return {**scalars(plan), "workers": [scalars(w) for w in plan.workers]}
+    return {**scalars(plan), "workers": [scalars(w) for w in plan.workers],
+            "pools": [scalars(p) for p in plan.pools], "placements": [scalars(p) for p in plan.placements]}
 
 
 def _is_expert_parallel(topology: str) -> bool:

@@ -13,13 +13,24 @@ from services.topology.eplb import initial_expert_maps
 from services.topology.migration_plan import num_kv_pools
 
 
-def pool_pair_blocks(used_per_pool: list[int], num_new_pools: int) -> dict[tuple[int, int], int]:
-    """(old pool, new pool) -> blocks a switch to or from an EP layout would move, before the router has assigned
-    the requests: a pool goes whole to the one pool of a TP layout, or to the same pool at the same width;
-    otherwise each old pool is taken as spread evenly over the new ones (the router balances them)."""
-    if num_new_pools == 1 or num_new_pools == len(used_per_pool):
-        return {(p, 0 if num_new_pools == 1 else p): used for p, used in enumerate(used_per_pool)}
-    return {(p, q): -(-used // num_new_pools) for p, used in enumerate(used_per_pool) for q in range(num_new_pools)}
+def pool_pair_blocks(placements) -> dict[tuple[int, int], int]:
+    """(old pool, new pool) -> blocks a switch would move, from the router's placement of the running requests
+    (PlanRebind; the preempted ones move nothing)."""
+    pairs: dict[tuple[int, int], int] = {}
+    for p in placements:
+        if p.dst_pool >= 0:
+            pairs[p.src_pool, p.dst_pool] = pairs.get((p.src_pool, p.dst_pool), 0) + p.num_blocks
+    return pairs
+
+
+def pool_plans(placements, num_pools: int) -> list[controller_pb2.PoolPlan]:
+    """Per KV pool of the target: the running requests it would hold and their blocks."""
+    pools = [controller_pb2.PoolPlan(pool=pool) for pool in range(num_pools)]
+    for p in placements:
+        if p.dst_pool >= 0:
+            pools[p.dst_pool].num_requests += 1
+            pools[p.dst_pool].num_blocks += p.num_blocks
+    return pools
 
 
 def reshardable_expert_bytes(old: Placement, new: Placement, rank: int, spec: ModelSpec, dtype_bytes: int) -> int:
@@ -63,10 +74,15 @@ async def plan_switch(reconfigurer: Reconfigurer, topology: str, layer_partition
     weights = plan_weight_reload(old, old_ranks, new, new_ranks, WeightFlags.of(spec))
     dtype_bytes, block_size = prepared[0].kv_dtype_bytes, prepared[0].block_size
     used = stats.num_kv_blocks_used
-    pools = pool_pair_blocks(list(stats.num_kv_blocks_used_per_dp_rank) or [used], num_kv_pools(new))
+    placed = await reconfigurer.router.PlanRebind(
+        router_pb2.PlanRebindRequest(num_kv_blocks=capacity, dp_size=num_kv_pools(new)), timeout=timeout,
+        metadata=reconfigurer.metadata)
+    placements = list(placed.placements)
+    preempted = sum(1 for p in placements if p.dst_pool < 0)
+    pools = pool_pair_blocks(placements)
     moved = kv_plan.bytes_moved(used, block_size, spec.head_dim, dtype_bytes,
                                 blocks_per_pools=pools if kv_plan.renumbers_blocks else None)
-    rows, fits = [], used <= capacity
+    rows, fits = [], used <= capacity and not preempted
     for rank in range(world):
         local = sum(t.nbytes(pools.get(t.pools, 0) if kv_plan.renumbers_blocks else used, block_size, spec.head_dim,
                              dtype_bytes)
@@ -94,5 +110,6 @@ async def plan_switch(reconfigurer: Reconfigurer, topology: str, layer_partition
     return controller_pb2.PlanResponse(
         from_topology=str(state.topology), to_topology=str(target.topology), workers=rows, num_used_blocks=used,
         num_kv_blocks_after=capacity, fits=fits, is_candidate=all(p.is_candidate for p in prepared),
-        stages=not staging_note, staging_note=staging_note,
+        stages=not staging_note, staging_note=staging_note, num_requests_preempted=preempted,
+        placements=placements, pools=pool_plans(placements, num_kv_pools(new)),
     )

@@ -9,6 +9,7 @@ from typing import Any
 
 from services.router.contracts import PREPARING_PHASES, SERVING_PHASES, EngineStats
 from services.router.grpc_server import stats_from_pb, stats_to_pb
+from services.router.load_window import LoadSnapshot
 from services.rpc.reconfig.v1 import controller_pb2
 
 
@@ -145,9 +146,13 @@ class StackStatus:
     lost_workers: tuple[str, ...] = ()  # lost and not replaced yet: DEGRADED until as many have joined
 
     def same_as(self, other: StackStatus | None) -> bool:
-        """Equal apart from the refresh time (what WatchStatus calls a change)."""
-        return other is not None and dataclasses.replace(self, updated_at=0.0) == dataclasses.replace(
-            other, updated_at=0.0)
+        """Equal apart from the refresh time and the router's load window (what WatchStatus calls a change): the
+        window's rates over the last minute drift as time passes alone, and go out at the watch's interval."""
+        return other is not None and self._without_drift() == other._without_drift()
+
+    def _without_drift(self) -> StackStatus:
+        router = None if self.router is None else dataclasses.replace(self.router, window=LoadSnapshot())
+        return dataclasses.replace(self, updated_at=0.0, router=router)
 
     def to_pb(self) -> controller_pb2.StackStatus:
         """The wire form."""

@@ -116,8 +116,11 @@ class FrontEngine:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for task in list(self._moves):
+        moves = list(self._moves)
+        for task in moves:
             task.cancel()
+        # Each move gives back what it reserved on its target before the instances' channels close.
+        await asyncio.gather(*moves, return_exceptions=True)
         for route in list(self._routes.values()):
             route.cancel()
         await asyncio.gather(*(instance.close() for instance in self.instances))

@@ -17,6 +17,7 @@ so (`kv_unreachable`), and the front sends that pair's later moves by re-prefill
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -146,6 +147,7 @@ async def move_request(request: router_pb2.GenerateRequest, source: Instance, ta
             result.rounds += 1
             state = await _source_state(source, request_id, OUT.EXPORT)
         stop_at = time.perf_counter()
+        stopped = True  # from the stop on, the source may hold it parked (an abort lets it run there again)
         state = await _source_state(source, request_id, OUT.STOP, settings.stop_timeout_s)
         stopped = not state.finished
         if state.finished:
@@ -174,11 +176,11 @@ async def move_request(request: router_pb2.GenerateRequest, source: Instance, ta
     except (_Failed, grpc.aio.AioRpcError) as exc:
         result.error = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
         result.finished = result.finished or isinstance(exc, _Finished)
-        if call is not None:
-            call.cancel()  # the target aborts it there and frees its blocks
-        await _quietly(target.migrate_in(IN(request_id=request_id, action=IN.RELEASE)))
-        if stopped:
-            await _quietly(source.migrate_out(request_id, OUT.ABORT))
+        await _undo(request_id, source, target, call, stopped)
+    except asyncio.CancelledError:  # the front is stopping: the move holds nothing anywhere once it ends
+        if not result.moved:
+            await _undo(request_id, source, target, call, stopped)
+        raise
     result.seconds = time.perf_counter() - started
     log.info("front.move", request_id=request_id, source=source.name, target=target.name, moved=result.moved,
              reprefill=reprefill,
@@ -186,6 +188,16 @@ async def move_request(request: router_pb2.GenerateRequest, source: Instance, ta
              kv_bytes_delta=result.kv_bytes_delta, downtime_ms=round(result.downtime_s * 1e3, 2),
              seconds=round(result.seconds, 4))
     return result
+
+
+async def _undo(request_id: str, source, target, call, stopped: bool) -> None:
+    """A move that did not happen: the target aborts what it started and gives back the blocks it reserved; a
+    source that stopped the request parks it no longer (it runs there again)."""
+    if call is not None:
+        call.cancel()  # the target aborts it there and frees its blocks
+    await _quietly(target.migrate_in(IN(request_id=request_id, action=IN.RELEASE)))
+    if stopped:
+        await _quietly(source.migrate_out(request_id, OUT.ABORT))
 
 
 async def _quietly(awaitable) -> None:

@@ -78,6 +78,10 @@ class DataParallelBlocks:
         """The DP rank holding seq's blocks; None while it holds none (it may go to any rank then)."""
         return self._rank.get(seq.request_id)
 
+    def rank_of_request(self, request_id: str) -> int | None:
+        """rank_of, by request id."""
+        return self._rank.get(request_id)
+
     def _rank_for(self, seq: Sequence, num_blocks: int, excluded_ranks: Collection[int | None] = ()) -> int | None:
         """Where seq would get `num_blocks` more blocks: its own rank, or for a sequence holding none the rank with
         the fewest blocks in use that has them free (ties: lowest rank); None when there is no such rank."""
@@ -270,7 +274,9 @@ def repartition(blocks: DataParallelBlocks, tables: Mapping[str, Sequence_[int]]
             new.release(request_id, ids)
             continue
         place(request_id, rank, ids, min(num_copied, need))
-    rest = {rid: count for rid, count in counts.items() if rid not in block_tables}
+    rest = {rid: count for rid, count in counts.items() if rid not in block_tables and count <= num_blocks}
+    unplaced += sorted((rid for rid in counts if rid not in block_tables and rid not in rest),
+                       key=lambda rid: (-counts[rid], rid))  # larger than any pool: no load to balance
     assignment = assign_requests(rest, num_ranks, loads=new.per_rank_used())
     for request_id in sorted(rest, key=lambda rid: (-counts[rid], rid)):
         ranks = [assignment[request_id]] + sorted((r for r in range(num_ranks) if r != assignment[request_id]),

@@ -69,6 +69,10 @@ class AdminEngine(EngineProtocol, Protocol):
         now)."""
         ...
 
+    def plan_rebind(self, num_kv_blocks: int, dp_size: int = 1) -> list[tuple[str, int, int, int]]:
+        """What a rebind would do to the running requests now: (request_id, pool, pool after or -1, blocks)."""
+        ...
+
     def resume(self) -> object:
         """Schedule again; may return an awaitable."""
         ...
@@ -298,7 +302,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         migrations = self.engine.migrations
         try:
             if request.action == router_pb2.MigrateInRequest.RELEASE:
-                migrations.release(request.request_id)
+                await migrations.release(request.request_id)
                 return router_pb2.MigrateInResponse()
             if request.action == router_pb2.MigrateInRequest.PULL:
                 if len(request.src_block_ids) != len(request.dst_block_ids):
@@ -355,6 +359,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.PreCopyBlocksResponse(block_maps=block_maps_to_pb(found.block_maps),
                                                 warm_block_maps=block_maps_to_pb(found.warm_block_maps),
                                                 num_precopied=found.num_copied, num_used=found.num_used)
+
+    async def PlanRebind(self, request, context):  # noqa: N802
+        """Where the running requests' KV would go in a target, changing nothing (a switch's Plan)."""
+        placements = self.engine.plan_rebind(request.num_kv_blocks, request.dp_size or 1)
+        return router_pb2.PlanRebindResponse(placements=[
+            router_pb2.RequestPlacement(request_id=rid, src_pool=src, dst_pool=dst, num_blocks=n)
+            for rid, src, dst, n in placements])
 
     async def Resume(self, request, context):  # noqa: N802
         """Schedule again; a switch report that comes with it is counted first (it shows on the next scrape)."""

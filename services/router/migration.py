@@ -68,6 +68,7 @@ class InstanceMigrations:
         self._pulls = 0
         self._no_pulls = asyncio.Event()
         self._no_pulls.set()
+        self._pulling: dict[str, set[asyncio.Future]] = {}  # request_id -> its workers' copies under way
         self._source: tuple[int, worker_pb2.KVSource] | None = None  # (the freeze count it was read at, it)
         self.num_out = 0          # moves committed out of / adopted into this instance
         self.num_in = 0
@@ -141,8 +142,10 @@ class InstanceMigrations:
         self.num_in += 1
         return seq
 
-    def release(self, request_id: str) -> None:
-        """Give back a reservation whose move failed (nothing if there is none)."""
+    async def release(self, request_id: str) -> None:
+        """Give back a reservation whose move failed (nothing if there is none), once no worker writes into it any
+        more (a pull whose caller gave up runs on to its end)."""
+        await asyncio.gather(*self._pulling.get(request_id, ()), return_exceptions=True)
         if self.engine.scheduler.is_moving_in(request_id):
             self.engine.scheduler.finish(request_id, SequenceStatus.FINISHED_ABORTED)
 
@@ -158,17 +161,28 @@ class InstanceMigrations:
         if stray := [b for b in dst_block_ids if b not in reserved]:
             raise RequestError(f"blocks {stray[:4]} are not reserved for {request_id}")
         started = time.perf_counter()
+        # The workers' copy runs to its end even when the caller gives up (a cancelled call, a deadline): until it
+        # has, a freeze waits for it and a release of the request's blocks too.
+        importing = asyncio.ensure_future(self.engine.driver.import_kv(worker_pb2.ImportKVRequest(
+            source=source, src_block_ids=src_block_ids, dst_block_ids=dst_block_ids)))
         self._pulls += 1
         self._no_pulls.clear()
-        try:
-            kv_bytes = await self.engine.driver.import_kv(worker_pb2.ImportKVRequest(
-                source=source, src_block_ids=src_block_ids, dst_block_ids=dst_block_ids))
-        finally:
-            self._pulls -= 1
-            if not self._pulls:
-                self._no_pulls.set()
+        self._pulling.setdefault(request_id, set()).add(importing)
+        importing.add_done_callback(lambda done: self._pulled(request_id, done))
+        kv_bytes = await asyncio.shield(importing)
         self.kv_bytes_in += kv_bytes
         return PullStats(kv_bytes, time.perf_counter() - started)
+
+    def _pulled(self, request_id: str, importing: asyncio.Future) -> None:
+        pulling = self._pulling.get(request_id, set())
+        pulling.discard(importing)
+        if not pulling:
+            self._pulling.pop(request_id, None)
+        self._pulls -= 1
+        if not self._pulls:
+            self._no_pulls.set()
+        if not importing.cancelled():
+            importing.exception()  # retrieved: the pull that awaits it (if its caller is still there) raises it
 
     async def wait_no_pulls(self) -> None:
         """Until no pull is in flight (a freeze waits for them: the switch must not move blocks being filled)."""

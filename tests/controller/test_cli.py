@@ -170,3 +170,20 @@ def test_router_stats_in_json_keep_their_counters():
                          router=EngineStats(num_preemptions=4, extra={"num_step_errors": 1.0}))
     assert status.to_json()["router"]["num_preemptions"] == 4
     assert status.to_json()["router"]["extra"] == {"num_step_errors": 1.0}
+
+
+def test_a_status_whose_only_change_is_the_routers_load_window_is_the_same_for_watch_status():
+    """The window's rates over the last minute drift as time passes alone: not a change WatchStatus pushes early
+    (they go out at its interval); a change of what the router runs is one."""
+    import dataclasses
+
+    from services.controller import StackState, StackStatus
+    from services.router.contracts import EngineStats
+    from services.router.load_window import LoadSnapshot
+
+    before = StackStatus("tp1pp1", StackState.SERVING, router=EngineStats(num_running=2), updated_at=1.0)
+    drifted = dataclasses.replace(before, updated_at=2.0, router=dataclasses.replace(
+        before.router, window=LoadSnapshot(arrival_rate=0.5, num_requests=30)))
+    assert drifted.same_as(before) and before.same_as(drifted)
+    assert not dataclasses.replace(drifted, router=EngineStats(num_running=3)).same_as(before)
+    assert not dataclasses.replace(before, router=None).same_as(before) and not before.same_as(None)

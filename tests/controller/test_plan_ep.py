@@ -1,5 +1,5 @@
-"""The Plan of a switch to or from an EP layout: KV per pool pair before the router assigns requests, and the expert
-bytes that can change view by all-to-all."""
+"""The Plan of a switch to or from an EP layout: KV per pool pair and per pool of the target from the router's
+placement of the running requests, and the expert bytes that can change view by all-to-all."""
 
 from __future__ import annotations
 
@@ -9,10 +9,15 @@ from services.topology import Topology, place
 from tests.conftest import make_checkpoint
 
 
-def test_pool_pairs_before_assignment():
-    assert pool_pair_blocks([5, 7, 0, 2], 1) == {(0, 0): 5, (1, 0): 7, (2, 0): 0, (3, 0): 2}  # EP -> TP: whole
-    assert pool_pair_blocks([5, 7], 2) == {(0, 0): 5, (1, 1): 7}  # EP -> EP of one width: pool to pool
-    assert pool_pair_blocks([9], 4) == {(0, q): 3 for q in range(4)}  # TP -> EP: spread (rounded up)
+def test_pool_pairs_and_pools_come_from_the_routers_placement():
+    from services.controller.plan import pool_plans
+    from services.rpc.reconfig.v1 import router_pb2
+
+    placements = [router_pb2.RequestPlacement(request_id=rid, src_pool=src, dst_pool=dst, num_blocks=n)
+                  for rid, src, dst, n in (("a", 0, 1, 9), ("b", 0, 0, 5), ("c", 1, 1, 2), ("d", 1, -1, 4))]
+    assert pool_pair_blocks(placements) == {(0, 1): 9, (0, 0): 5, (1, 1): 2}  # d is preempted: it moves nothing
+    assert [(p.pool, p.num_requests, p.num_blocks) for p in pool_plans(placements, 3)] == [
+        (0, 1, 5), (1, 2, 11), (2, 0, 0)]
 
 
 def test_reshardable_expert_bytes(tmp_path):

@@ -10,13 +10,15 @@ import pytest_asyncio
 
 from services.front.mover import MoveSettings
 from services.router.grpc_server import start_router_grpc
+from tests.conftest import until
 from tests.front.conftest import TOKEN, open_front, open_instances, start_clusters
 from tests.front.test_live_moves import PROMPTS, _reference, _request, _run_with_moves
 
 pytestmark = pytest.mark.asyncio
 
-# Instance c's second worker fails every KV import: every move to c fails, at the first pull.
-FAULTS = ("", "", "rpc:method=ImportKV:rank=1:action=raise")
+# Instance b's worker takes a second for every KV import (a move there can be given up mid-copy); instance c's second
+# worker fails every KV import: every move to c fails, at the first pull.
+FAULTS = ("", "rpc:method=ImportKV:rank=0:delay=1", "rpc:method=ImportKV:rank=1:action=raise")
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,30 @@ async def test_a_failed_move_leaves_the_request_running_on_its_source(failing):
     assert failing.engines[0].migrations.num_out == 0
 
 
+async def test_a_move_given_up_midway_holds_nothing_on_its_target(failing):
+    """A move to b is cancelled while b's worker copies the request's KV (a front that stops cancels its moves so):
+    b gives its reservation back only once that copy has ended (no worker writes into blocks given to someone
+    else), the request runs on on a and ends with the unmoved tokens, nothing stays parked on a."""
+    a, b, _ = failing.instances
+    a_engine, b_engine = failing.engines[0], failing.engines[1]
+    reference = await _reference(a_engine, PROMPTS[3], "ref-cut")
+    async with open_front(failing, migrate=False) as front:
+        stream = front.generate(_request("cut", PROMPTS[3]))
+        tokens = list((await anext(stream)).token_ids)
+        assert front._routes["cut"].instance is a
+        move = asyncio.ensure_future(front.move("cut", b))
+        await until(lambda: "cut" in b_engine.migrations._pulling, what="b's worker copying the KV in")
+        move.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await move
+        assert not b_engine.migrations._pulling and b_engine.scheduler.block_manager.num_used == 0
+        async for delta in stream:
+            tokens.extend(delta.token_ids)
+        assert front.totals.moves["moved"] == 0
+    assert tokens == reference
+    assert not a_engine.scheduler.parked and a_engine.scheduler.block_manager.num_used == 0
+
+
 async def test_a_lost_instance_loses_only_its_requests_kv(failing):
     """Instance b's router goes away mid-generation: its request is placed again on another instance with its
     prompt and what it generated, and ends with the tokens of an unmoved run; a request on a never noticed."""
@@ -61,7 +87,8 @@ async def test_a_lost_instance_loses_only_its_requests_kv(failing):
         for i, prompt in enumerate(prompts):
             streams[i] = front.generate(_request(f"loss-{i}", prompt))
             tokens[i] = list((await anext(streams[i])).token_ids)
-        assert (await front.move("loss-1", b)).moved  # loss-1 runs on b now
+        # loss-1 runs on b now (by re-prefill: b's worker takes a second per KV import, see FAULTS)
+        assert (await front.move("loss-1", b, reprefill=True)).moved
         assert front._routes["loss-1"].instance is b
         await failing.servers[1].stop(0)  # b's router is gone (its workers' KV with it, for the front)
         for i in tokens:

@@ -165,11 +165,11 @@ async def _there_and_back(cluster, prompts, head_dim):
         tasks = [asyncio.ensure_future(generated_tokens(engine, GenerationRequest(f"b{i}", tuple(p), 30)))
                  for i, p in enumerate(prompts)]
         await until(lambda: engine.stats().num_generation_tokens >= 8 * 5, what="KV of prompts and outputs")
+        await engine.freeze()
         plan = await plan_switch(stack.reconfigurer, "ep4pp1")  # what the switch below will move
         assert all(w.weight_bytes_reshard > 0 for w in plan.workers) and sum(w.kv_bytes_in for w in plan.workers)
         # In place: one sparse layer of a worker's experts (2 sparse layers here) beyond its shards, as planned
         assert all(2 * w.expert_peak_extra_bytes == w.weight_bytes_reshard for w in plan.workers)
-        await engine.freeze()
         before_tables = _tables(engine)
         before = await _snapshot(stubs, before_tables, head_dim)
         assert len(before) == len(before_tables) * 3 * 2  # every request, layer and KV head
@@ -177,6 +177,12 @@ async def _there_and_back(cluster, prompts, head_dim):
         assert [r.expert_peak_extra_bytes for r in replies] == [w.expert_peak_extra_bytes for w in plan.workers]
         middle = _tables(engine)
         assert {rid for rid in middle} == set(before_tables) and len({p for p, _ in middle.values()}) > 1
+        # Each request went to the pool the Plan said (Moebius' rule), with the blocks it held
+        assert {p.request_id: (p.dst_pool, p.num_blocks) for p in plan.placements} == {
+            rid: (pool, len(ids)) for rid, (pool, ids) in middle.items()}
+        assert [(p.num_requests, p.num_blocks) for p in plan.pools] == [
+            (sum(1 for pool, _ in middle.values() if pool == q), sum(len(ids) for pool, ids in middle.values()
+                                                                     if pool == q)) for q in range(4)]
         assert _equal(await _snapshot(stubs, middle, head_dim), before)  # each request whole on its EP rank
         await _switch(engine, stubs, "tp4pp1")
         assert _equal(await _snapshot(stubs, _tables(engine), head_dim), before)

@@ -143,6 +143,33 @@ def test_the_engine_pre_copies_between_pool_counts_and_its_rebind_keeps_the_rese
     assert engine.precopy is None and scheduler.block_manager.num_ranks == 2
 
 
+def test_plan_rebind_places_the_running_requests_as_the_rebind_would_and_changes_nothing():
+    engine = engine_over_fake_workers(16, 4, dp_size=1)
+    scheduler = engine.scheduler
+    workers = PoolWorkers(4)
+    for i, length in enumerate((9, 5, 13, 2)):
+        scheduler.add(seq_of(f"r{i}", prompt_of(i, length), 8))
+    batch = scheduler.schedule()
+    scheduler.on_batch_done(batch, workers.run(batch))
+    tables = {s.request_id: list(s.block_ids) for s in scheduler.running}
+    # To two pools of 5 blocks: longest first onto the least loaded (r2: 4 blocks, r0: 3, r1: 2, r3: 1)
+    assert engine.plan_rebind(5, dp_size=2) == [("r2", 0, 0, 4), ("r0", 0, 1, 3), ("r1", 0, 1, 2), ("r3", 0, 0, 1)]
+    assert engine.plan_rebind(3, dp_size=2) == [("r2", 0, -1, 4), ("r0", 0, 0, 3), ("r1", 0, 1, 2),
+                                                ("r3", 0, 1, 1)]  # r2 fits in no pool of 3: preempted
+    # One pool on both sides: ids are kept, the holders of ids past the capacity are preempted
+    expected = [(rid, 0, 0 if max(tables[rid]) < 6 else -1, len(tables[rid]))
+                for rid in ("r2", "r0", "r1", "r3")]
+    assert engine.plan_rebind(6) == expected and any(dst < 0 for _, _, dst, _ in expected)
+    assert {s.request_id: s.block_ids for s in scheduler.running} == tables  # nothing changed
+    assert scheduler.block_manager.num_ranks == 1
+    scheduler.freeze()
+    run_sync(engine.rebind(5, dp_size=2))
+    assert {s.request_id: scheduler.block_manager.rank_of(s) for s in scheduler.running} == {
+        "r2": 0, "r0": 1, "r1": 1, "r3": 0}  # the rebind placed them as planned
+    with pytest.raises(ValueError, match="dp_size"):
+        engine.plan_rebind(5, dp_size=0)
+
+
 # ---- random workloads with switches between pool counts -----------------------------------------------------
 
 def run_sync(coroutine):

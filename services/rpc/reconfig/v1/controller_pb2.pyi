@@ -293,7 +293,7 @@ class WorkerPlan(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., state_before: _Optional[str] = ..., state_after: _Optional[str] = ..., kv_bytes_in: _Optional[int] = ..., kv_bytes_local: _Optional[int] = ..., weight_bytes_load: _Optional[int] = ..., weight_bytes_keep: _Optional[int] = ..., peak_extra_bytes: _Optional[int] = ..., num_kv_blocks_after: _Optional[int] = ..., weight_bytes_reshard: _Optional[int] = ..., expert_peak_extra_bytes: _Optional[int] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
-    __slots__ = ("from_topology", "to_topology", "workers", "num_used_blocks", "num_kv_blocks_after", "num_requests_preempted", "fits", "is_candidate", "stages", "staging_note")
+    __slots__ = ("from_topology", "to_topology", "workers", "num_used_blocks", "num_kv_blocks_after", "num_requests_preempted", "fits", "is_candidate", "stages", "staging_note", "placements", "pools")
     FROM_TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     TO_TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +304,8 @@ class PlanResponse(_message.Message):
     IS_CANDIDATE_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     STAGING_NOTE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     from_topology: str
     to_topology: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerPlan]
@@ -314,7 +316,19 @@ class PlanResponse(_message.Message):
     is_candidate: bool
     stages: bool
     staging_note: str
-    def __init__(self, from_topology: _Optional[str] = ..., to_topology: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerPlan, _Mapping]]] = ..., num_used_blocks: _Optional[int] = ..., num_kv_blocks_after: _Optional[int] = ..., num_requests_preempted: _Optional[int] = ..., fits: _Optional[bool] = ..., is_candidate: _Optional[bool] = ..., stages: _Optional[bool] = ..., staging_note: _Optional[str] = ...) -> None: ...
+    placements: _containers.RepeatedCompositeFieldContainer[_router_pb2.RequestPlacement]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolPlan]
+    def __init__(self, from_topology: _Optional[str] = ..., to_topology: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerPlan, _Mapping]]] = ..., num_used_blocks: _Optional[int] = ..., num_kv_blocks_after: _Optional[int] = ..., num_requests_preempted: _Optional[int] = ..., fits: _Optional[bool] = ..., is_candidate: _Optional[bool] = ..., stages: _Optional[bool] = ..., staging_note: _Optional[str] = ..., placements: _Optional[_Iterable[_Union[_router_pb2.RequestPlacement, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolPlan, _Mapping]]] = ...) -> None: ...
+
+class PoolPlan(_message.Message):
+    __slots__ = ("pool", "num_requests", "num_blocks")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    pool: int
+    num_requests: int
+    num_blocks: int
+    def __init__(self, pool: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

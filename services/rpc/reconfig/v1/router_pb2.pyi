@@ -262,6 +262,32 @@ class PreCopyBlocksResponse(_message.Message):
     warm_block_maps: _containers.RepeatedCompositeFieldContainer[_worker_pb2.BlockMap]
     def __init__(self, block_maps: _Optional[_Iterable[_Union[_worker_pb2.BlockMap, _Mapping]]] = ..., num_precopied: _Optional[int] = ..., num_used: _Optional[int] = ..., warm_block_maps: _Optional[_Iterable[_Union[_worker_pb2.BlockMap, _Mapping]]] = ...) -> None: ...
 
+class PlanRebindRequest(_message.Message):
+    __slots__ = ("num_kv_blocks", "dp_size")
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    num_kv_blocks: int
+    dp_size: int
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., dp_size: _Optional[int] = ...) -> None: ...
+
+class RequestPlacement(_message.Message):
+    __slots__ = ("request_id", "src_pool", "dst_pool", "num_blocks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SRC_POOL_FIELD_NUMBER: _ClassVar[int]
+    DST_POOL_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    src_pool: int
+    dst_pool: int
+    num_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., src_pool: _Optional[int] = ..., dst_pool: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class PlanRebindResponse(_message.Message):
+    __slots__ = ("placements",)
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    placements: _containers.RepeatedCompositeFieldContainer[RequestPlacement]
+    def __init__(self, placements: _Optional[_Iterable[_Union[RequestPlacement, _Mapping]]] = ...) -> None: ...
+
 class RebindResponse(_message.Message):
     __slots__ = ("stats", "used_block_ids", "block_maps")
     STATS_FIELD_NUMBER: _ClassVar[int]

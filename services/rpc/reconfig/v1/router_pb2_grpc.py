@@ -57,6 +57,11 @@ class RouterStub:
                 request_serializer=reconfig_dot_v1_dot_router__pb2.PreCopyBlocksRequest.SerializeToString,
                 response_deserializer=reconfig_dot_v1_dot_router__pb2.PreCopyBlocksResponse.FromString,
                 _registered_method=True)
+        self.PlanRebind = channel.unary_unary(
+                '/reconfig.v1.Router/PlanRebind',
+                request_serializer=reconfig_dot_v1_dot_router__pb2.PlanRebindRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_router__pb2.PlanRebindResponse.FromString,
+                _registered_method=True)
         self.Resume = channel.unary_unary(
                 '/reconfig.v1.Router/Resume',
                 request_serializer=reconfig_dot_v1_dot_router__pb2.ResumeRequest.SerializeToString,
@@ -122,10 +127,17 @@ class RouterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PreCopyBlocks(self, request, context):
-        """KV pre-copy of a switch, while serving: the full KV blocks of running requests (ids below
-        num_kv_blocks) not handed out before in this operation; they never change while their request
-        holds them. The Rebind of the same operation then lists only what changed since (the delta).
-        FAILED_PRECONDITION: the layout has several KV pools (expert parallel).
+        """KV pre-copy of a switch, while serving: the full KV blocks of running requests not handed out
+        before in this operation, as block maps into the target's pools; they never change while their
+        request holds them. The Rebind of the same operation then lists only what changed since (the delta).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PlanRebind(self, request, context):
+        """What a Rebind to a target would do to the running requests now, changing nothing (a switch's
+        Plan): each request's KV pool before and after and its blocks, and whether it would be preempted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -206,6 +218,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.PreCopyBlocks,
                     request_deserializer=reconfig_dot_v1_dot_router__pb2.PreCopyBlocksRequest.FromString,
                     response_serializer=reconfig_dot_v1_dot_router__pb2.PreCopyBlocksResponse.SerializeToString,
+            ),
+            'PlanRebind': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlanRebind,
+                    request_deserializer=reconfig_dot_v1_dot_router__pb2.PlanRebindRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_router__pb2.PlanRebindResponse.SerializeToString,
             ),
             'Resume': grpc.unary_unary_rpc_method_handler(
                     servicer.Resume,
@@ -349,6 +366,33 @@ class Router:
             '/reconfig.v1.Router/PreCopyBlocks',
             reconfig_dot_v1_dot_router__pb2.PreCopyBlocksRequest.SerializeToString,
             reconfig_dot_v1_dot_router__pb2.PreCopyBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlanRebind(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Router/PlanRebind',
+            reconfig_dot_v1_dot_router__pb2.PlanRebindRequest.SerializeToString,
+            reconfig_dot_v1_dot_router__pb2.PlanRebindResponse.FromString,
             options,
             channel_credentials,
             insecure,
