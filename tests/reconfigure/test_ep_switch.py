@@ -29,7 +29,8 @@ pytestmark = pytest.mark.multiprocess
 
 # In place, the experts change view by all-to-all; staged, the target's shards are built from the store beside the
 # steps and the KV of running requests is pre-copied into the pools of the target (their ids reserved by the router).
-CHAIN = [("ep4pp1", "in-place"), ("tp4pp1", "in-place"), ("ep2pp2", "staged"), ("tp2pp2", "staged")]
+CHAIN = [("ep4pp1", "in-place"), ("tp4pp1", "in-place"), ("ep2pp2", "staged"), ("ep2pp1", "staged"),
+         ("tp2pp2", "staged")]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +48,8 @@ def _cluster(checkpoint, faults: str = "") -> LocalCluster:
 
 async def test_streams_survive_a_rollback_and_tp_ep_switches(moe_checkpoint):
     """16 streams; the first tp4 -> ep4 fails on rank 2 in the middle of the KV move (layer 2) and rolls back, the
-    second (in place) in the experts' all-to-all of layer 2; then tp4 -> ep4 -> tp4 in place, -> ep2pp2 -> tp2pp2
-    staged with their KV pre-copied: every stream ends with transformers' tokens, none re-prefilled."""
+    second (in place) in the experts' all-to-all of layer 2; then tp4 -> ep4 -> tp4 in place, -> ep2pp2 -> ep2pp1
+    -> tp2pp2 staged with their KV pre-copied: every stream ends with transformers' tokens, none re-prefilled."""
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(2, 30))] for _ in range(16)]
     lengths = [rng.randrange(40, 70) for _ in prompts]
@@ -91,7 +92,8 @@ async def _chain(stack, tasks, head_dim: int):
         assert str(engine.topology) == target
         if strategy == "in-place":  # TP <-> EP of one width and the same stages: experts change view by all-to-all
             assert operation.weight_bytes_resharded > 0, (target, operation)
-        else:  # 1 -> 2 KV pools per stage, then 2 -> 1: pre-copied, the freeze copies the last blocks only
+        else:  # 1 -> 2 KV pools per stage, 2 -> 2 (each request keeps its pool), 2 -> 1: pre-copied, the freeze
+            # copies the last blocks only
             assert operation.precopy.endswith("rounds") and operation.kv_bytes_precopied > 0, operation.precopy
             assert 0 < operation.kv_bytes_moved < operation.kv_bytes_precopied, operation
         assert any(not t.done() for t in tasks), "a switch with nothing in flight proves nothing"
