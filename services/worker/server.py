@@ -15,7 +15,8 @@ from services.rpc.errors import ErrorInterceptor
 from services.worker.faults import FAULTS
 from services.worker.expert_balance import ExpertMapError
 from services.worker.kv_import import ImportRefused
-from services.worker.shard import SwitchFailed, WorkerShard
+from services.worker.shard import WorkerShard
+from services.worker.switch import SwitchFailed
 from services.worker.step import StepBatch, StepOutput
 
 log = structlog.get_logger(__name__)

@@ -5,43 +5,31 @@ from __future__ import annotations
 import os
 import socket
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 import torch
 
-from services.model.expert_reshard import ALONGSIDE, ExpertLedger, ExpertSwitch
+from services.model.expert_reshard import ALONGSIDE, ExpertSwitch
 from services.model.layers import ShardLoader, SingleRankGroup
 from services.model.llama import ShardedCausalLM
 from services.model.spec import ModelSpec
 from services.rpc.reconfig.v1 import worker_pb2
-from services.topology import Placement, Topology, candidate_topologies, place, plan_kv_migration
+from services.topology import Placement, Topology, candidate_topologies, place
 from services.topology.eplb import initial_expert_maps
 from services.weightstore.client import MappedCheckpoint
 from services.weightstore.manifest import Manifest
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KVCache, num_blocks_for_budget
 from services.worker.kv_import import KVSourceSpec, import_kv
-from services.worker.kv_precopy import finish_precopy
 from services.worker.pacing import UNPACED, Pacer
-from services.worker.channel import DistChannel, KVChannel, channel_kind, peer_channel
 from services.worker.cuda_ipc import preload_cuda_ipc
-from services.worker.faults import FAULTS
 from services.worker.expert_balance import ExpertBalancer
-from services.worker.kv_migration import (
-    BlockMaps,
-    MigrationAborted,
-    MigrationStats,
-    block_counts,
-    block_maps_from_proto,
-    identity_block_maps,
-    migrate_kv,
-    reverse_block_maps,
-)
 from services.worker.decode_graphs import WARM_BATCHES
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel import ParallelState
-from services.worker.staging import Staging, active_ranks, check_precopied, lower_thread_priority
+from services.worker.staging import Staging, lower_thread_priority
+from services.worker.switch import SwitchFailed, run_switch
 from services.worker.threads import set_threads, threads_per_worker, usable_cores
 
 log = structlog.get_logger(__name__)
@@ -80,21 +68,21 @@ class WorkerShard:
         self.is_switching = False  # an ApplySwitch is running
         self.needs_apply = False  # regrouped: the runner's groups are gone until the next ApplySwitch
         self.kv_intact = True  # false while (or after being cut off while) KV moves between layouts
-        self._new_cache: KVCache | None = None  # the target's cache while a switch fills it
+        self.new_cache: KVCache | None = None  # the target's cache while a switch fills it
         self.num_threads = 0  # torch threads of the model thread (prepare_steps)
         self.balancer = ExpertBalancer(config.eplb_window)  # MoE: expert load window, EPLB's staged map
         self.staging = Staging(self)  # the target's shard (and KV pool) built beside the steps, until its ApplySwitch
         # Frees a replaced KV pool (and unmaps the peers' pools a pre-copy read) after the switch has answered, at
         # a low priority: the router's first steps in the new layout come first.
-        self._freeing = ThreadPoolExecutor(1, "kv-free", initializer=lower_thread_priority)
+        self.freeing = ThreadPoolExecutor(1, "kv-free", initializer=lower_thread_priority)
 
     def load(self) -> None:
         """Load this worker's shard of the start layout (its groups must be built)."""
         with MappedCheckpoint(self.manifest) as checkpoint:
             self.runner = self.build(self.topology, self.layer_partition, checkpoint, None, None)
-        self._bind_balancer()
+        self.bind_balancer()
 
-    def _bind_balancer(self) -> None:
+    def bind_balancer(self) -> None:
         """Point EPLB at the live runner's sparse layers and its stage's group (a fresh window)."""
         runner = self.runner
         group = None
@@ -183,7 +171,7 @@ class WorkerShard:
     def _loader(self, checkpoint: MappedCheckpoint, pacer: Pacer = UNPACED) -> ShardLoader:
         return ShardLoader(checkpoint.tensor, set(self.manifest.tensors), self.dtype, self.device, pacer.piece)
 
-    def _restore_experts(self, old: ModelRunner | None) -> None:
+    def restore_experts(self, old: ModelRunner | None) -> None:
         """After a switch that did not happen: the experts an in-place build took from the live shard, back from
         the weight store (the same bytes), so that the old layout serves again."""
         if old is None or not any(block.released for block in old.model.moe_blocks().values()):
@@ -230,30 +218,30 @@ class WorkerShard:
         self.is_waking = old is None and rank < target.num_workers
         self.is_switching = True
         try:
-            response = self._apply(request, target, partition, rank, old)
+            response = run_switch(self, request, target, partition, rank, old)
         except SwitchFailed:
             raise  # every rank moved its KV back: the old layout is whole
         except Exception as exc:
             # Cut off mid-way (a peer died, a collective failed): what this worker holds is no layout any more,
             # but its old shard is whole again (a recovery may keep it).
-            if self._new_cache is not None:
-                self._new_cache.close()
+            if self.new_cache is not None:
+                self.new_cache.close()
             # Leave first: peers blocked on this worker fail now, and the frames holding the failed build go with
             # the traceback it drops, before the old experts come back.
             self.leave_world(exc)
             try:
-                self._restore_experts(old)
+                self.restore_experts(old)
             except Exception:  # noqa: BLE001 (the cut-off is what the caller must hear of)
                 log.exception("worker.experts_restore_failed", rank=rank)
             raise
         finally:
             self.is_waking = self.is_switching = False
-            self._new_cache = None
+            self.new_cache = None
         self.needs_apply = False
         if old is not None and old is not self.runner and self.device.type == "cpu":
             # The old shard's own weights go back to the OS (~10-20 ms of munmap) there, after the answer. (A GPU
             # shard goes back to the caching allocator, at once, on the model thread: it may capture graphs.)
-            self._freeing.submit(_let_go, old)
+            self.freeing.submit(_let_go, old)
             del old
         return response
 
@@ -291,183 +279,11 @@ class WorkerShard:
                                               self.config.num_redundant_experts)
         return candidates + ([live] if live not in candidates else [])
 
-    def _apply(self, request, target: Topology, partition, rank: int,
-               old: ModelRunner | None) -> worker_pb2.ApplySwitchResponse:
-        started = time.perf_counter()
-        built_groups = target not in self.parallel.candidates
-        if built_groups:
-            self.parallel.build_groups([target])  # slow path: every rank builds the same groups, in order
-        error, plan, new_cache, channel, block_maps = "", None, None, None, None
-        old_ranks = list(request.old_ranks) or active_ranks(self.topology)  # renumbered by a regroup, LOST gaps
-        staged = self.staging.take(request.operation_id, target, partition, old)
-        precopied = staged.kv if staged is not None and request.precopied else None
-        staged_runner = staged.runner if precopied is not None else None  # over the pre-copied pool
-        if staged is not None and not request.precopied:
-            staged.free_pool()  # pre-copied into, maybe, but this switch moves all the KV in the freeze
-        try:
-            FAULTS.check("apply", rank=rank)
-            if request.precopied:
-                check_precopied(precopied, rank, target, request)
-            old_placement = self.placement(self.topology, self.layer_partition)
-            new_placement = self.placement(target, partition)
-            if not request.drop_kv:
-                plan = plan_kv_migration(old_placement, old_ranks, new_placement, active_ranks(target))
-                block_maps = block_maps_from_proto(request.block_maps)  # None: blocks keep their ids
-                if plan.renumbers_blocks and block_maps is None and request.used_block_ids:
-                    raise ValueError(f"{self.topology} -> {target} renumbers KV blocks: it needs block maps")
-            elif old is not None:
-                old.kv_cache.close()  # the router dropped every request's KV: free it before allocating anew
-            if precopied is not None:
-                new_cache = self._new_cache = precopied.cache  # holds the pre-copied blocks: the delta goes in
-            elif rank < target.num_workers:
-                wp = new_placement.workers[rank]
-                new_cache = self._new_cache = KVCache(
-                    wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size, self.dtype,
-                    self.device, num_blocks=request.num_kv_blocks, allocate=bool(request.drop_kv))
-            if plan is not None and not request.precopied:  # a pre-copied delta goes through the staged pool's
-                channel = self._channel(request, plan, block_maps)
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        if not self.agree(not error):  # nothing has changed anywhere yet
-            if precopied is not None:
-                precopied.close()
-            elif new_cache is not None:
-                new_cache.close()
-            raise SwitchFailed(f"switch to {target} refused before any KV moved: {error or 'another rank failed'}")
-        apply_seconds = time.perf_counter() - started
-        used = list(request.used_block_ids)
-        # KV moves from here on (a dropped cache has nothing to lose; a pre-copy only reads the old pools)
-        self.kv_intact = bool(request.drop_kv) or request.precopied
-        old_kv = old.kv_cache if old else None
-        fault = lambda layer: FAULTS.check("migrate", rank=rank, layer=layer)  # noqa: E731
-        # A sparse layer whose experts change lets the live ones go as the new ones arrive (one layer of extra
-        # memory, not a second copy of the experts); a switch that does not happen brings them back from the store.
-        ledger = ExpertLedger()
-        experts = ExpertSwitch(in_place=True, ledger=ledger,
-                               fault=lambda layer: FAULTS.check("reshard", rank=rank, layer=layer))
-        with MappedCheckpoint(self.manifest) as checkpoint, ThreadPoolExecutor(1, "reload") as pool:
-            # The shard reload overlaps the KV migration (both copy memory; torch releases the GIL). A staged shard
-            # only needs its runner over the new cache.
-            reload = _resolved((staged_runner, 0.0)) if staged_runner is not None else pool.submit(
-                self._timed_build, target, partition, checkpoint, old, new_cache,
-                staged.model if staged is not None else None, experts)
-            try:
-                if request.precopied:  # only the delta moves: the old pools stay whole until the commit
-                    # One agreement for the delta and the shard (staged: its runner is ready at once).
-                    delta = identity_block_maps(used) if block_maps is None else block_maps
-                    stats = finish_precopy(precopied, old_kv, delta, self.agree, fault,
-                                           ready=lambda: _result_or_none(reload) is not None)
-                else:
-                    stats = MigrationStats() if plan is None else migrate_kv(
-                        plan, rank, old_kv, new_cache, used, channel, self.agree, fault=fault, block_maps=block_maps)
-            except MigrationAborted as aborted:
-                _result_or_none(reload)
-                reload = None  # the new shard goes before the old one's experts come back
-                if request.precopied:
-                    if precopied is not None:
-                        precopied.close()
-                    raise SwitchFailed(f"{aborted}; rolled back (layers [] moved back: the KV was pre-copied, the "
-                                       "old pools were only read)") from aborted
-                self._rollback(plan, aborted.done_layers, old, new_cache, request)
-                self._restore_experts(old)
-                raise SwitchFailed(f"{aborted}; rolled back (layers {aborted.done_layers} moved back)") from aborted
-            built = _result_or_none(reload)
-            if not request.precopied and not self.agree(built is not None):  # a shard failed: undo the migration
-                built = reload = None
-                self._rollback(plan, plan.layers() if plan else [], old, new_cache, request)
-                self._restore_experts(old)
-                raise SwitchFailed(f"switch to {target}: a worker failed to build its shard; rolled back")
-        runner, reload_seconds = built
-        finishing = time.perf_counter()
-        if precopied is not None:
-            self._freeing.submit(precopied.channel.close)  # unmapping the peers' pools: ~10 ms, not in the freeze
-            precopied.commit(old_kv)
-        if old is not None:  # anything the migration did not move or keep; every peer is done reading it
-            if self.device.type == "cpu":  # unmapping a touched pool takes ~0.2 s/GiB: not in the freeze
-                self._freeing.submit(old.kv_cache.close)
-            else:  # back to the caching allocator, on the model thread (it may capture decode graphs)
-                old.kv_cache.close()
-        kept = set(runner.model.parameter_tensors()) & set(old.model.parameter_tensors()) if runner and old else set()
-        new_tensors = runner.model.parameter_tensors() if runner else {}
-        reused = sum(t.numel() * t.element_size() for i, t in new_tensors.items() if i in kept)
-        # Expert tensors that came from the stage's peers by all-to-all (TP <-> EP) were not read from the store.
-        resharded = sum(block.resharded_bytes for block in runner.model.moe_blocks().values()) if runner else 0
-        loaded = sum(t.numel() * t.element_size() for t in new_tensors.values()) - reused - resharded
-        self.runner, self.topology, self.layer_partition = runner, target, partition
-        self.kv_intact = True
-        self._bind_balancer()
-        self.prepare_steps()
-        channel = precopied.channel if precopied is not None else channel
-        log.info("worker.switched", operation_id=request.operation_id, topology=str(target),
-                 kv_channel=type(channel).__name__ if channel is not None else None,
-                 kv_received=stats.bytes_received, kv_local=stats.bytes_local, weights_loaded=loaded,
-                 weights_reused=reused, weights_resharded=resharded, expert_peak_extra=ledger.peak_beyond,
-                 migrate_s=round(stats.seconds, 4),
-                 reload_s=round(reload_seconds, 4), apply_s=round(apply_seconds, 4),
-                 finish_s=round(time.perf_counter() - finishing, 4), total_s=round(time.perf_counter() - started, 4))
-        return worker_pb2.ApplySwitchResponse(
-            kv_bytes_received=stats.bytes_received, kv_bytes_local=stats.bytes_local, weight_bytes_loaded=loaded,
-            weight_bytes_reused=reused, migrate_seconds=stats.seconds, reload_seconds=reload_seconds,
-            peak_extra_bytes=stats.peak_extra_bytes, built_groups=built_groups, info=self.info(),
-            apply_seconds=apply_seconds, weight_bytes_resharded=resharded, used_staged=staged is not None,
-            used_precopy=precopied is not None, used_staged_runner=staged_runner is not None,
-            staged_graphs=staged.staged_graphs if staged_runner is not None else 0,
-            expert_peak_extra_bytes=ledger.peak_beyond,
-        )
-
-    def _rollback(self, plan, layers: list[int], old: ModelRunner | None, new_cache: KVCache | None,
-                  request: worker_pb2.ApplySwitchRequest) -> None:
-        """Replay the journal backwards: move `layers` from the new layout back to the old one (collective), with
-        the request's block maps reversed. Without a plan (the KV was dropped) or with lost sources (nowhere to
-        move back to) there is nothing to replay: the old cache was never touched, or the controller drops the KV
-        anyway."""
-        if plan is None or plan.has_lost_sources:
-            if new_cache is not None:
-                new_cache.close()
-            if plan is None:
-                self.kv_intact = True
-            return
-        reverse = plan_kv_migration(plan.new, plan.new_ranks, plan.old, plan.old_ranks)
-        back_maps = reverse_block_maps(block_maps_from_proto(request.block_maps))
-        ipc = channel_kind(request.peers, self.world_size, self.device, request.kv_channel) == "ipc"
-        pools = self.parallel.all_gather_object(  # on the CPU group
-            (new_cache.segment_names(), new_cache.cuda_ipc_handles() if ipc else {}) if new_cache else ({}, {}))
-        back = worker_pb2.ApplySwitchRequest()
-        back.CopyFrom(request)
-        for peer, (segments, handles) in enumerate(pools):
-            pool = back.peers[peer]
-            pool.kv_segments.clear()
-            pool.kv_segments.update(segments)
-            pool.kv_cuda_ipc.clear()
-            pool.kv_cuda_ipc.update(handles)
-        migrate_kv(reverse, self.rank, new_cache, old.kv_cache if old else None, list(request.used_block_ids),
-                   self._channel(back, reverse, back_maps), self.agree, layers=list(layers), block_maps=back_maps)
-        if new_cache is not None:
-            new_cache.close()
-        self.kv_intact = True
-        log.warning("worker.switch_rolled_back", operation_id=request.operation_id, layers=list(layers))
-
     def agree(self, ok: bool) -> bool:
         """True when every rank of the world says ok (on the world's CPU group; also the per-layer barrier)."""
         return self.parallel.agree(ok)
 
-    def _channel(self, request: worker_pb2.ApplySwitchRequest, plan, block_maps: BlockMaps | None = None
-                 ) -> KVChannel:
-        """shm between CPU workers of one host (the default on CPU); CUDA IPC between GPU workers of one host that
-        all can (the default there); torch.distributed otherwise (its receive buffers hold each pool pair's
-        blocks: `block_maps`, or every used block when ids are kept). Every rank decides alike: from the same
-        peers."""
-        kind = channel_kind(request.peers, self.world_size, self.device, request.kv_channel)
-        if kind in ("shm", "ipc"):
-            return peer_channel(kind, request.peers, plan, self.config.block_size, self.spec.head_dim, self.dtype,
-                                self.device)
-        if kind == "dist":
-            counts = block_counts(identity_block_maps(request.used_block_ids) if block_maps is None else block_maps)
-            return DistChannel(self.parallel, counts, self.config.block_size, self.spec.head_dim, self.dtype,
-                               self.device)
-        raise ValueError(f"kv_channel {kind!r} is not one of: shm, ipc, dist")
-
-    def _timed_build(self, *args) -> tuple[ModelRunner | None, float]:
+    def timed_build(self, *args) -> tuple[ModelRunner | None, float]:
         started = time.perf_counter()
         return self.build(*args), time.perf_counter() - started
 
@@ -504,30 +320,11 @@ class WorkerShard:
         return "ACTIVE" if self.runner is not None else "STANDBY"
 
     def close(self) -> None:
-        self._freeing.shutdown(wait=True)
+        self.freeing.shutdown(wait=True)
         self.staging.drop()
         if self.runner is not None:
             self.runner.kv_cache.close()
 
 
-class SwitchFailed(RuntimeError):
-    """A switch that did not happen: every worker is back in (or never left) the old layout."""
-
-
 def _let_go(_: object) -> None:
     """Run on the freeing thread: the last reference to the argument dies there, with its memory."""
-
-
-def _resolved(value) -> Future:
-    """A future that already holds `value`."""
-    future = Future()
-    future.set_result(value)
-    return future
-
-
-def _result_or_none(future):
-    try:
-        return future.result()
-    except Exception:
-        log.exception("worker.shard_reload_failed")
-        return None

@@ -26,11 +26,11 @@ from tests.worker.collective_recorder import POINT_TO_POINT, read_records, run_r
 pytestmark = pytest.mark.multiprocess
 
 # Who asks for a collective -> the group kind it must use. A caller not listed fails the test: classify it.
-CPU_CALLERS = {"services.worker.shard:WorkerShard.agree", "services.worker.shard:WorkerShard._rollback"}
+CPU_CALLERS = {"services.worker.shard:WorkerShard.agree", "services.worker.switch:_rollback"}
 DEVICE_CALLERS = ("services.model.", "services.worker.model_runner:", "services.worker.channel:DistChannel.")
 MUST_SEE = {  # what the scenario exercises: agreements, rollback metadata, PP hand-off, TP, KV over the channel
     ("all_reduce", "services.worker.shard:WorkerShard.agree"),
-    ("all_gather_object", "services.worker.shard:WorkerShard._rollback"),
+    ("all_gather_object", "services.worker.switch:_rollback"),
     ("send", "services.worker.model_runner:ModelRunner.execute"),
     ("recv", "services.worker.model_runner:ModelRunner.execute"),
     ("batch_isend_irecv", "services.worker.channel:DistChannel.exchange"),
