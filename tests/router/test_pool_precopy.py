@@ -14,26 +14,17 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from services.router.block_manager import num_blocks_for
-from services.router.config import SchedulerConfig
 from services.router.dp import DataParallelBlocks, repartition
-from services.router.engine import Engine
 from services.router.precopy import PoolPrecopy
-from services.router.sequence import Sequence, SequenceStatus
 from services.worker.kv_migration import check_block_maps
+from tests.router.test_precopy import engine_over_fake_workers, running
 from tests.router.test_scheduler import check_every_request_done, next_token, prompt_of, seq_of
-
-
-def running(request_id: str, block_ids: list[int], num_computed_tokens: int, num_preemptions: int = 0) -> Sequence:
-    return Sequence(request_id=request_id, prompt_token_ids=list(range(3, 3 + max(num_computed_tokens, 1))),
-                    max_tokens=4, num_computed_tokens=num_computed_tokens, block_ids=list(block_ids),
-                    status=SequenceStatus.RUNNING, num_preemptions=num_preemptions)
 
 
 def live_pools(num_ranks: int, num_blocks: int, block_size: int, tables: dict[str, tuple[int, list[int]]],
@@ -179,15 +170,6 @@ def run_sync(coroutine):
     except StopIteration as stop:
         return stop.value
     raise AssertionError("the coroutine awaited something")
-
-
-def engine_over_fake_workers(num_blocks: int, block_size: int, dp_size: int, **config) -> Engine:
-    info = SimpleNamespace(topology="tp1pp1" if dp_size == 1 else f"ep{dp_size}pp1", num_kv_blocks=num_blocks)
-    driver = SimpleNamespace(infos=[info] * dp_size, num_kv_blocks=num_blocks, block_size=block_size,
-                             dp_size=dp_size)
-    max_model_len = config.pop("max_model_len", 64)
-    return Engine(driver, tokenizer=None, model_name="m", max_model_len=max_model_len,
-                  scheduler_config=SchedulerConfig(max_model_len=max_model_len, **config))
 
 
 class PoolWorkers:
