@@ -12,7 +12,7 @@ Pure bookkeeping, no tensors.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 
@@ -288,6 +288,23 @@ def repartition(blocks: DataParallelBlocks, tables: Mapping[str, Sequence_[int]]
         place(request_id, rank, new.reserve(request_id, rank, counts[request_id]), 0)
     maps = {pair: ids for pair, ids in maps.items() if ids[0]}
     return Repartition(new, block_tables, maps, tuple(unplaced))
+
+
+def plan_placements(blocks: DataParallelBlocks, running: Iterable[Sequence], num_blocks: int,
+                    num_ranks: int) -> list[tuple[str, int, int, int]]:
+    """Where a rebind to `num_ranks` pools of `num_blocks` ids would put the requests of `running` holding blocks:
+    (request_id, rank now, rank after or -1 when it would be preempted, blocks), longest first. To or from several
+    pools as repartition places them; one pool on both sides keeps ids, and the holders of ids past the capacity
+    are preempted. Pure."""
+    if num_blocks < 1 or num_ranks < 1:
+        raise ValueError(f"need num_kv_blocks >= 1 and dp_size >= 1, got {num_blocks}, {num_ranks}")
+    holders = sorted((s for s in running if s.block_ids), key=lambda s: (-len(s.block_ids), s.request_id))
+    if num_ranks != blocks.num_ranks or num_ranks > 1:
+        plan = repartition(blocks, {s.request_id: s.block_ids for s in holders}, num_ranks, num_blocks)
+        after = {rid: plan.blocks.rank_of_request(rid) for rid in plan.block_tables}
+    else:
+        after = {s.request_id: 0 for s in holders if max(s.block_ids) < num_blocks}
+    return [(s.request_id, blocks.rank_of(s), after.get(s.request_id, -1), len(s.block_ids)) for s in holders]
 
 
 def assign_requests(block_counts: Mapping[str, int], num_ranks: int,

@@ -28,7 +28,7 @@ from services.router.contracts import (
     SwitchReport,
     SwitchTotals,
 )
-from services.router.dp import BlockMaps, DataParallelBlocks, repartition
+from services.router.dp import BlockMaps, DataParallelBlocks, plan_placements
 from services.router.expert_balance import EplbSettings, ExpertBalancer
 from services.router.load_window import LoadWindow, RequestTimer
 from services.router.migration import InstanceMigrations
@@ -343,21 +343,9 @@ class Engine:
         return PrecopyRound(maps, warm, precopy.num_copied, blocks.num_used)
 
     def plan_rebind(self, num_kv_blocks: int, dp_size: int = 1) -> list[tuple[str, int, int, int]]:
-        """What rebind(num_kv_blocks, dp_size=dp_size) would do to the running requests now, changing nothing:
-        (request_id, pool now, pool after or -1 when preempted, blocks), longest first. To or from several pools:
-        dp.repartition's placement; else each keeps its pool and ids, and the holders of ids past the capacity
-        are preempted."""
-        if num_kv_blocks < 1 or dp_size < 1:
-            raise ValueError(f"need num_kv_blocks >= 1 and dp_size >= 1, got {num_kv_blocks}, {dp_size}")
-        blocks = self.scheduler.block_manager
-        holders = sorted((s for s in self.scheduler.running if s.block_ids),
-                         key=lambda s: (-len(s.block_ids), s.request_id))
-        if dp_size != blocks.num_ranks or dp_size > 1:
-            plan = repartition(blocks, {s.request_id: s.block_ids for s in holders}, dp_size, num_kv_blocks)
-            after = {rid: plan.blocks.rank_of_request(rid) for rid in plan.block_tables}
-        else:
-            after = {s.request_id: 0 for s in holders if max(s.block_ids) < num_kv_blocks}
-        return [(s.request_id, blocks.rank_of(s), after.get(s.request_id, -1), len(s.block_ids)) for s in holders]
+        """What rebind(num_kv_blocks, dp_size=dp_size) would do to the running requests now, changing nothing
+        (dp.plan_placements)."""
+        return plan_placements(self.scheduler.block_manager, self.scheduler.running, num_kv_blocks, dp_size)
 
     def _end_precopy(self, operation_id: str, kind: type) -> KVPrecopy | PoolPrecopy | None:
         """The record of the pre-copy `operation_id` ("": none ran), which ends here (also when it is not found:
