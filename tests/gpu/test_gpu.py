@@ -106,18 +106,17 @@ async def test_streams_survive_rollbacks_and_a_chain_of_live_switches(checkpoint
     _check_and_report(outputs, expected, lengths, stats, rows)
 
 
-async def _switch_through(stack, chain: list[str], tasks, label: str = "", precopied: bool = True
-                          ) -> list[tuple[str, object]]:
+async def _switch_through(stack, chain: list[str], tasks, label: str = "") -> list[tuple[str, object]]:
     """Switch the live stack through `chain` (the default strategy: staged) while `tasks` stream; every switch
-    succeeds with requests in flight, its KV pre-copied through CUDA IPC while serving (`precopied`; an EP layout
-    has several KV pools: its KV moves in the freeze). Returns (name, operation) rows."""
+    succeeds with requests in flight, its KV pre-copied through CUDA IPC while serving (to or from an EP layout:
+    into the pools the router reserved in the target). Returns (name, operation) rows."""
     rows = []
     for target in chain:
         before = str(stack.engine.topology)
         operation = await stack.reconfigurer.reconfigure(target)
         assert operation.state is OperationState.SUCCEEDED, operation.error
         assert str(stack.engine.topology) == target and "STAGING" in operation.phase_seconds
-        assert operation.precopy.endswith("rounds") == precopied, operation.precopy
+        assert operation.precopy.endswith("rounds"), operation.precopy
         assert any(not t.done() for t in tasks), "a switch with nothing in flight proves nothing"
         rows.append((f"{before} -> {target}{label}", operation))
     return rows
@@ -167,8 +166,8 @@ MOE_CHAIN = ["ep4pp1", "tp4pp1", "ep2pp2", "tp2pp2"]
 
 async def test_moe_streams_through_staged_tp_ep_switches(tmp_path):
     """A Qwen3-MoE-style model on 4 workers sharing the GPU: 16 greedy streams through staged (the default)
-    tp4 -> ep4 -> tp4 -> ep2pp2 -> tp2pp2, KV pools repartitioned between TP and EP on CUDA; every stream ends with
-    transformers' tokens, none re-prefilled."""
+    tp4 -> ep4 -> tp4 -> ep2pp2 -> tp2pp2, KV pools repartitioned between TP and EP on CUDA, pre-copied through
+    CUDA IPC into the pools the router reserved; every stream ends with transformers' tokens, none re-prefilled."""
     checkpoint = make_checkpoint(tmp_path / "qwen3-moe", "qwen3_moe", seed=7)
     rng = random.Random(6)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(2, 30))] for _ in range(16)]
@@ -181,7 +180,7 @@ async def test_moe_streams_through_staged_tp_ep_switches(tmp_path):
                      for i, (p, n) in enumerate(zip(prompts, lengths))]
             while engine.stats().num_generation_tokens < 3 * len(prompts):
                 await asyncio.sleep(0.01)
-            rows = await _switch_through(stack, MOE_CHAIN, tasks, " (MoE, staged)", precopied=False)
+            rows = await _switch_through(stack, MOE_CHAIN, tasks, " (MoE, staged)")
             outputs = await asyncio.wait_for(asyncio.gather(*tasks), 120)
             stats = engine.stats()
     _check_and_report(outputs, expected, lengths, stats, rows)
