@@ -4,6 +4,7 @@ quiet) replayed against a fresh `reconfig up` per layout and one in `auto` (issu
     python bench/autopilot.py                     # smollm2-135m, 4 CPU workers, 5 static layouts + auto (~22 min)
     python bench/autopilot.py --quick             # short phases, tp1pp1 and tp1pp4 + auto (~5 min)
     python bench/autopilot.py --profile bench/results/autopilot-profile.json   # reuse a profile if present
+    python bench/autopilot.py --profile ... --repeat 3   # every layout and auto 3 times, in rounds (~1 h)
 
 What it measures: the same seeded request list (arrival gaps and lengths from the trace, each phase's gaps scaled
 to its rate, prompts and outputs scaled and clipped, random prompt ids, ignore_eos) is streamed through the openai
@@ -15,6 +16,11 @@ decisions, and the switches with their reasons. The SLO targets are derived from
 first, once per bench run) before any run. Prints a table and PASS/MISS lines for issue 15's targets (auto meets or
 beats the best static layout's attainment overall, and is within 10% of the best static layout in each phase);
 writes a JSON and a plot under bench/results/. A bench: it never asserts.
+
+`--repeat N` runs every static layout and auto N times, a round at a time (each round every layout once, so that
+a slow spell of the machine hits all of them), and checks the targets on the mean attainment over the rounds,
+with each layout's range and the rounds in which auto met the best static layout of that round: one layout's
+attainment varied by more between single runs than the layouts differ.
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ class BenchConfig:
     startup_timeout: float
     seed: int
     out: Path
+    repeat: int = 1                   # rounds of every static layout and auto
 
     def __post_init__(self) -> None:
         if not self.phases or min(min(p.seconds, p.rate) for p in self.phases) <= 0:
@@ -86,6 +93,8 @@ class BenchConfig:
             raise ValueError(f"need --max-prompt-tokens >= 1 and --max-output-tokens > {MIN_OUTPUT_TOKENS}")
         if not self.layouts:
             raise ValueError("need at least one static layout")
+        if self.repeat < 1:
+            raise ValueError("--repeat must be >= 1")
 
 
 @dataclass(slots=True)
@@ -349,6 +358,49 @@ def format_report(results: list[RunResult], summaries: dict, slo: dict, phases: 
     return "\n".join(lines), target_check(summaries, names)
 
 
+def mean_summaries(per_round: list[dict[str, dict]]) -> dict[str, dict]:
+    """Each run name's phases averaged over the rounds (attainment, p99 TTFT, mean TPOT), with the attainment's
+    range."""
+    out: dict[str, dict] = {}
+    for name in per_round[0]:
+        out[name] = {}
+        for phase in per_round[0][name]:
+            rows = [summaries[name][phase] for summaries in per_round]
+            values = [r["attainment_pct"] for r in rows]
+
+            def mean(key: str):
+                known = [r[key] for r in rows if r[key] is not None]
+                return sum(known) / len(known) if known else None
+
+            out[name][phase] = {"requests": rows[0]["requests"], "attainment_pct": sum(values) / len(values),
+                                "attainment_min_pct": min(values), "attainment_max_pct": max(values),
+                                "ttft_p99_s": mean("ttft_p99_s"), "tpot_mean_ms": mean("tpot_mean_ms"),
+                                "failed": sum(r["failed"] for r in rows), "rounds": len(rows)}
+    return out
+
+
+def repeat_report(means: dict[str, dict], per_round: list[dict[str, dict]], phases: list[str]
+                  ) -> tuple[str, list[str]]:
+    """The table of means over the rounds (attainment with its range), and the target checks on the means, with
+    the rounds in which auto met each round's best static layout."""
+    names = list(dict.fromkeys(phases))
+    lines = [f"means over {len(per_round)} rounds", "",
+             "| run | phase | SLO attainment mean (min-max) | TTFT p99 s (mean) | TPOT mean ms (mean) | failed |",
+             "|---|---|---|---:|---:|---:|"]
+    for name, by_phase in means.items():
+        for phase in ("all", *names):
+            s = by_phase[phase]
+            ttft = "-" if s["ttft_p99_s"] is None else f"{s['ttft_p99_s']:.2f}"
+            tpot_ms = "-" if s["tpot_mean_ms"] is None else f"{s['tpot_mean_ms']:.0f}"
+            lines.append(f"| {name} | {phase} | {s['attainment_pct']:.1f}% ({s['attainment_min_pct']:.1f}-"
+                         f"{s['attainment_max_pct']:.1f}) | {ttft} | {tpot_ms} | {s['failed']} |")
+    checks = target_check(means, names)
+    met = sum(summaries[AUTO]["all"]["attainment_pct"] >= max(
+        s["all"]["attainment_pct"] for n, s in summaries.items() if n != AUTO) for summaries in per_round)
+    checks.append(f"auto met or beat the round's best static layout overall in {met} of {len(per_round)} rounds")
+    return "\n".join(lines), checks
+
+
 def target_check(summaries: dict, phases: list[str]) -> list[str]:
     """Issue 15's targets as PASS/MISS lines (auto must have run)."""
     statics = [n for n in summaries if n != AUTO]
@@ -457,6 +509,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--startup-timeout", type=float, default=180.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="[bench/results/autopilot.json; quick: autopilot-quick.json]")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds of every static layout and auto; the targets are checked on the means [1]")
     args = parser.parse_args(argv)
     quick = args.quick
     quiet_s, burst_s = args.quiet_s or (15.0 if quick else 45.0), args.burst_s or (30.0 if quick else 90.0)
@@ -475,7 +529,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
                                  int),
         calibrate_prompts=_tuple(args.calibrate_prompts, int), ttft_slo_s=args.ttft_slo_s, tpot_slo_s=args.tpot_slo_s,
         request_timeout=args.request_timeout or (30.0 if quick else 60.0), startup_timeout=args.startup_timeout,
-        seed=args.seed, out=(args.out or RESULTS / f"{stem}.json").resolve(),
+        seed=args.seed, out=(args.out or RESULTS / f"{stem}.json").resolve(), repeat=args.repeat,
     )
 
 
@@ -515,16 +569,27 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nSLO: TTFT <= {slo['ttft_slo_s']:.2f} s, TPOT <= {slo['tpot_slo_s'] * 1e3:.0f} ms"
           f"{' (overridden: ' + ', '.join(slo['overridden']) + ')' if slo['overridden'] else ''}\n"
           f"  derived from the profile before any run: {slo['derivation']}\n", flush=True)
-    results = [run_stack(config, name, requests) for name in (*config.layouts, AUTO)]
-    summaries = {r.name: summarize(r, phases, slo) for r in results}
+    rounds = []
+    for number in range(config.repeat):
+        if config.repeat > 1:
+            print(f"round {number + 1} of {config.repeat}", file=sys.stderr, flush=True)
+        rounds.append([run_stack(config, name, requests) for name in (*config.layouts, AUTO)])
+    per_round = [{r.name: summarize(r, phases, slo) for r in results} for results in rounds]
+    results, summaries = rounds[-1], per_round[-1]
     table, checks = format_report(results, summaries, slo, phases)
+    if config.repeat > 1:
+        summaries = mean_summaries(per_round)
+        table, checks = repeat_report(summaries, per_round, phases)
     elapsed = time.perf_counter() - started
     print(table + "\n\n" + "\n".join(checks))
-    write_results(config, requests, phases, profile, slo, results, summaries, table, checks, elapsed, loadavg_start)
+    write_results(config, requests, phases, profile, slo, results, summaries, table, checks, elapsed, loadavg_start,
+                  per_round)
 
 
 def write_results(config, requests, phases, profile, slo, results, summaries, table, checks, elapsed,
-                  loadavg_start) -> None:
+                  loadavg_start, per_round=()) -> None:
+    """The JSON (the last round's runs in full; with --repeat, every round's summaries and the means) and the plot
+    (the last round)."""
     payload = {
         "bench": "autopilot", "config": {**asdict(config), "trace": str(config.trace), "out": str(config.out),
                                          "profile": str(config.profile)},
@@ -533,7 +598,7 @@ def write_results(config, requests, phases, profile, slo, results, summaries, ta
                     "per_run": {r.name: {"before": r.loadavg_before, "after": r.loadavg_after} for r in results}},
         "profile": profile.to_json() | {"decode_samples": len(profile.decode_samples),
                                         "prefill_samples": len(profile.prefill_samples)},
-        "slo": slo, "table": table, "targets": checks, "summaries": summaries,
+        "slo": slo, "table": table, "targets": checks, "summaries": summaries, "rounds": list(per_round),
         "requests": [{"index": r.index, "arrival": r.arrival, "phase": p, "prompt_tokens": len(r.prompt),
                       "max_tokens": r.max_tokens} for r, p in zip(requests, phases)],
         "runs": [{"name": r.name, "wall_seconds": r.wall_seconds, "switches": r.switches, "timeline": r.timeline,
@@ -545,7 +610,7 @@ def write_results(config, requests, phases, profile, slo, results, summaries, ta
     config.out.parent.mkdir(parents=True, exist_ok=True)
     config.out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
     plot_path = config.out.with_suffix(".png")
-    plot(results, summaries, requests, config, plot_path)
+    plot(results, per_round[-1] if per_round else summaries, requests, config, plot_path)
     print(f"\nwrote {config.out} and {plot_path} in {elapsed:.0f} s (load average {os.getloadavg()[0]:.2f})",
           file=sys.stderr)
 
