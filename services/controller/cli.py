@@ -208,7 +208,7 @@ def format_plan(plan: controller_pb2.PlanResponse) -> str:
                      "the stage's peers instead (TP <-> EP; over NCCL by default)")
     if len(plan.pools) > 1 or any(p.src_pool for p in plan.placements):  # to, from or between EP layouts
         lines.append("running requests' KV after: " + ", ".join(
-            f"pool {p.pool} {p.num_requests} requests / {p.num_blocks} blocks" for p in plan.pools))
+            f"pool {p.pool}: {p.num_requests} requests / {p.num_blocks} blocks" for p in plan.pools))
     if experts := max((w.expert_peak_extra_bytes for w in workers), default=0):
         lines.append(f"in place, experts need at most {format_bytes(experts)} beyond the larger shard on a worker "
                      "(each sparse layer's old experts go as its new ones arrive; a rollback reads them from the store)")

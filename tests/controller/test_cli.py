@@ -187,3 +187,24 @@ def test_a_status_whose_only_change_is_the_routers_load_window_is_the_same_for_w
     assert drifted.same_as(before) and before.same_as(drifted)
     assert not dataclasses.replace(drifted, router=EngineStats(num_running=3)).same_as(before)
     assert not dataclasses.replace(before, router=None).same_as(before) and not before.same_as(None)
+
+
+def test_a_plan_to_an_ep_layout_shows_where_the_running_requests_kv_goes():
+    from services.controller.cli import format_plan, plan_to_json
+    from services.rpc.reconfig.v1 import controller_pb2, router_pb2
+
+    plan = controller_pb2.PlanResponse(
+        from_topology="tp4pp1", to_topology="ep2pp1", workers=[controller_pb2.WorkerPlan(rank=0)],
+        placements=[router_pb2.RequestPlacement(request_id="a", src_pool=0, dst_pool=1, num_blocks=3),
+                    router_pb2.RequestPlacement(request_id="b", src_pool=0, dst_pool=-1, num_blocks=9)],
+        pools=[controller_pb2.PoolPlan(pool=0), controller_pb2.PoolPlan(pool=1, num_requests=1, num_blocks=3)],
+        num_requests_preempted=1)
+    text = format_plan(plan)
+    assert "requests preempted: 1" in text
+    assert "running requests' KV after: pool 0: 0 requests / 0 blocks, pool 1: 1 requests / 3 blocks" in text
+    data = plan_to_json(plan)
+    assert data["placements"][1] == {"request_id": "b", "src_pool": 0, "dst_pool": -1, "num_blocks": 9}
+    assert [p["num_blocks"] for p in data["pools"]] == [0, 3]
+    dense = controller_pb2.PlanResponse(from_topology="tp2pp2", to_topology="tp2pp1",
+                                        pools=[controller_pb2.PoolPlan(pool=0, num_requests=2, num_blocks=5)])
+    assert "KV after" not in format_plan(dense)  # one pool on both sides: nothing to say
