@@ -47,14 +47,15 @@ def _cluster(checkpoint, faults: str = "") -> LocalCluster:
 
 
 async def test_streams_survive_a_rollback_and_tp_ep_switches(moe_checkpoint):
-    """16 streams; the first tp4 -> ep4 fails on rank 2 in the middle of the KV move (layer 2) and rolls back, the
-    second (in place) in the experts' all-to-all of layer 2; then tp4 -> ep4 -> tp4 in place, -> ep2pp2 -> ep2pp1
+    """16 streams; tp4 -> ep4 fails in a pre-copy round (rank 1, while serving), then on rank 2 in the middle of the
+    KV move (layer 2) and rolls back, then (in place) in the experts' all-to-all of layer 2; then tp4 -> ep4 -> tp4 in place, -> ep2pp2 -> ep2pp1
     -> tp2pp2 staged with their KV pre-copied: every stream ends with transformers' tokens, none re-prefilled."""
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(2, 30))] for _ in range(16)]
     lengths = [rng.randrange(40, 70) for _ in prompts]
     expected, _ = hf_greedy(moe_checkpoint, prompts, max(lengths))
-    with _cluster(moe_checkpoint, "migrate:rank=2:layer=2:once=1;reshard:rank=2:layer=2:once=1") as cluster:
+    faults = "precopy:rank=1:layer=0:once=1;migrate:rank=2:layer=2:once=1;reshard:rank=2:layer=2:once=1"
+    with _cluster(moe_checkpoint, faults) as cluster:
         async with open_live_stack(cluster, leave_in=None) as stack:
             engine = stack.engine
             tasks = [asyncio.ensure_future(generated_tokens(engine, GenerationRequest(f"m{i}", tuple(p), n)))
@@ -69,6 +70,12 @@ async def test_streams_survive_a_rollback_and_tp_ep_switches(moe_checkpoint):
 
 async def _chain(stack, tasks, head_dim: int):
     engine, stubs = stack.engine, stack.state.worker_stubs
+    # A pre-copy round into the EP target's pools fails on rank 1 while serving: nothing was frozen, the router's
+    # reservations and the staged pools are dropped, tp4 serves on.
+    operation = await stack.reconfigurer.reconfigure("ep4pp1")
+    assert operation.state is OperationState.ROLLED_BACK and "injected fault at precopy" in operation.error, operation
+    assert set(operation.phase_seconds) == {"STAGING", "PRECOPY"} and operation.downtime_seconds == 0
+    assert str(engine.topology) == "tp4pp1" and not engine.stats().is_frozen
     # Staged: the KV move fails, the staged shards are dropped. In place: the experts' all-to-all fails at layer 2
     # after layer 0's old experts were let go (one layer of extra memory): they come back from the store.
     for strategy, error in (("staged", "rolled back (layers ["), ("in-place", "failed to build its shard")):
