@@ -6,8 +6,8 @@ MELL draining into an instance it also relieves), B may have no room yet for wha
 bench/mell_live.py at four times the load, moves out of the target held the blocks of 57 of lb's 97 refused
 reservations before what follows, of 4 of 32 after. A tick starts the moves out of an instance first; a move into
 one without room for it waits for the moves out of that instance that started before it (never for later ones:
-two moves can never wait for each other), then reserves. Room is the front's own count: the instance's capacity less the KV of
-the requests that really run there (a moving-out one until it commits) and of those moving in.
+two moves can never wait for each other), then reserves. Room is the front's own count: the instance's capacity
+less the KV of the requests that really run there (a moving-out one until it commits) and of those moving in.
 """
 
 from __future__ import annotations

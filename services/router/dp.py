@@ -78,10 +78,6 @@ class DataParallelBlocks:
         """The DP rank holding seq's blocks; None while it holds none (it may go to any rank then)."""
         return self._rank.get(seq.request_id)
 
-    def rank_of_request(self, request_id: str) -> int | None:
-        """rank_of, by request id."""
-        return self._rank.get(request_id)
-
     def _rank_for(self, seq: Sequence, num_blocks: int, excluded_ranks: Collection[int | None] = ()) -> int | None:
         """Where seq would get `num_blocks` more blocks: its own rank, or for a sequence holding none the rank with
         the fewest blocks in use that has them free (ties: lowest rank); None when there is no such rank."""
@@ -301,7 +297,7 @@ def plan_placements(blocks: DataParallelBlocks, running: Iterable[Sequence], num
     holders = sorted((s for s in running if s.block_ids), key=lambda s: (-len(s.block_ids), s.request_id))
     if num_ranks != blocks.num_ranks or num_ranks > 1:
         plan = repartition(blocks, {s.request_id: s.block_ids for s in holders}, num_ranks, num_blocks)
-        after = {rid: plan.blocks.rank_of_request(rid) for rid in plan.block_tables}
+        after = {rid: plan.blocks._rank[rid] for rid in plan.block_tables}
     else:
         after = {s.request_id: 0 for s in holders if max(s.block_ids) < num_blocks}
     return [(s.request_id, blocks.rank_of(s), after.get(s.request_id, -1), len(s.block_ids)) for s in holders]

@@ -8,12 +8,13 @@ request holds them; as block maps, to the same ids with one KV pool on both side
 reserved for their requests in the target's pools) from the peers' live pools (shared memory on CPU, CUDA IPC
 between the GPU workers of a host) and from this worker's own, on the stage thread, beside the steps; and the
 partly filled last blocks too, to warm them: their pages are then mapped on both sides when the freeze copies
-them again (first-touch page faults were two thirds of a cutover's copy on CPU). The peers' pools stay mapped from the first round to the end of the switch (one
-channel). Nothing here touches the live pools, so a failed or abandoned pre-copy only drops the staged pool. The
-cutover (`finish`) copies the delta the same way, then every rank of the world agrees once; the kept layers move
-over only when the whole switch has succeeded (`commit`). A failure before leaves the old layout exactly as it was
-(no layer to move back). Since the pool exists before the freeze, so can the target runner over it, and on a GPU
-its decode graphs (`future_layers`: the tensors the pool will hold once the kept layers moved over).
+them again (first-touch page faults were two thirds of a cutover's copy on CPU). The peers' pools stay mapped from
+the first round to the end of the switch (one channel). Nothing here touches the live pools, so a failed or
+abandoned pre-copy only drops the staged pool. The cutover (`finish`) copies the delta the same way, then every
+rank of the world agrees once; the kept layers move over only when the whole switch has succeeded (`commit`). A
+failure before leaves the old layout exactly as it was (no layer to move back). Since the pool exists before the
+freeze, so can the target runner over it, and on a GPU its decode graphs (`future_layers`: the tensors the pool
+will hold once the kept layers moved over).
 """
 
 from __future__ import annotations

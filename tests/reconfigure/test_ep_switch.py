@@ -48,8 +48,9 @@ def _cluster(checkpoint, faults: str = "") -> LocalCluster:
 
 async def test_streams_survive_a_rollback_and_tp_ep_switches(moe_checkpoint):
     """16 streams; tp4 -> ep4 fails in a pre-copy round (rank 1, while serving), then on rank 2 in the middle of the
-    KV move (layer 2) and rolls back, then (in place) in the experts' all-to-all of layer 2; then tp4 -> ep4 -> tp4 in place, -> ep2pp2 -> ep2pp1
-    -> tp2pp2 staged with their KV pre-copied: every stream ends with transformers' tokens, none re-prefilled."""
+    KV move (layer 2) and rolls back, then (in place) in the experts' all-to-all of layer 2; then tp4 -> ep4 -> tp4
+    in place, -> ep2pp2 -> ep2pp1 -> tp2pp2 staged with their KV pre-copied: every stream ends with transformers'
+    tokens, none re-prefilled."""
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(2, 30))] for _ in range(16)]
     lengths = [rng.randrange(40, 70) for _ in prompts]

@@ -24,7 +24,7 @@ from services.router.dp import DataParallelBlocks, repartition
 from services.router.precopy import PoolPrecopy
 from services.worker.kv_migration import check_block_maps
 from tests.router.test_precopy import engine_over_fake_workers, running
-from tests.router.test_scheduler import check_every_request_done, next_token, prompt_of, seq_of
+from tests.router.test_scheduler import PagedWorkers, check_every_request_done, prompt_of, seq_of
 
 
 def live_pools(num_ranks: int, num_blocks: int, block_size: int, tables: dict[str, tuple[int, list[int]]],
@@ -172,32 +172,26 @@ def run_sync(coroutine):
     raise AssertionError("the coroutine awaited something")
 
 
-class PoolWorkers:
-    """Executes steps against a paged KV store of token ids keyed by (pool, block id), the pool being the step's
-    DP rank, as the workers of an expert-parallel layout keep one KV pool per DP rank."""
+class PoolWorkers(PagedWorkers):
+    """PagedWorkers keyed by (pool, block id), the pool being the step's DP rank, as the workers of an
+    expert-parallel layout keep one KV pool per DP rank (the pools change with the switches: ids are not checked
+    against one manager)."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.cache: dict[tuple[int, int], list[int | None]] = {}
 
-    def run(self, batch) -> dict[str, int]:
-        size, sampled = self.block_size, {}
-        for item in batch.items:
-            step, seq = item.step, item.seq
-            end = step.start_position + len(step.token_ids)
-            for offset, token in enumerate(step.token_ids):
-                position = step.start_position + offset
-                block = (step.dp_rank, step.block_table[position // size])
-                self.cache.setdefault(block, [None] * size)[position % size] = token
-            if step.sample:
-                prefix = [self.cache[step.dp_rank, step.block_table[p // size]][p % size] for p in range(end)]
-                assert prefix == seq.all_token_ids, f"{seq.request_id}: cached prefix differs from its tokens"
-                sampled[step.request_id] = next_token(prefix)
-        return sampled
+    def _key(self, step, block_id: int):
+        return step.dp_rank, block_id
+
+    def _check(self, step, end: int) -> None:
+        assert len(step.block_table) == num_blocks_for(end, self.block_size)
 
 
 @dataclass
 class PoolRun:
+    """What a simulated workload went through (for the tests to check their scenario happened)."""
+
     num_rounds: int = 0
     num_handed_out: int = 0
     num_cutovers: int = 0
@@ -259,6 +253,7 @@ def simulate_pool_precopy(block_size, num_pools, num_blocks, config, requests, s
     inflight: deque[tuple] = deque()
     operations = itertools.count()
     op = target = pending = None
+    pools_now = num_pools
 
     def copy(maps):
         for (src_pool, dst_pool), (src_ids, dst_ids) in maps.items():
@@ -290,7 +285,7 @@ def simulate_pool_precopy(block_size, num_pools, num_blocks, config, requests, s
         pending = (tick + copy_delay, {**maps, **merged})
 
     def cutover(pools: int, capacity: int):
-        nonlocal op, target, pending
+        nonlocal op, target, pending, pools_now
         scheduler.freeze()
         while inflight:
             batch, sampled = inflight.popleft()
@@ -304,7 +299,7 @@ def simulate_pool_precopy(block_size, num_pools, num_blocks, config, requests, s
             maps = run_sync(engine.rebind(capacity, dp_size=pools))
         else:
             maps = run_sync(engine.rebind(capacity, dp_size=pools, precopy_operation_id=op))
-        if pools == 1 and num_pools_now[0] == 1:  # one pool on both sides: blocks keep their ids, no maps
+        if pools == 1 and pools_now == 1:  # one pool on both sides: blocks keep their ids, no maps
             assert maps is None
             maps = {(0, 0): (blocks_now := scheduler.block_manager.used_block_ids(), blocks_now)}
         check_block_maps(maps)
@@ -321,11 +316,10 @@ def simulate_pool_precopy(block_size, num_pools, num_blocks, config, requests, s
                     f"{seq.request_id} position {position} (pool {pool} block {block}) differs in the target")
         scheduler.commit_partition()
         workers.cache = target
-        num_pools_now[0] = pools
+        pools_now = pools
         op = None
         scheduler.unfreeze()
 
-    num_pools_now = [num_pools]
     for tick in itertools.count():
         assert tick < 5000, "the workload did not finish"
         if not arrivals and not scheduler.has_unfinished and not switches:
@@ -338,7 +332,7 @@ def simulate_pool_precopy(block_size, num_pools, num_blocks, config, requests, s
                 aborted.add(index)
         if switches and switches[0][0] <= tick:
             cutover(*switches.popleft()[1])
-        if tick in rounds and switches and not (switches[0][1][0] == 1 and num_pools_now[0] == 1):
+        if tick in rounds and switches and not (switches[0][1][0] == 1 and pools_now == 1):
             precopy_round(*switches[0][1])
         if pending is not None and pending[0] <= tick:
             copy(pending[1])

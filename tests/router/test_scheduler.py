@@ -48,21 +48,29 @@ class PagedWorkers:
 
     def __init__(self, block_manager: BlockManager) -> None:
         self.block_manager = block_manager
+        self.block_size = block_manager.block_size
         self.cache: dict[int, list[int | None]] = {}
 
+    def _key(self, step, block_id: int):
+        """Where a block of `step` lives in the store: its global id."""
+        return block_id
+
+    def _check(self, step, end: int) -> None:
+        assert len(step.block_table) == num_blocks_for(end, self.block_size)
+        assert all(0 <= b < self.block_manager.num_total for b in step.block_table)
+
     def run(self, batch: ScheduledBatch) -> dict[str, int]:
-        size, sampled = self.block_manager.block_size, {}
+        size, sampled = self.block_size, {}
         for item in batch.items:
             step, seq = item.step, item.seq
             end = step.start_position + len(step.token_ids)
-            assert len(step.block_table) == num_blocks_for(end, size)
-            assert all(0 <= b < self.block_manager.num_total for b in step.block_table)
+            self._check(step, end)
             for offset, token in enumerate(step.token_ids):
                 position = step.start_position + offset
-                block = self.cache.setdefault(step.block_table[position // size], [None] * size)
+                block = self.cache.setdefault(self._key(step, step.block_table[position // size]), [None] * size)
                 block[position % size] = token
             if step.sample:
-                prefix = [self.cache[step.block_table[p // size]][p % size] for p in range(end)]
+                prefix = [self.cache[self._key(step, step.block_table[p // size])][p % size] for p in range(end)]
                 assert prefix == seq.all_token_ids, f"{seq.request_id}: cached prefix differs from its tokens"
                 sampled[step.request_id] = next_token(prefix)
         return sampled
