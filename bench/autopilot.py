@@ -85,6 +85,7 @@ class BenchConfig:
     seed: int
     out: Path
     repeat: int = 1                   # rounds of every static layout and auto
+    auto_intents: bool = True         # the auto run is told the SLO (an intents file with its targets)
 
     def __post_init__(self) -> None:
         if not self.phases or min(min(p.seconds, p.rate) for p in self.phases) <= 0:
@@ -270,11 +271,21 @@ async def replay(stack: Stack, requests: list[TraceRequest], timeout: float, res
             await poller
 
 
-def run_stack(config: BenchConfig, name: str, requests: list[TraceRequest]) -> RunResult:
-    """A fresh stack for one static layout (autopilot off) or for auto; replay; stop it."""
+def write_intents(slo: dict, path: Path) -> Path:
+    """The SLO as the operator would state it to the autopilot: one window all week with both targets."""
+    window = {"name": "slo", "start": "00:00", "end": "24:00", "p99_ttft_ms": round(slo["ttft_slo_s"] * 1e3, 3),
+              "tpot_ms": round(slo["tpot_slo_s"] * 1e3, 3)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"windows": [window]}, indent=2) + "\n")
+    return path
+
+
+def run_stack(config: BenchConfig, name: str, requests: list[TraceRequest], intents: Path | None = None) -> RunResult:
+    """A fresh stack for one static layout (autopilot off) or for auto (following `intents` when given); replay;
+    stop it."""
     is_auto = name == AUTO
     args = (["--autopilot", "auto", "--profile", str(config.profile), "--autopilot-policy", config.policy,
-             "--verbose"] if is_auto else ["--autopilot", "off"])
+             "--verbose", *(["--intents", str(intents)] if intents else [])] if is_auto else ["--autopilot", "off"])
     result = RunResult(name, loadavg_before=os.getloadavg())
     print(f"run {name}: starting", file=sys.stderr, flush=True)
     with Stack(config.model, config.auto_start if is_auto else name, startup_timeout=config.startup_timeout,
@@ -509,6 +520,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--startup-timeout", type=float, default=180.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="[bench/results/autopilot.json; quick: autopilot-quick.json]")
+    parser.add_argument("--no-auto-intents", dest="auto_intents", action="store_false",
+                        help="do not tell the auto run the SLO (by default it follows an intents file with both "
+                             "targets, as an operator would state them)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="rounds of every static layout and auto; the targets are checked on the means [1]")
     args = parser.parse_args(argv)
@@ -530,6 +544,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         calibrate_prompts=_tuple(args.calibrate_prompts, int), ttft_slo_s=args.ttft_slo_s, tpot_slo_s=args.tpot_slo_s,
         request_timeout=args.request_timeout or (30.0 if quick else 60.0), startup_timeout=args.startup_timeout,
         seed=args.seed, out=(args.out or RESULTS / f"{stem}.json").resolve(), repeat=args.repeat,
+        auto_intents=args.auto_intents,
     )
 
 
@@ -569,11 +584,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nSLO: TTFT <= {slo['ttft_slo_s']:.2f} s, TPOT <= {slo['tpot_slo_s'] * 1e3:.0f} ms"
           f"{' (overridden: ' + ', '.join(slo['overridden']) + ')' if slo['overridden'] else ''}\n"
           f"  derived from the profile before any run: {slo['derivation']}\n", flush=True)
+    intents = write_intents(slo, config.out.with_name(config.out.stem + "-intents.json")) \
+        if config.auto_intents else None
     rounds = []
     for number in range(config.repeat):
         if config.repeat > 1:
             print(f"round {number + 1} of {config.repeat}", file=sys.stderr, flush=True)
-        rounds.append([run_stack(config, name, requests) for name in (*config.layouts, AUTO)])
+        rounds.append([run_stack(config, name, requests, intents) for name in (*config.layouts, AUTO)])
     per_round = [{r.name: summarize(r, phases, slo) for r in results} for results in rounds]
     results, summaries = rounds[-1], per_round[-1]
     table, checks = format_report(results, summaries, slo, phases)

@@ -226,6 +226,7 @@ class Selection:
     rejected: dict[str, str]
     predictions: dict[str, Prediction]
     note: str = ""         # set when no layout meets the intent: `allowed` is then the fallback alone
+    tpot_target_s: float | None = None  # the window's TPOT target (the policy's guard against switches for TPOT)
 
     @property
     def is_met(self) -> bool:
@@ -280,7 +281,8 @@ def select_layouts(intents: Intents, profile: Profile, when: datetime, demand: D
     rank = {n: _priority_key(window.priority, n, profile.layouts[n], predictions[n], demand.context) for n in names}
     passing = sorted((n for n in names if not misses[n]), key=rank.__getitem__)
     rejected |= {n: "; ".join(m) for n, m in misses.items() if m}
-    common = dict(window=window.name, priority=window.priority, rejected=rejected, predictions=predictions)
+    common = dict(window=window.name, priority=window.priority, rejected=rejected, predictions=predictions,
+                  tpot_target_s=window.tpot_ms / 1000 if window.tpot_ms is not None else None)
     if passing:
         return Selection(allowed=tuple(passing), chosen=passing[0], **common)
     if not names:

@@ -216,8 +216,8 @@ class Autopilot:
                                      corrections=self.state.corrections if self.state else ())
         obs = self.observation(stats, now, measured)
         self.state = learn(observe(self.state, obs, self.config.policy), obs, self.profile, self.config.policy)
-        window_name, allowed, rejected = self.intent_selection(obs, live)
-        decision = decide(self.profile, self.state, obs, self.config.policy, allowed)
+        window_name, allowed, rejected, tpot_target_s = self.intent_selection(obs, live)
+        decision = decide(self.profile, self.state, obs, self.config.policy, allowed, tpot_target_s)
         tick = Tick(time.time(), obs, decision, window_name, allowed, rejected)
         if decision.switches:
             log.info("autopilot.decision", mode=self.mode, live=live, target=decision.target, reason=decision.reason,
@@ -229,10 +229,12 @@ class Autopilot:
             self.metrics.observe(tick)
         return tick
 
-    def intent_selection(self, obs: Observation, live: str) -> tuple[str, tuple[str, ...] | None, dict[str, str]]:
-        """The intent window now, the layouts it allows at this load, and why it rules the others out."""
+    def intent_selection(self, obs: Observation, live: str) \
+            -> tuple[str, tuple[str, ...] | None, dict[str, str], float | None]:
+        """The intent window now, the layouts it allows at this load, why it rules the others out, and its TPOT
+        target."""
         if self.intents is None:
-            return "", None, {}
+            return "", None, {}, None
         demand = Demand(load=float(max(obs.load, obs.forecast_load or 0.0)), context=obs.context,
                         prompt_tokens=obs.prompt_tokens, arrival_rate=obs.arrival_rate)
         profile = corrected(self.profile, self.state) if self.state is not None else self.profile  # as decide sees it
@@ -240,7 +242,7 @@ class Autopilot:
         # Latency and throughput: the policy picks by TPOT among the layouts that meet the window; cost: the
         # cheapest that meets it is the only one allowed.
         allowed = selection.allowed[:1] if selection.priority == "cost" else selection.allowed
-        return selection.window, tuple(allowed), dict(selection.rejected)
+        return selection.window, tuple(allowed), dict(selection.rejected), selection.tpot_target_s
 
     async def _switch(self, tick: Tick) -> Tick:
         target = tick.decision.target

@@ -24,9 +24,20 @@ below which it is that much better is T_l. The rules, in order:
   lull must last);
 - a layout better at every load is taken when the cooldown and dwell allow;
 - when the live layout's KV cannot hold the requests in flight (they queue), any layout that can is wanted;
+- when the live layout's KV is short (by the first rule: it does not hold the blocks in use plus headroom, or the
+  KV the arrivals would keep in flight at the horizon's highest rate), a layout that is not short is wanted (the
+  lowest TPOT of them), after the cooldown but without the dwell: requests that queue for KV miss their TTFT,
+  whatever the TPOT. The same check on both sides, so a layout left for a shortage is not gone back to while it
+  lasts;
 - and only when the gain over the horizon (the share of each request's time saved, times the horizon) exceeds what
   the switch costs each request in flight (its measured freeze, plus the slower serving while staging).
 Rollout mode is Moebius's: T_l = T_h and a window of one.
+
+With a TPOT target (the SLO intent's window, `tpot_target_s`), a faster token is worth a switch only while the
+live layout's TPOT threatens the target (above `slo_guard` of it at the load that triggers the switch): once every
+request meets it, a switch for TPOT gains no attainment and can lose some (bench/autopilot.py's auto left a roomy
+layout mid-burst for one 20 % faster at a fifth of the target, and its smaller KV queued the next cluster of long
+prompts). Switches for KV still apply.
 
 The profile is measured once, on a quiet stack; serving is not that stack (prefills between the decodes, a busier
 machine), and the layouts do not drift alike. So the policy also learns while serving (`learn`): each tick compares
@@ -112,6 +123,7 @@ class PolicyConfig:
     learn: float = 0.2          # weight of each tick's measured/predicted TPOT in a layout's correction (0: none)
     explore_gain: float = 0.1   # more gain a layout not served yet must promise, once others' corrections are known
     settle_s: float = 2.0       # a measurement must start this long after a switch (the cutover, the first steps)
+    slo_guard: float = 0.8      # with a TPOT target: a switch for TPOT only once the live TPOT passes this share of it
 
     def __post_init__(self) -> None:
         if not 0 < self.hysteresis <= 1:
@@ -122,6 +134,8 @@ class PolicyConfig:
             raise ValueError("kv_headroom must be >= 0, min_gain and kv_quantile in [0, 1)")
         if not 0 <= self.learn <= 1 or self.settle_s < 0 or not 0 <= self.min_gain + self.explore_gain < 1:
             raise ValueError("learn must be in [0, 1], settle_s >= 0 and min_gain + explore_gain in [0, 1)")
+        if not 0 < self.slo_guard <= 1:
+            raise ValueError("slo_guard must be in (0, 1]")
 
     @property
     def effective_window(self) -> int:
@@ -240,7 +254,8 @@ def corrected(profile: Profile, state: PolicyState) -> Profile:
 @dataclass(frozen=True, slots=True)
 class _Candidate:
     layout: str
-    direction: str          # "up", "down", "always" or "capacity" (the live layout's KV is short)
+    direction: str          # "up", "down", "always" (for TPOT), "capacity" (the live layout's KV holds fewer requests
+    #                         than are in flight) or "kv" (it is short of the blocks or of what the arrivals keep)
     threshold: float        # the load that triggers it (inf: never)
     wanted: bool
     tpot_s: float
@@ -312,9 +327,10 @@ def kv_demand(model: LayoutModel, obs: Observation, quantile: float) -> KVDemand
 
 
 def decide(profile: Profile, state: PolicyState, obs: Observation, config: PolicyConfig,
-           allowed: tuple[str, ...] | None = None) -> Decision:
+           allowed: tuple[str, ...] | None = None, tpot_target_s: float | None = None) -> Decision:
     """Keep the live layout or switch to the best wanted candidate, and say why. `state` must already hold `obs`
-    (call `observe`, and `learn`, first); TPOTs are the profile's times what serving taught (`corrected`)."""
+    (call `observe`, and `learn`, first); TPOTs are the profile's times what serving taught (`corrected`).
+    `allowed` and `tpot_target_s`: the layouts the intent's active window allows and its TPOT target."""
     profile = corrected(profile, state)
     live_name = state.layout
     if live_name not in profile.layouts:
@@ -352,10 +368,16 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
                 f"{demand.stay_s:.1f} s keep {demand.requests:.1f} requests of {demand.request_tokens:.0f} "
                 f"tokens in flight, {demand.tokens} tokens at p{config.kv_quantile * 100:g})")
 
+    def signal(direction: str) -> float:  # the load a switch that way is triggered by and judged at
+        return mean_load if direction in ("down", "always") else up_load
+
+    guard_s = config.slo_guard * tpot_target_s if tpot_target_s else 0.0  # 0: no target, every gain counts
+    live_short = shortage(live)
     tpots = {live_name: live.effective_tpot(obs.load, obs.context)}
     thresholds: dict[str, float] = {}
     wanted: list[_Candidate] = []
     short: list[str] = []
+    met: list[str] = []  # faster, but the live layout meets the TPOT target
     for name in names:
         if name == live_name:
             continue
@@ -363,6 +385,12 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
         cand = _for_capacity(live, other, obs, up_load) or \
             _candidate(live, other, obs, mean_load, up_load, config.effective_hysteresis, margin(name))
         tpots[name], thresholds[name] = cand.tpot_s, cand.threshold
+        if live_short is not None and cand.direction != "capacity":
+            cand = _Candidate(name, "kv", 0.0, True, other.tpot(up_load, obs.context))
+        elif cand.wanted and cand.direction != "capacity" and \
+                live.effective_tpot(signal(cand.direction), obs.context) <= guard_s:
+            met.append(name)
+            continue
         if not cand.wanted:
             continue
         if (why := shortage(other)) is not None:
@@ -398,8 +426,15 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
                         tpots, thresholds, profile.layer_partition(target))
     if not wanted:
         why = "no candidate is better at this load"
+        if met:
+            why = (f"{', '.join(met)} would be faster, but {live_name}'s TPOT "
+                   f"{live.effective_tpot(up_load, obs.context) * 1e3:.1f} ms meets the target "
+                   f"{tpot_target_s * 1e3:.0f} ms (a switch for TPOT above {guard_s * 1e3:.0f} ms)")
         if short:
-            why = "the better layouts are short of KV: " + "; ".join(short)
+            why = ("the layouts that hold the KV are short too: " if live_short is not None else
+                   "the better layouts are short of KV: ") + "; ".join(short) + ("; " + why if met else "")
+        if live_short is not None:
+            why = f"the live layout is short of KV: {live_short}; {why}"
         return keep_or_resplit(f"load {obs.load} (mean {mean_load:.1f}): {why}")
     best = min(wanted, key=lambda c: (c.tpot_s, profile.layouts[c.layout].num_workers, c.layout))
 
@@ -410,15 +445,18 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
         return keep(f"{best.layout} is better at the mean load {mean_load:.1f}, but {live_name} must dwell "
                     f"{config.min_dwell_s - dwell:.1f} s more")
 
-    signal = up_load if best.direction in ("up", "capacity") else mean_load
-    live_tpot = live.effective_tpot(signal, obs.context)
+    live_tpot = live.effective_tpot(signal(best.direction), obs.context)
     gain_s = config.horizon_s * max(0.0, 1.0 - best.tpot_s / live_tpot) if live_tpot > 0 else 0.0
     cost = profile.switch_cost(live_name, best.layout)
     cost_s = cost.downtime_s + STAGING_SLOWDOWN * cost.staging_s
+    if best.direction == "kv":  # what queueing for KV costs is not in the TPOT lines: no gain to weigh
+        return Decision("switch", best.layout, f"the live layout is short of KV: {live_short}; {best.layout} holds it "
+                        f"(TPOT {live_tpot * 1e3:.1f} -> {best.tpot_s * 1e3:.1f} ms)", tpots, thresholds,
+                        profile.layer_partition(best.layout))
     if gain_s <= cost_s:
         return keep_or_resplit(f"{best.layout} saves {gain_s:.2f} s per request over {config.horizon_s:.0f} s, "
                                f"less than the switch costs ({cost_s:.2f} s)")
-    trigger = {"up": f"load {signal:.0f} >= T_h {best.threshold:.1f}",
+    trigger = {"up": f"load {up_load:.0f} >= T_h {best.threshold:.1f}",
                "down": f"mean load {mean_load:.1f} < T_l {best.threshold:.1f}",
                "always": "better at every load",
                "capacity": f"{live_name}'s KV holds {best.threshold:.0f} requests, {obs.load} in flight"}[best.direction]

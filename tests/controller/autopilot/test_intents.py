@@ -203,6 +203,8 @@ def test_kv_rejects_the_layouts_that_cannot_hold_the_load():
 def test_tpot_and_ttft_targets():
     assert select({"tpot_ms": 20}).allowed == ("tp4pp1",)
     assert select({"tpot_ms": 20}).rejected["tp1pp4"] == "TPOT 32.0 ms > target 20 ms"
+    assert select({"tpot_ms": 20}).tpot_target_s == pytest.approx(0.02)  # the policy's guard
+    assert select({"p99_ttft_ms": 250}).tpot_target_s is None and select().tpot_target_s is None
     # TTFT >= prefill + one step: 10 + 50 + 15 = 75 ms, 10 + 200 + 32 = 242 ms, 10 + 300 + 31 = 341 ms
     ttft = select({"p99_ttft_ms": 250})
     assert ttft.allowed == ("tp4pp1", "tp1pp4") and "p99 TTFT >= 341 ms before queueing > target 250 ms" in \

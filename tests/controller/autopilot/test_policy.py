@@ -214,6 +214,51 @@ def test_a_live_layout_short_of_kv_moves_to_one_that_holds_the_load():
     assert not d.switches
 
 
+def test_a_live_layout_the_arrivals_would_overfill_moves_at_once_and_stays_out():
+    """tp1pp4 is the faster layout at 20 in flight, but its 360 blocks are short of what 2 arrivals/s of spread
+    prompts keep in flight (6008 tokens at p99): it is left for tp4pp1 (slower, but holds them) right after it was
+    entered (no dwell), and not gone back to while the arrivals last."""
+    small = Profile("m", "x", {"tp4pp1": TP, "tp1pp4": layout("tp1pp4", 0.060, 0.001, kv_blocks=360)}, SWITCH)
+    busy = dataclasses.replace(obs(100.0, 20, used_blocks=260), arrival_rate=2.0, prompt_tokens=100.0,
+                               output_tokens=100.0, prompt_tokens_std=150.0)
+    state, d = step(PolicyState("tp1pp4", entered_s=99.0), busy, profile=small)
+    assert d.switches and d.target == "tp4pp1", d.reason
+    assert d.reason.startswith("the live layout is short of KV: tp1pp4 (KV holds 5760 tokens;"), d.reason
+    assert "tp4pp1 holds it (TPOT 80.0 -> 100.0 ms)" in d.reason, d.reason
+    for t in (106.0, 130.0):
+        state, d = step(state, dataclasses.replace(busy, t=t), profile=small)
+        assert not d.switches and "the better layouts are short of KV: tp1pp4" in d.reason, d.reason
+    # Both short: nothing to move to.
+    both = Profile("m", "x", {n: dataclasses.replace(m, kv_blocks=360) for n, m in small.layouts.items()}, SWITCH)
+    _, d = step(PolicyState("tp1pp4", entered_s=0.0), busy, profile=both)
+    assert not d.switches and "the layouts that hold the KV are short too: tp4pp1" in d.reason, d.reason
+
+
+def test_a_tpot_target_met_is_not_worth_a_switch_for_tpot():
+    """At 20 in flight tp1pp4 is 20% faster than the live tp4pp1 (80 against 100 ms): without a target that is a
+    switch; with a 200 ms target (a switch for TPOT above 160 ms) the live layout meets it and stays; with a 120 ms
+    target (above 96 ms) it is threatened and leaves. A switch for KV is taken whatever the target."""
+    busy = obs(100.0, 20)
+    _, d = step(PolicyState("tp4pp1", entered_s=0.0), busy)
+    assert d.switches and d.target == "tp1pp4", d.reason
+
+    def with_target(state, o, target_s, profile=PROFILE):
+        state = observe(state, o, CONFIG)
+        return decide(profile, state, o, CONFIG, tpot_target_s=target_s)
+
+    d = with_target(PolicyState("tp4pp1", entered_s=0.0), busy, 0.2)
+    assert not d.switches, d.reason
+    assert ("tp1pp4 would be faster, but tp4pp1's TPOT 100.0 ms meets the target 200 ms (a switch for TPOT above "
+            "160 ms)") in d.reason, d.reason
+    d = with_target(PolicyState("tp4pp1", entered_s=0.0), busy, 0.12)
+    assert d.switches and d.target == "tp1pp4", d.reason
+    small = Profile("m", "x", {"tp4pp1": layout("tp4pp1", 0.020, 0.004, kv_blocks=300), "tp1pp4": PP}, SWITCH)
+    d = with_target(PolicyState("tp4pp1", entered_s=0.0), obs(100.0, 20, used_blocks=290), 0.2, small)
+    assert d.switches and d.target == "tp1pp4" and "short of KV" in d.reason, d.reason
+    with pytest.raises(ValueError, match="slo_guard"):
+        PolicyConfig(slo_guard=0.0)
+
+
 def test_a_switch_that_costs_more_than_it_gains_is_not_taken():
     costly = Profile("m", "x", PROFILE.layouts,
                      {k: SwitchSample(*k, downtime_s=30.0, staging_s=0.0) for k in SWITCH})
@@ -388,9 +433,11 @@ def test_switches_respect_cooldown_dwell_and_kv_capacity(ticks):
         state, d = step(state, obs(t, load, used_blocks=used), profile=small)
         if d.switches:
             assert t - before.last_switch_s >= CONFIG.cooldown_s
-            target = small.layouts[d.target]
+            target, source = small.layouts[d.target], small.layouts[before.layout]
             assert target.holds(math.ceil(used * 1.1)) and target.max_requests(CONTEXT) >= load
-            if d.target == "tp4pp1":   # a "down" switch: dwell and a window mean under T_l
+            source_short = not source.holds(math.ceil(used * 1.1)) or source.max_requests(CONTEXT) < load
+            assert source_short == ("short of KV" in d.reason), d.reason
+            if d.target == "tp4pp1" and not source_short:  # a "down" switch: dwell and a window mean under T_l
                 assert t - before.entered_s >= CONFIG.min_dwell_s
                 assert sum(state.loads) / len(state.loads) < T_LOW
             switches.append(t)
