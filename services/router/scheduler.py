@@ -426,8 +426,10 @@ class Scheduler:
         """Stop scheduling a sequence that moves out: a decoding one keeps its KV blocks, now when it is between
         steps (True), else once its step in flight returns (False; it is not scheduled meanwhile, and a step that
         finishes it leaves it finished, not parked); one preempted back to the waiting queue after it generated
-        has no KV (it can move only by re-prefill) and parks at once. KeyError: unknown; ValueError: not decoding
-        or preempted, or parked already."""
+        has no KV (it can move only by re-prefill) and parks at once. One prefilling its prompt and outputs again
+        after such a preemption parks the same way (between its chunks, once its step in flight returns), without
+        the part of its KV computed so far unless that step completed it. KeyError: unknown; ValueError: not
+        generating yet (its first prefill), or parked already."""
         seq = self._sequences[request_id]
         if request_id in self.parked or request_id in self._parking:
             raise ValueError(f"{request_id} is moving already")
@@ -435,14 +437,23 @@ class Scheduler:
             self.waiting.remove(seq)
             self.parked[request_id] = seq
             return True
-        if seq.status is not SequenceStatus.RUNNING or seq.is_prefill:
+        if seq.status is not SequenceStatus.RUNNING or not seq.output_token_ids:
             raise ValueError(f"{request_id} is not a decoding request")
         if request_id in self._inflight_ids:
             self._parking.add(request_id)
             return False
-        self.running.remove(seq)
-        self.parked[request_id] = seq
+        self._park_running(seq)
         return True
+
+    def _park_running(self, seq: Sequence) -> None:
+        """Park a running sequence between its steps: decoding, with its KV; re-prefilling, without (as when it
+        was preempted: it moves by re-prefill, or re-prefills here once unparked)."""
+        self.running.remove(seq)
+        if seq.is_prefill:
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+        self.parked[seq.request_id] = seq
 
     def unpark(self, request_id: str) -> Sequence:
         """A move out that did not happen: schedule the parked sequence again, in its place."""
@@ -470,8 +481,7 @@ class Scheduler:
             if seq.request_id in self._parking:
                 self._parking.discard(seq.request_id)
                 if not seq.is_finished:
-                    self.running.remove(seq)
-                    self.parked[seq.request_id] = seq
+                    self._park_running(seq)
 
     def reserve(self, seq: Sequence, num_tokens: int) -> list[int]:
         """Blocks for the KV of the first `num_tokens` tokens of a sequence moving in, parked until adopt(); a

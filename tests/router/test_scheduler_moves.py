@@ -11,7 +11,7 @@ from services.router.block_manager import num_blocks_for
 from services.router.contracts import QueueFullError, RequestError
 from services.router.scheduler import Scheduler
 from services.router.sequence import Sequence, SequenceStatus
-from tests.router.test_scheduler import PagedWorkers, expected_output, make_scheduler, prompt_of, seq_of
+from tests.router.test_scheduler import PagedWorkers, expected_output, make_scheduler, prompt_of, run_step, seq_of
 
 
 def _copy_kv(source: PagedWorkers, target: PagedWorkers, src_ids: list[int], dst_ids: list[int]) -> None:
@@ -21,8 +21,13 @@ def _copy_kv(source: PagedWorkers, target: PagedWorkers, src_ids: list[int], dst
 
 def _move(a: Scheduler, wa: PagedWorkers, b: Scheduler, wb: PagedWorkers, request_id: str) -> Sequence:
     """What services.router.migration and the front's mover do, at the scheduler level."""
-    seq = a.get(request_id)
     assert a.park(request_id)  # between steps here
+    return _move_parked(a, wa, b, wb, request_id)
+
+
+def _move_parked(a: Scheduler, wa: PagedWorkers, b: Scheduler, wb: PagedWorkers, request_id: str) -> Sequence:
+    """Reserve, copy the KV, adopt on b; free on a."""
+    seq = a.get(request_id)
     template = Sequence(request_id, list(seq.prompt_token_ids), seq.max_tokens, seq.sampling, seq.stop_token_ids)
     dst = b.reserve(template, seq.num_computed_tokens)
     needed = num_blocks_for(seq.num_computed_tokens, a.block_manager.block_size)
@@ -163,3 +168,50 @@ def test_a_preempted_request_parks_without_kv_and_moves_by_reprefill():
                     outputs[update.seq.request_id] = list(update.seq.output_token_ids)
     assert outputs == {"x": expected_output(prompt_of(3, 6), 12), "y": expected_output(prompt_of(4, 5), 12)}
     assert a.block_manager.num_used == 0 and b.block_manager.num_used == 0
+
+
+def test_a_request_prefilling_again_after_a_preemption_parks_between_its_chunks():
+    """The front moves a request it has seen generate; preempted, the source prefills its prompt and outputs again,
+    in chunks of 4 tokens here. Parked with that step in flight, it parks when the step returns: without the KV of
+    a chunk that did not complete the prefill (it moves by re-prefill), with it once the prefill completed (it moves
+    its KV). Outputs are the unmoved run's either way, and every block comes back."""
+    outputs = {}
+    for park_after_chunks, moves_kv in ((1, False), (2, False), (3, True)):
+        a, b = make_scheduler(block_size=4, max_num_batched_tokens=4), make_scheduler(block_size=4)
+        wa, wb = PagedWorkers(a.block_manager), PagedWorkers(b.block_manager)
+        a.add(seq_of("x", prompt_of(3, 10), 12))
+        for _ in range(5):  # three chunks of prompt (the last samples a token), then two decodes
+            run_step(a, wa)
+        a.freeze()
+        a.preempt_all()
+        a.unfreeze()
+        seq = a.get("x")
+        assert seq.num_computed_tokens == 0 and len(seq.output_token_ids) == 3  # 10 + 2 to prefill again: 3 chunks
+        for _ in range(park_after_chunks - 1):
+            run_step(a, wa)
+        batch = a.schedule()  # the next chunk, in flight
+        assert batch.items[0].seq is seq and seq.is_prefill
+        assert a.park("x") is False and a.schedule() is None
+        a.on_batch_done(batch, wa.run(batch))
+        assert "x" in a.parked
+        assert (seq.num_computed_tokens > 0) is moves_kv and bool(seq.block_ids) is moves_kv
+        assert a.block_manager.num_used == len(seq.block_ids)
+        if moves_kv:
+            _move_parked(a, wa, b, wb, "x")
+        else:
+            b.add(Sequence("x", list(seq.prompt_token_ids), seq.max_tokens, seq.sampling, seq.stop_token_ids,
+                           output_token_ids=list(seq.output_token_ids)))
+            a.finish("x", SequenceStatus.FINISHED_ABORTED)
+        while b.has_unfinished:
+            for update in run_step(b, wb)[1]:
+                if update.finished:
+                    outputs[park_after_chunks] = list(update.seq.output_token_ids)
+        assert a.block_manager.num_used == 0 and b.block_manager.num_used == 0
+        assert b.get("x") is None or b.get("x").num_preemptions == 0
+    assert outputs == {n: expected_output(prompt_of(3, 10), 12) for n in (1, 2, 3)}
+    # Its first prefill is not a move the front asks for: refused.
+    a = make_scheduler(block_size=4, max_num_batched_tokens=4)
+    a.add(seq_of("y", prompt_of(1, 6), 5))
+    a.schedule()
+    with pytest.raises(ValueError, match="not a decoding"):
+        a.park("y")
