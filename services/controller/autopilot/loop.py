@@ -22,16 +22,14 @@ import structlog
 from services.controller.autopilot.arrivals import ArrivalHistory
 from services.controller.autopilot.calibrate import CalibrationPlan, Progress, calibrate, router_stats
 from services.controller.autopilot.intents import Demand, select_layouts
+from services.controller.autopilot.observation import Observation, TokenCount, measured_tpot
 from services.controller.autopilot.policy import (
     Decision,
-    Observation,
     PolicyConfig,
     PolicyState,
-    TokenCount,
     corrected,
     decide,
     learn,
-    measured_tpot,
     observe,
     switched,
 )

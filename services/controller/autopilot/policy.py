@@ -55,58 +55,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, field, replace
 
-from services.controller.autopilot.profile import LayoutModel, Profile, crossover, crossunder, poisson_quantile
+from services.controller.autopilot.demand import kv_demand
+from services.controller.autopilot.observation import Observation
+from services.controller.autopilot.profile import LayoutModel, Profile, crossover, crossunder
 
 STAGING_SLOWDOWN = 0.1  # serving is about this much slower while the target stages beside it (the blog's bound)
-
-
-@dataclass(frozen=True, slots=True)
-class Observation:
-    """What the router reports at one tick."""
-
-    t: float                          # seconds on the caller's clock
-    running: int                      # requests holding KV (prefilling or decoding)
-    waiting: int                      # admitted, waiting for blocks or a batch slot
-    kv_used_blocks: int               # blocks in use (the fullest pool in EP layouts)
-    context: float                    # mean tokens a running request attends over (prompt + half its output)
-    arrival_rate: float = 0.0         # requests/s over the router's window
-    prompt_tokens: float = 0.0        # mean prompt of the requests admitted in the window
-    output_tokens: float = 0.0        # mean output of the requests finished in the window (0: none finished yet)
-    prompt_tokens_std: float = 0.0    # their spreads (population standard deviations)
-    output_tokens_std: float = 0.0
-    arrival_dispersion: float = 1.0   # variance / mean of the arrival counts (1: at random; more: clustered)
-    ttft_p99_s: float = 0.0
-    tpot_mean_s: float = 0.0
-    forecast_load: float | None = None  # requests in flight predicted by the time a switch started now would end
-    # Seconds per token each running request got since `measured_since_s` (the previous tick), from the router's
-    # count of generated tokens (0: not measured).
-    measured_tpot_s: float = 0.0
-    measured_since_s: float = -math.inf
-
-    @property
-    def load(self) -> int:
-        return self.running + self.waiting
-
-
-@dataclass(frozen=True, slots=True)
-class TokenCount:
-    """The router's count of generated tokens at one tick, and the requests running then."""
-
-    t: float
-    generated: int
-    running: int
-
-
-def measured_tpot(previous: TokenCount | None, now: TokenCount) -> tuple[float, float]:
-    """(Seconds per token each running request got between two ticks, when the first was): the tokens generated
-    meanwhile shared among the requests running (their mean over the two ticks). (0, ...) when nothing ran or the
-    count went back (a restarted router)."""
-    if previous is None:
-        return 0.0, -math.inf
-    made, running = now.generated - previous.generated, (previous.running + now.running) / 2
-    if made <= 0 or running < 1 or now.t <= previous.t:
-        return 0.0, previous.t
-    return running * (now.t - previous.t) / made, previous.t
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,44 +239,6 @@ def _for_capacity(live: LayoutModel, other: LayoutModel, obs: Observation, up_lo
         return None
     return _Candidate(other.layout, "capacity", float(live.max_requests(obs.context)), True,
                       other.tpot(up_load, obs.context))
-
-
-@dataclass(frozen=True, slots=True)
-class KVDemand:
-    """The KV the arrivals would keep in flight in one layout: `tokens` at the policy's quantile, from `requests`
-    requests in flight on average, each staying `stay_s` and holding `request_tokens` (mean) when it ends."""
-
-    tokens: int
-    requests: float
-    stay_s: float
-    request_tokens: float
-
-
-def kv_demand(model: LayoutModel, obs: Observation, quantile: float) -> KVDemand | None:
-    """The KV tokens the arrivals would keep in flight in `model`'s layout, at `quantile` (None when not measured:
-    no arrivals, nothing finished yet, or `quantile` 0). At the arrival rate now each request stays its prefill
-    plus its output at the layout's TPOT for the load now, so requests that arrive at random and stay independently
-    are in flight Poisson(m = rate x stay) many at a time, each holding its prompt and output (and half a block
-    unfilled, on average). The KV they hold is a compound Poisson sum: mean m·E[L], variance m·E[L²]; its quantile
-    is taken as D times the Poisson quantile of mean m·E[L]/D, D = E[L²]/E[L] (the same mean and variance).
-    Arrivals that come in clusters (the router's index of dispersion I of their counts, above 1) make the count in
-    flight vary I times as much: the variance is then m·(E[L²] + (I - 1)·E[L]²), and D grows to match. With
-    lengths as spread as the Azure conversation trace's (prompt std ~ its mean) D is about twice the mean length:
-    the mean length alone understates the tail, and a pool that holds the mean request count fills at the next
-    cluster of long prompts. Two moments fit the tail within 10% once several requests are in flight
-    (tests/controller/autopilot/test_policy.py simulates it); with one or two a single long request makes the tail
-    and this understates it (by 10-30% there)."""
-    if quantile <= 0 or obs.arrival_rate <= 0 or obs.output_tokens <= 0:
-        return None
-    stay = model.prefill(obs.prompt_tokens) + max(obs.output_tokens - 1, 0.0) * model.effective_tpot(
-        max(obs.load, 1), obs.context)
-    requests = obs.arrival_rate * stay
-    length = obs.prompt_tokens + obs.output_tokens + model.block_size / 2
-    second_moment = obs.prompt_tokens_std ** 2 + obs.output_tokens_std ** 2 + length ** 2
-    clustering = max(obs.arrival_dispersion, 1.0) - 1.0  # an underdispersed window is taken as random
-    dispersion = (second_moment + clustering * length ** 2) / length
-    tokens = math.ceil(dispersion * poisson_quantile(requests * length / dispersion, quantile))
-    return KVDemand(tokens, requests, stay, length - model.block_size / 2)
 
 
 def decide(profile: Profile, state: PolicyState, obs: Observation, config: PolicyConfig,

@@ -10,19 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.controller.autopilot.policy import (
-    Observation,
-    PolicyConfig,
-    PolicyState,
-    TokenCount,
-    decide,
-    kv_demand,
-    learn,
-    measured_tpot,
-    observe,
-    parse_policy,
-    switched,
-)
+from services.controller.autopilot.demand import kv_demand
+from services.controller.autopilot.observation import Observation, TokenCount, measured_tpot
+from services.controller.autopilot.policy import PolicyConfig, PolicyState, decide, learn, observe, parse_policy, switched
 from services.controller.autopilot.profile import LayoutModel, Profile, SwitchSample, crossover, crossunder
 
 CONTEXT = 200.0
