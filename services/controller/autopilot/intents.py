@@ -227,6 +227,7 @@ class Selection:
     predictions: dict[str, Prediction]
     note: str = ""         # set when no layout meets the intent: `allowed` is then the fallback alone
     tpot_target_s: float | None = None  # the window's TPOT target (the policy's guard against switches for TPOT)
+    within_budget: tuple[str, ...] = ()  # the intent's profiled layouts a switch from the live one may take
 
     @property
     def is_met(self) -> bool:
@@ -282,7 +283,9 @@ def select_layouts(intents: Intents, profile: Profile, when: datetime, demand: D
     passing = sorted((n for n in names if not misses[n]), key=rank.__getitem__)
     rejected |= {n: "; ".join(m) for n, m in misses.items() if m}
     common = dict(window=window.name, priority=window.priority, rejected=rejected, predictions=predictions,
-                  tpot_target_s=window.tpot_ms / 1000 if window.tpot_ms is not None else None)
+                  tpot_target_s=window.tpot_ms / 1000 if window.tpot_ms is not None else None,
+                  within_budget=tuple(n for n in names if budget is None or n == live
+                                      or predictions[n].switch_ms <= budget))
     if passing:
         return Selection(allowed=tuple(passing), chosen=passing[0], **common)
     if not names:

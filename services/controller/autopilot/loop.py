@@ -238,8 +238,13 @@ class Autopilot:
         profile = corrected(self.profile, self.state) if self.state is not None else self.profile  # as decide sees it
         selection = select_layouts(self.intents, profile, datetime.now(), demand, live)
         # Latency and throughput: the policy picks by TPOT among the layouts that meet the window; cost: the
-        # cheapest that meets it is the only one allowed.
-        allowed = selection.allowed[:1] if selection.priority == "cost" else selection.allowed
+        # cheapest that meets it (or misses least) is the only one allowed. When none meets it (latency,
+        # throughput), the policy's own rules choose among the intent's layouts within the switch budget: moving
+        # to the one that misses least by a few per cent of predicted TPOT gains nothing, and the switch costs.
+        if selection.priority == "cost":
+            allowed = selection.allowed[:1]
+        else:
+            allowed = selection.allowed if selection.is_met else selection.within_budget
         return selection.window, tuple(allowed), dict(selection.rejected), selection.tpot_target_s
 
     async def _switch(self, tick: Tick) -> Tick:

@@ -33,6 +33,8 @@ from services.controller.autopilot.intents import (
     parse_intents,
     select_layouts,
 )
+from services.controller.autopilot.loop import Autopilot, AutopilotConfig
+from services.controller.autopilot.observation import Observation
 from services.controller.autopilot.profile import LayoutModel, Profile, SwitchSample
 
 EXAMPLE_TOML = """
@@ -271,6 +273,25 @@ def test_when_none_passes_the_one_that_misses_least_is_the_fallback():
     assert budget.allowed == ("tp1pp2",) and "tp1pp2 misses least" in budget.note
     table = format_selection(fast)
     assert "fallback: TPOT 15.0 ms > target 5 ms" in table and table.splitlines()[-1].startswith("note: no layout")
+    assert set(fast.within_budget) == set(PROFILE.layouts) and budget.within_budget == ("tp1pp2",)
+
+
+def test_when_none_passes_the_autopilot_keeps_its_own_rules_among_the_layouts_within_the_budget():
+    """The loop hands the policy the fallback alone only for "cost"; otherwise every layout a switch may take
+    (a forced move to the layout that misses least by a few per cent gained nothing in bench/autopilot.py)."""
+    def allowed(window: dict, **top) -> tuple:
+        pilot = Autopilot(None, AutopilotConfig(), PROFILE,
+                          parse_intents({"windows": [{"name": "w", "start": "00:00", "end": "24:00"} | window]} | top))
+        obs = Observation(t=0.0, running=10, waiting=0, kv_used_blocks=0, context=160, prompt_tokens=1000)
+        return pilot.intent_selection(obs, "tp1pp2")[1:]
+
+    names = tuple(PROFILE.layouts)
+    assert allowed({"tpot_ms": 5}) == (names, {n: select({"tpot_ms": 5}, live="tp1pp2").rejected[n] for n in names},
+                                       0.005)
+    assert allowed({"tpot_ms": 5}, reconfiguration_budget_ms=0)[0] == ("tp1pp2",)
+    assert allowed({"tpot_ms": 5, "priority": "cost"})[0] == select({"tpot_ms": 5, "priority": "cost"},
+                                                                     live="tp1pp2").allowed
+    assert allowed({"tpot_ms": 1000})[0] == select({"tpot_ms": 1000}, live="tp1pp2").allowed  # met: as selected
 
 
 def test_format_selection_lists_every_candidate():
