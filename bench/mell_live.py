@@ -359,7 +359,7 @@ def measured_rates(runs: list[LiveRun]) -> tuple[float, float]:
 
 
 def simulate_policy(run: LiveRun, workload, block_size: int, bytes_per_token: int, rates: tuple[float, float],
-                    max_instances: int | None, batch_interval_s: float = 0.0):
+                    max_instances: int | None, batch_interval_s: float = 0.0, update_interval_s: float = 0.0):
     """`reconfig simulate` of the slice with the run's policy and capacity, the given block size (1: KV sizes in
     exact tokens, as the front feeds its policy), (decode, prefill) rates, instance cap (None: none) and batching
     window (0: every event its own operation)."""
@@ -370,7 +370,7 @@ def simulate_policy(run: LiveRun, workload, block_size: int, bytes_per_token: in
                               decode_tokens_per_s=rates[0], prefill_tokens_per_s=rates[1], block_size=block_size)
     scheduler = KVSchedulerConfig(capacity=run.capacity_tokens, max_instances=max_instances)
     return simulate(run.policy, build_events(workload, profile), SimulationConfig(
-        profile=profile, scheduler=scheduler, batch_interval_s=batch_interval_s))
+        profile=profile, scheduler=scheduler, batch_interval_s=batch_interval_s, update_interval_s=update_interval_s))
 
 
 def simulate_runs(runs: list[LiveRun], workload, block_size: int, bytes_per_token: int, num_instances: int,
@@ -381,11 +381,13 @@ def simulate_runs(runs: list[LiveRun], workload, block_size: int, bytes_per_toke
     policy period ("batched": the front hands its policy each period's changes as one step); and the time-average
     instances of every policy at one profile pooled over all runs ("pooled")."""
     pooled_rates = measured_rates(runs)
-    result = {"rates": {}, "sim": {}, "exact": {}, "free": {}, "batched": {}, "pooled": {},
+    result = {"rates": {}, "sim": {}, "periodic": {}, "exact": {}, "free": {}, "batched": {}, "pooled": {},
               "pooled_rates": pooled_rates}
     for run in runs:
         rates = result["rates"][run.policy] = measured_rates([run])
         result["sim"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates, num_instances)
+        result["periodic"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates,
+                                                         num_instances, update_interval_s=interval_s)
         result["exact"][run.policy] = simulate_policy(run, workload, 1, bytes_per_token, rates, num_instances)
         result["free"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates, None)
         result["batched"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates, None,
@@ -402,7 +404,7 @@ def _p99(values: list[float]) -> float:
     return float(np.percentile(values, 99)) if values else math.nan
 
 
-def summarize(run: LiveRun, sim, exact, free, batched, rates: tuple[float, float]) -> dict:
+def summarize(run: LiveRun, sim, exact, free, batched, periodic, rates: tuple[float, float]) -> dict:
     ttft = [r.ttft_s for r in run.records if r.ttft_s is not None]
     tpot = [r.tpot_s for r in run.records if r.tpot_s is not None]
     moved = run.moves["moved"]
@@ -413,7 +415,7 @@ def summarize(run: LiveRun, sim, exact, free, batched, rates: tuple[float, float
         "live_migrations_per_s": moved / run.seconds, "sim_migrations_per_s": sim.migrations_per_s,
         "migrations_ratio": (moved / run.seconds) / sim.migrations_per_s if sim.migrations_per_s else math.nan,
         "decided_per_s": sum(run.decided.values()) / run.seconds, "moved": moved, "failed": run.moves["failed"],
-        "finished_before_move": run.moves["finished"], "decided": run.decided,
+        "finished_before_move": run.moves["finished"], "decided": run.decided, "move_outcomes": run.moves,
         "sim_migrations_by_reason": sim.migrations_by_reason, "move_failures": run.move_failures,
         "full_targets": run.full_targets, "waited_for_room": run.waited_for_room,
         "policy_step_errors": run.step_errors,
@@ -423,6 +425,9 @@ def summarize(run: LiveRun, sim, exact, free, batched, rates: tuple[float, float
         "free_sim_instances": free.mean_instances, "free_sim_peak": free.peak_instances,
         "free_sim_migrations_per_s": free.migrations_per_s,
         "batched_sim_instances": batched.mean_instances, "batched_sim_migrations_per_s": batched.migrations_per_s,
+        "periodic_sim_instances": periodic.mean_instances,
+        "periodic_sim_migrations_per_s": periodic.migrations_per_s,
+        "periodic_sim_migrations_by_reason": periodic.migrations_by_reason,
         "kv_mb_moved": run.kv_bytes_moved / 1e6,
         "mean_downtime_ms": 1e3 * run.move_downtime_s / moved if moved else 0.0,
         "p99_ttft_ms": 1e3 * _p99(ttft), "p99_tpot_ms": 1e3 * _p99(tpot),
@@ -469,7 +474,10 @@ def policy_notes(row: dict) -> list[str]:
              f"(mean {row['sim_mean_wait_s']:.2f} s); without the cap: {row['free_sim_instances']:.2f} instances "
              f"(peak {row['free_sim_peak']}), {row['free_sim_migrations_per_s']:.2f} mig/s; in windows of the "
              f"front's policy period: {row['batched_sim_instances']:.2f} instances, "
-             f"{row['batched_sim_migrations_per_s']:.2f} mig/s"]
+             f"{row['batched_sim_migrations_per_s']:.2f} mig/s",
+             f"  growth seen once per policy period (as the front sees it): {row['periodic_sim_instances']:.2f} "
+             f"instances, {row['periodic_sim_migrations_per_s']:.2f} mig/s {row['periodic_sim_migrations_by_reason']}"]
+    lines.append(f"  asked moves by outcome: {row['move_outcomes']}")
     if row["move_failures"]:
         lines.append(f"  failed moves: {row['move_failures']}")
     lines.append(f"  targets without room for a reservation: {row['full_targets'] or 'none'}; moves that waited for "
@@ -625,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     sims = simulate_runs(runs, workload, config.block_size, bytes_per_token, config.num_instances, config.interval_s)
     rows = {run.policy: {**summarize(run, sims["sim"][run.policy], sims["exact"][run.policy],
                                      sims["free"][run.policy], sims["batched"][run.policy],
-                                     sims["rates"][run.policy]),
+                                     sims["periodic"][run.policy], sims["rates"][run.policy]),
                          "live_peak_cap": config.num_instances} for run in runs}
     report = "\n".join([format_table(list(rows.values())), "", *[line for row in rows.values()
                                                                   for line in policy_notes(row)],

@@ -34,6 +34,9 @@ class SimulationConfig:
     profile: InstanceProfile = field(default_factory=InstanceProfile)
     scheduler: KVSchedulerConfig | None = None  # None: defaults with the profile's capacity
     batch_interval_s: float = 0.0  # 0: each event is its own operation; > 0: one batched step per window
+    # > 0: the policy sees the requests' growth once per this period (the latest size of each, as one step: the live
+    # front router's policy period), arrivals and departures at once; 0: every growth when it happens
+    update_interval_s: float = 0.0
     migration_interval_s: float = 1.0  # the adaptive migration choice packs each interval's moves
     prefill_share: float = 0.25  # share of an instance's prefill throughput re-prefill may use
 
@@ -106,6 +109,9 @@ class _Run:
         self.capped = self.policy.config.max_instances is not None
         if self.capped and config.batch_interval_s > 0:
             raise ValueError("an instance cap (max_instances) is simulated event by event: batch_interval_s must be 0")
+        if config.batch_interval_s > 0 and config.update_interval_s > 0:
+            raise ValueError("batch_interval_s batches every event already: update_interval_s must be 0")
+        self.grown: dict[int, int] = {}  # with update_interval_s: request -> its latest size, not seen by the policy
         self.waiting: dict[int, tuple[float, int]] = {}  # request -> (arrived at, prompt KV tokens), in order
         self.held: dict[int, list[tuple[float, int, int]]] = {}  # a waiting request's events (t, kind, kv tokens)
         self.delay: dict[int, float] = {}  # a placed request that waited -> its wait
@@ -172,9 +178,13 @@ class _Run:
         self.count = self.total = self.peak = 0
         self.timeline = [(first_t, 0)]
         allocated = departed = unplaced = 0
-        window = self.config.batch_interval_s
-        batch, window_end = _Batch(), first_t + window
+        window, period = self.config.batch_interval_s, self.config.update_interval_s
+        batch, window_end, next_update = _Batch(), first_t + window, first_t + period
         for t, kind, request, kv_tokens in self._in_order(events):
+            if period > 0 and t >= next_update:
+                if self.grown:
+                    self._apply_growth(next_update, ids)
+                next_update = first_t + (math.floor((t - first_t) / period) + 1) * period
             if window > 0:
                 if t >= window_end:
                     self._advance(window_end)
@@ -189,9 +199,13 @@ class _Run:
             elif self.capped and self._wait_or_shift(t, kind, request, kv_tokens):
                 continue
             self._advance(t)
+            if kind == UPDATE and period > 0:
+                self.grown[request] = kv_tokens  # seen at the end of the period
+                continue
             if kind == UPDATE:
                 self._update(ids[request], kv_tokens)
             elif kind == DEPART:
+                self.grown.pop(request, None)
                 policy.depart(ids[request])
                 departed += 1
                 allocated += self._admit_waiting(t, ids)
@@ -260,6 +274,21 @@ class _Run:
                 self.policy.depart(request_id)  # placed on an instance it could not open: undo
             return False
         return True
+
+    def _apply_growth(self, t: float, ids: list[str]) -> None:
+        """The period's growth as one step, as the front router hands it to its policy (one by one when the step
+        raises: a growth no instance can take under the cap)."""
+        self._advance(t)
+        updates, self.grown = [Request(ids[r], tokens) for r, tokens in self.grown.items()], {}
+        try:
+            migrations = self.policy.step((), updates, ()).migrations
+        except SchedulerError:
+            if not self.capped:
+                raise
+            for update in updates:
+                self._update(update.request_id, update.kv_tokens)
+            migrations = self.policy.drain_migrations()
+        self._observe(t, migrations)
 
     def _update(self, request_id: str, kv_tokens: int) -> None:
         try:

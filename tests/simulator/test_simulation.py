@@ -105,6 +105,11 @@ def test_cli_prints_json_and_writes_the_plot(tmp_path, capsys):
     assert cli.run(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report["policies"]) == set(POLICY_NAMES)
+    assert cli.run(_parse(["--poisson-rate", "4", "--num-requests", "200", "--kv-capacity", "4096", "--json",
+                           "--update-ms", "50"])) == 0
+    periodic = json.loads(capsys.readouterr().out)
+    assert periodic["policies"]["mell"]["final_instances"] == 0
+    assert periodic["policies"]["mell"]["migrations"] != report["policies"]["mell"]["migrations"]
     assert report["policies"]["mell"]["final_instances"] == 0
     assert set(report["mell_fewer_instances_pct"]) == {"bf", "wf", "lb"}
     assert plot.stat().st_size > 10_000
@@ -153,3 +158,22 @@ def test_an_instance_cap_is_simulated_event_by_event():
     with pytest.raises(ValueError, match="batch_interval_s"):
         simulate("mell", events, SimulationConfig(profile=PROFILE, batch_interval_s=0.25, scheduler=KVSchedulerConfig(
             capacity=PROFILE.kv_capacity_tokens, max_instances=2)))
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_growth_seen_once_per_policy_period_moves_only_at_its_end(events, name):
+    """update_interval_s: arrivals and departures reach the policy at once, growth at the end of each period (as the
+    front router's policy loop sees it): every change of the instances in use happens at an arrival, a departure or
+    a period's end, every request departs, and a growth held when its request departs is dropped."""
+    period = 0.05
+    result = simulate(name, events, SimulationConfig(profile=PROFILE, update_interval_s=period))
+    assert result.num_allocated == result.num_departed == events.num_admitted and result.final_instances == 0
+    at_once = {t for t, kind in zip(events.time_s, events.kind) if kind != UPDATE}
+    first = events.time_s[0]
+    for t, _ in result.timeline[1:]:
+        periods = (t - first) / period
+        assert t in at_once or abs(periods - round(periods)) < 1e-6, t
+    per_event = simulate(name, events, SimulationConfig(profile=PROFILE))
+    assert result.timeline != per_event.timeline  # growth did wait for the period's end
+    with pytest.raises(ValueError, match="update_interval_s"):
+        simulate(name, events, SimulationConfig(profile=PROFILE, batch_interval_s=0.25, update_interval_s=period))
