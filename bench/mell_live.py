@@ -116,6 +116,7 @@ class LiveRun:
     capacity_tokens: int             # what the front's policy got from the instances' Stats
     loadavg: tuple[float, float]     # the machine's 1-minute load average before and after the run
     samples: list[tuple[float, int, int]] = field(default_factory=list)  # (s, instances in use, policy's)
+    drops: dict[str, int] = field(default_factory=dict)  # front.totals.drops: the policy's moves not started, by why
 
 
 # ---- the slice ------------------------------------------------------------------------------------------------------
@@ -344,7 +345,7 @@ async def run_policy(config: BenchConfig, policy: str, engines, addresses, model
                    dict(step_errors), totals.kv_bytes_moved, totals.move_downtime_s,
                    sum(e.scheduler.num_preemptions for e in engines) - preempted,
                    sum(e.scheduler.block_manager.num_used for e in engines), front.policy.config.capacity,
-                   (loadavg, os.getloadavg()[0]), samples)
+                   (loadavg, os.getloadavg()[0]), samples, dict(totals.drops))
 
 
 # ---- the simulator's prediction -------------------------------------------------------------------------------------
@@ -415,7 +416,7 @@ def summarize(run: LiveRun, sim, exact, free, batched, periodic, rates: tuple[fl
         "live_migrations_per_s": moved / run.seconds, "sim_migrations_per_s": sim.migrations_per_s,
         "migrations_ratio": (moved / run.seconds) / sim.migrations_per_s if sim.migrations_per_s else math.nan,
         "decided_per_s": sum(run.decided.values()) / run.seconds, "moved": moved, "failed": run.moves["failed"],
-        "finished_before_move": run.moves["finished"], "decided": run.decided, "move_outcomes": run.moves,
+        "finished_before_move": run.moves["finished"], "decided": run.decided, "move_outcomes": run.moves, "move_drops": run.drops,
         "sim_migrations_by_reason": sim.migrations_by_reason, "move_failures": run.move_failures,
         "full_targets": run.full_targets, "waited_for_room": run.waited_for_room,
         "policy_step_errors": run.step_errors,
@@ -477,7 +478,7 @@ def policy_notes(row: dict) -> list[str]:
              f"{row['batched_sim_migrations_per_s']:.2f} mig/s",
              f"  growth seen once per policy period (as the front sees it): {row['periodic_sim_instances']:.2f} "
              f"instances, {row['periodic_sim_migrations_per_s']:.2f} mig/s {row['periodic_sim_migrations_by_reason']}"]
-    lines.append(f"  asked moves by outcome: {row['move_outcomes']}")
+    lines.append(f"  asked moves by outcome: {row['move_outcomes']}; dropped because {row['move_drops'] or '-'}")
     if row["move_failures"]:
         lines.append(f"  failed moves: {row['move_failures']}")
     lines.append(f"  targets without room for a reservation: {row['full_targets'] or 'none'}; moves that waited for "

@@ -62,6 +62,15 @@ class FrontSettings:
     max_waiting: int = 1024            # requests waiting for room at once; more get 429 at once
 
 
+def not_started(route: Route, target: Instance | None, settings: FrontSettings, moves_under_way: int) -> str:
+    """Why a move the policy asked for is not started now ("" when it can start): disabled (migrate off), no_room
+    (no instance for its target slot), moving (a move of it is under way), prefilling (no token yet: only a decoding
+    request moves), busy (max_concurrent_moves under way)."""
+    return ("disabled" if not settings.migrate else "no_room" if target is None else "moving" if route.moving
+            else "prefilling" if not route.seq.output_token_ids
+            else "busy" if moves_under_way >= settings.max_concurrent_moves else "")
+
+
 class MoveRefused(RuntimeError):
     """An operator's drain cannot run (no standby instance to take the requests): FAILED_PRECONDITION."""
 
@@ -396,8 +405,8 @@ class FrontEngine:
             if target is route.instance:
                 continue  # the policy now has it where it runs
             # Only a decoding request moves (the front's copy of it has a token), one move at a time per request.
-            if (target is None or route.moving or not self.settings.migrate or not route.seq.output_token_ids
-                    or len(self._moves) + len(startable) >= self.settings.max_concurrent_moves):
+            if why := not_started(route, target, self.settings, len(self._moves) + len(startable)):
+                self.totals.drops[why] = self.totals.drops.get(why, 0) + 1
                 self._drop(migration, "dropped")
                 continue
             startable.append((migration, route, target))

@@ -33,6 +33,12 @@ def front_metrics(front: FrontEngine, labels: list[str], label_names: tuple[str,
     for outcome, count in front.totals.moves.items():
         moves.add_metric([*labels, outcome], count)
     yield moves
+    drops = CounterMetricFamily("reconfig:front_migrations_dropped", "The policy's moves not started, by why: "
+                                "prefilling, moving, busy (max concurrent moves), no_room, disabled.",
+                                labels=(*label_names, "reason"))
+    for reason, count in sorted(front.totals.drops.items()):
+        drops.add_metric([*labels, reason], count)
+    yield drops
     waited = CounterMetricFamily("reconfig:front_migrations_waited_for_room", "Moves that waited for the moves out "
                                  "of their target to commit first (its room was still held by them).",
                                  labels=label_names)
