@@ -76,9 +76,10 @@ def make_checkpoint(directory: Path, style: str, seed: int = 0) -> Path:
     return directory
 
 
-async def until(predicate, timeout_s: float = 30.0, what: str = "the condition") -> None:
+async def until(predicate, timeout_s: float = 30.0, what: str = "the condition", interval_s: float = 0.01) -> None:
     """Poll `predicate` (plain or async) until it holds: synchronization on a state, never on a guessed delay.
-    AssertionError naming `what` past `timeout_s`, which is generous: CI may run on a busy 2-core machine."""
+    AssertionError naming `what` past `timeout_s`, which is generous: CI may run on a busy 2-core machine.
+    `interval_s=0` checks at every turn of the event loop (to act on a state before the loop moves past it)."""
     deadline = time.monotonic() + timeout_s
     while True:
         result = predicate()
@@ -87,7 +88,7 @@ async def until(predicate, timeout_s: float = 30.0, what: str = "the condition")
         if result:
             return
         assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(interval_s)
 
 
 def process_running(pid: int) -> bool:

@@ -64,10 +64,9 @@ class FrontSettings:
 
 def not_started(route: Route, target: Instance | None, settings: FrontSettings, moves_under_way: int) -> str:
     """Why a move the policy asked for is not started now ("" when it can start): disabled (migrate off), no_room
-    (no instance for its target slot), moving (a move of it is under way), prefilling (no token yet: only a decoding
-    request moves), busy (max_concurrent_moves under way)."""
+    (no instance for its target slot), moving (a move of it is under way), busy (max_concurrent_moves under way).
+    A request moves whatever its phase: decoding with its KV, before its first token by starting on the target."""
     return ("disabled" if not settings.migrate else "no_room" if target is None else "moving" if route.moving
-            else "prefilling" if not route.seq.output_token_ids
             else "busy" if moves_under_way >= settings.max_concurrent_moves else "")
 
 
@@ -404,7 +403,6 @@ class FrontEngine:
                 target = self.slots.bind(migration.destination)
             if target is route.instance:
                 continue  # the policy now has it where it runs
-            # Only a decoding request moves (the front's copy of it has a token), one move at a time per request.
             if why := not_started(route, target, self.settings, len(self._moves) + len(startable)):
                 self.totals.drops[why] = self.totals.drops.get(why, 0) + 1
                 self._drop(migration, "dropped")
@@ -465,6 +463,8 @@ class FrontEngine:
             self._kv_unreachable.add((source.name, target.name))
         if result.moved:
             route.instance, route.latest_call = target, result.call
+            if result.started_over:  # its first prefill runs there: so does the prefill-rate sample
+                route.started = time.monotonic()
             successor.set_result(result.call)
             if policy_source is None:
                 slot = self._pin(request_id, self.slots.slot_of(target))

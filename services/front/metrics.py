@@ -34,7 +34,7 @@ def front_metrics(front: FrontEngine, labels: list[str], label_names: tuple[str,
         moves.add_metric([*labels, outcome], count)
     yield moves
     drops = CounterMetricFamily("reconfig:front_migrations_dropped", "The policy's moves not started, by why: "
-                                "prefilling, moving, busy (max concurrent moves), no_room, disabled.",
+                                "moving, busy (max concurrent moves), no_room, disabled.",
                                 labels=(*label_names, "reason"))
     for reason, count in sorted(front.totals.drops.items()):
         drops.add_metric([*labels, reason], count)

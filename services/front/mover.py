@@ -10,9 +10,10 @@ reconfig's 2D KV plan, so the two instances may run different layouts).
 A failure anywhere gives the reservation back and, once stopped, lets the request go on at the source: a move
 that does not complete leaves the request running where it was. A move by re-prefill skips 1 and the copy of 2:
 the target recomputes the request's prompt and what it generated (as after a preemption), with its sampling state.
-A request the source preempted back to its waiting queue has no KV to carry: it moves by re-prefill. So does one
-whose KV the target cannot read (FAILED_PRECONDITION on the first pull: another host, a GPU pool); the result says
-so (`kv_unreachable`), and the front sends that pair's later moves by re-prefill from the start.
+A request in the source's waiting queue (not started yet, or preempted back to it), or stopped between chunks of a
+prefill, has no KV to carry: it moves by re-prefill (one that had not generated yet simply starts on the target).
+So does one whose KV the target cannot read (FAILED_PRECONDITION on the first pull: another host, a GPU pool); the
+result says so (`kv_unreachable`), and the front sends that pair's later moves by re-prefill from the start.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class MoveResult:
     reprefilled: bool = False     # moved without its KV: the target re-prefilled it
     kv_tokens: int = 0            # the tokens whose KV the move carried (or the target re-prefilled)
     kv_unreachable: bool = False  # the target could not read the source's KV: it moved by re-prefill instead
+    started_over: bool = False    # it had generated nothing on the source: the target runs it from its prompt
     seconds: float = 0.0
     call: object = None           # the target's Generate stream (its first response read) when moved
 
@@ -152,8 +154,8 @@ async def move_request(request: router_pb2.GenerateRequest, source: Instance, ta
         stopped = not state.finished
         if state.finished:
             raise _Finished("it finished on the source first")
-        if not state.num_computed_tokens and not reprefill:  # preempted on the source: no KV to carry
-            await carry_no_kv("preempted on the source")
+        if not state.num_computed_tokens and not reprefill:  # waiting or prefilling on the source: no KV to carry
+            await carry_no_kv("no KV on the source (waiting or prefilling)")
         if not reprefill:
             needed = num_blocks_for(state.num_computed_tokens, block_size)
             try:
@@ -164,6 +166,8 @@ async def move_request(request: router_pb2.GenerateRequest, source: Instance, ta
                             else state.num_computed_tokens)
         resumed = router_pb2.GenerateRequest()
         resumed.CopyFrom(request)
+        result.started_over = not state.output_token_ids
+        resumed.migrated.SetInParent()  # present even when empty: a request moved before its first token
         resumed.migrated.output_token_ids[:] = state.output_token_ids
         resumed.migrated.num_computed_tokens = 0 if reprefill else state.num_computed_tokens
         call = target.generate(resumed)

@@ -13,12 +13,12 @@ from services.router.kv_scheduler.migration_choice import MigrationBudgets, choo
 @dataclass(slots=True)
 class FrontTotals:
     # moved; failed (it goes on at its source); finished (it ended first); dropped (the policy's move was not
-    # started: the request was not decoding yet, was moving already, or too many moves were under way; deferred:
+    # started: the request was moving already, or too many moves were under way; deferred:
     # the adaptive choice found no room in the window's link or prefill budget)
     moves: dict[str, int] = field(default_factory=lambda: {"moved": 0, "failed": 0, "finished": 0, "dropped": 0,
                                                            "deferred": 0})
-    # dropped moves by why: prefilling (no token yet), moving (a move of it is under way), busy (max_concurrent_moves
-    # under way), no_room (no instance to bind its target slot to), disabled (migrate off)
+    # dropped moves by why: moving (a move of it is under way), busy (max_concurrent_moves under way), no_room (no
+    # instance to bind its target slot to), disabled (migrate off)
     drops: dict[str, int] = field(default_factory=dict)
     kv_bytes_moved: int = 0
     move_downtime_s: float = 0.0

@@ -129,11 +129,12 @@ class InstanceMigrations:
         """A request moving in starts here: with its KV reserved and filled (`num_computed_tokens` of it), from its
         next token; with none (0: a move by re-prefill, cheaper than the transfer when the link is slow), it
         re-prefills its prompt and what it generated, as a preempted request does, and goes on with the same
-        sampling state. KeyError: KV cached but nothing reserved under its id."""
+        sampling state; one moved before its first token starts here as a new request does. KeyError: KV cached
+        but nothing reserved under its id."""
         if num_computed_tokens:
             seq = self.engine.scheduler.adopt(request.request_id, output_token_ids, num_computed_tokens)
         else:
-            if not 0 < len(output_token_ids) < request.max_tokens:
+            if not 0 <= len(output_token_ids) < request.max_tokens:
                 raise RequestError(f"{len(output_token_ids)} generated tokens cannot continue a request of "
                                    f"max_tokens {request.max_tokens}")
             seq = Sequence.from_request(request)

@@ -425,20 +425,20 @@ class Scheduler:
     def park(self, request_id: str) -> bool:
         """Stop scheduling a sequence that moves out: a decoding one keeps its KV blocks, now when it is between
         steps (True), else once its step in flight returns (False; it is not scheduled meanwhile, and a step that
-        finishes it leaves it finished, not parked); one preempted back to the waiting queue after it generated
-        has no KV (it can move only by re-prefill) and parks at once. One prefilling its prompt and outputs again
-        after such a preemption parks the same way (between its chunks, once its step in flight returns), without
-        the part of its KV computed so far unless that step completed it. KeyError: unknown; ValueError: not
-        generating yet (its first prefill), or parked already."""
+        finishes it leaves it finished, not parked). One in the waiting queue (not started yet, or preempted back
+        to it) has no KV and parks at once: it moves by re-prefill (or, never started, is simply placed there). One
+        prefilling (its prompt, or its prompt and outputs again after a preemption) parks the same way, between its
+        chunks or once its step in flight returns, without the part of its KV computed so far unless that step
+        completed the prefill. KeyError: unknown; ValueError: parked already."""
         seq = self._sequences[request_id]
         if request_id in self.parked or request_id in self._parking:
             raise ValueError(f"{request_id} is moving already")
-        if seq.status is SequenceStatus.WAITING and seq.output_token_ids and not seq.num_computed_tokens:
+        if seq.status is SequenceStatus.WAITING and not seq.num_computed_tokens:
             self.waiting.remove(seq)
             self.parked[request_id] = seq
             return True
-        if seq.status is not SequenceStatus.RUNNING or not seq.output_token_ids:
-            raise ValueError(f"{request_id} is not a decoding request")
+        if seq.status is not SequenceStatus.RUNNING:
+            raise ValueError(f"{request_id} is {seq.status.value}")
         if request_id in self._inflight_ids:
             self._parking.add(request_id)
             return False
@@ -446,8 +446,8 @@ class Scheduler:
         return True
 
     def _park_running(self, seq: Sequence) -> None:
-        """Park a running sequence between its steps: decoding, with its KV; re-prefilling, without (as when it
-        was preempted: it moves by re-prefill, or re-prefills here once unparked)."""
+        """Park a running sequence between its steps: decoding, with its KV; prefilling, without (as when it is
+        preempted: it moves by re-prefill, or prefills here again once unparked)."""
         self.running.remove(seq)
         if seq.is_prefill:
             self.block_manager.free(seq)

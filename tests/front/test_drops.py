@@ -15,11 +15,11 @@ def _route(generated: int, moving: bool = False) -> Route:
     return Route(request, wire=None, seq=seq, instance=None, moving=moving)
 
 
-def test_a_move_starts_only_for_a_decoding_request_not_moving_with_a_target_and_a_free_slot():
+def test_a_move_starts_for_a_request_not_moving_with_a_target_and_a_free_slot():
     settings, target = FrontSettings(max_concurrent_moves=2), object()
     assert not_started(_route(1), target, settings, 1) == ""
+    assert not_started(_route(0), target, settings, 1) == ""  # before its first token too
     assert not_started(_route(1), target, settings, 2) == "busy"
-    assert not_started(_route(0), target, settings, 0) == "prefilling"
     assert not_started(_route(1, moving=True), target, settings, 0) == "moving"
     assert not_started(_route(1), None, settings, 0) == "no_room"
     assert not_started(_route(1), target, FrontSettings(migrate=False), 0) == "disabled"

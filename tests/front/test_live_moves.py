@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from services.router.contracts import GenerationRequest
+from tests.conftest import until
 from tests.front.conftest import open_front
 
 pytestmark = pytest.mark.asyncio
@@ -80,6 +81,30 @@ async def test_seeded_sampling_moves_exactly_by_kv_and_by_reprefill(instances):
         assert all(r.moved and r.reprefilled and r.kv_bytes_precopied + r.kv_bytes_delta == 0 for r in reprefills)
         assert front.totals.reprefilled == 2
     assert [e.num_full_prefills - p for e, p in zip(instances.engines, prefills)] == [2, 1, 1]
+
+
+async def test_a_request_moves_before_the_front_saw_its_first_token(instances):
+    """The front moves a request it has no token of yet (its policy moves new requests too): waiting, prefilling
+    or already decoding on the source (whichever the move finds there: the scheduler's tests cover each), it ends
+    on the target with the tokens of an unmoved run, and nothing stays behind."""
+    a, b, _ = instances.instances
+    expected = await _reference(instances.engines[0], PROMPTS[3], "early-ref")
+    async with open_front(instances, migrate=False) as front:
+        stream = front.generate(_request("early", PROMPTS[3]))
+        first = asyncio.ensure_future(anext(stream))  # places it (on a) and reads its first delta
+        # At the turn of the event loop in which instance a admitted it (its router runs in this loop): its first
+        # token needs a's step and the worker's reply (many turns and a round trip to another process), so the
+        # front has none yet. (Moved before a has it, the move fails: NOT_FOUND, and it goes on at a.)
+        source = instances.engines[0].scheduler
+        await until(lambda: source.get("early") is not None, what="the request admitted on a", interval_s=0)
+        route = front._routes["early"]
+        assert route.instance is a and not route.seq.output_token_ids
+        result = await front.move("early", b)
+        tokens = list((await first).token_ids) + [t async for d in stream for t in d.token_ids]
+    assert result.moved, result.error
+    assert tokens == expected
+    for engine in instances.engines:
+        assert engine.scheduler.block_manager.num_used == 0 and not engine.scheduler.parked
 
 
 async def test_migration_rpcs_refuse_with_precise_codes(instances):

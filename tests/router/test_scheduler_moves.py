@@ -81,8 +81,6 @@ def test_park_waits_for_the_step_in_flight_and_unpark_puts_it_back():
     worker = PagedWorkers(scheduler.block_manager)
     scheduler.add(seq_of("a", prompt_of(0, 5), 10))
     batch = scheduler.schedule()  # the prefill
-    with pytest.raises(ValueError, match="not a decoding"):
-        scheduler.park("a")  # still prefilling
     scheduler.on_batch_done(batch, worker.run(batch))
     batch = scheduler.schedule()  # a decode in flight
     assert scheduler.park("a") is False  # parks when the step returns
@@ -209,9 +207,40 @@ def test_a_request_prefilling_again_after_a_preemption_parks_between_its_chunks(
         assert a.block_manager.num_used == 0 and b.block_manager.num_used == 0
         assert b.get("x") is None or b.get("x").num_preemptions == 0
     assert outputs == {n: expected_output(prompt_of(3, 10), 12) for n in (1, 2, 3)}
-    # Its first prefill is not a move the front asks for: refused.
-    a = make_scheduler(block_size=4, max_num_batched_tokens=4)
-    a.add(seq_of("y", prompt_of(1, 6), 5))
-    a.schedule()
-    with pytest.raises(ValueError, match="not a decoding"):
-        a.park("y")
+
+
+def test_a_request_moves_before_its_first_token():
+    """Parked in the waiting queue (not started), or with a chunk of its first prefill in flight that does not
+    complete it, a request parks without KV and starts on the target as a new one; with the last chunk in flight it
+    parks with its KV and first token and moves them. Outputs are the unmoved run's, every block comes back."""
+    prompt = prompt_of(5, 10)  # 3 chunks of at most 4 tokens
+    for chunks_before, moves_kv in ((None, False), (0, False), (1, False), (2, True)):
+        a, b = make_scheduler(block_size=4, max_num_batched_tokens=4), make_scheduler(block_size=4)
+        wa, wb = PagedWorkers(a.block_manager), PagedWorkers(b.block_manager)
+        a.add(seq_of("x", prompt, 9))
+        seq = a.get("x")
+        if chunks_before is None:
+            assert a.park("x") and list(a.waiting) == [] and not seq.block_ids
+        else:
+            for _ in range(chunks_before):
+                run_step(a, wa)
+            batch = a.schedule()
+            assert a.park("x") is False and a.schedule() is None
+            a.on_batch_done(batch, wa.run(batch))
+        assert "x" in a.parked and bool(seq.block_ids) is moves_kv and len(seq.output_token_ids) == int(moves_kv)
+        if moves_kv:
+            _move_parked(a, wa, b, wb, "x")
+        else:
+            b.add(Sequence("x", list(seq.prompt_token_ids), seq.max_tokens, seq.sampling, seq.stop_token_ids))
+            a.finish("x", SequenceStatus.FINISHED_ABORTED)
+        while b.has_unfinished:
+            _, updates = run_step(b, wb)
+        assert list(updates[0].seq.output_token_ids) == expected_output(prompt, 9), chunks_before
+        assert a.block_manager.num_used == 0 and b.block_manager.num_used == 0
+    # A failed move puts a request parked from the queue back at its head.
+    a = make_scheduler(block_size=4)
+    a.add(seq_of("y", prompt, 5))
+    a.add(seq_of("z", prompt, 5))
+    assert a.park("z")
+    a.unpark("z")
+    assert [s.request_id for s in a.waiting] == ["z", "y"]
