@@ -386,13 +386,7 @@ class FrontEngine:
         self.totals.seconds += elapsed
         updates = [Request(rid, self._policy_tokens(route)) for rid, route in self._routes.items()
                    if rid in self.policy.cluster.location]
-        try:
-            migrations = self.policy.step((), updates, ()).migrations
-        except SchedulerError:  # a growth no instance can take (every one in use): record the others one by one
-            for update in updates:
-                with contextlib.suppress(SchedulerError):
-                    self.policy.update(update.request_id, update.kv_tokens)
-            migrations = self.policy.drain_migrations()
+        migrations = self.policy.grow(updates)
         startable = []
         for migration in migrations:
             route = self._routes.get(migration.request_id)

@@ -310,10 +310,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Preempt by recompute: drop seq's KV and queue it first; it later re-prefills prompt + outputs."""
-        self.block_manager.free(seq)
         self.running.remove(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
+        self._drop_kv(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -450,10 +448,14 @@ class Scheduler:
         preempted: it moves by re-prefill, or prefills here again once unparked)."""
         self.running.remove(seq)
         if seq.is_prefill:
-            self.block_manager.free(seq)
-            seq.num_computed_tokens = 0
-            seq.status = SequenceStatus.WAITING
+            self._drop_kv(seq)
         self.parked[seq.request_id] = seq
+
+    def _drop_kv(self, seq: Sequence) -> None:
+        """Free a sequence's KV blocks: it waits again, to prefill its prompt and outputs (here or elsewhere)."""
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
 
     def unpark(self, request_id: str) -> Sequence:
         """A move out that did not happen: schedule the parked sequence again, in its place."""

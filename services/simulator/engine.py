@@ -276,18 +276,11 @@ class _Run:
         return True
 
     def _apply_growth(self, t: float, ids: list[str]) -> None:
-        """The period's growth as one step, as the front router hands it to its policy (one by one when the step
-        raises: a growth no instance can take under the cap)."""
+        """The period's growth as one step, as the front router hands it to its policy (`grow`: one by one when a
+        growth has no instance under the cap; without a cap every growth has one, and an error is raised)."""
         self._advance(t)
         updates, self.grown = [Request(ids[r], tokens) for r, tokens in self.grown.items()], {}
-        try:
-            migrations = self.policy.step((), updates, ()).migrations
-        except SchedulerError:
-            if not self.capped:
-                raise
-            for update in updates:
-                self._update(update.request_id, update.kv_tokens)
-            migrations = self.policy.drain_migrations()
+        migrations = self.policy.grow(updates) if self.capped else self.policy.step((), updates, ()).migrations
         self._observe(t, migrations)
 
     def _update(self, request_id: str, kv_tokens: int) -> None:

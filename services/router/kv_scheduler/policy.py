@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from services.router.kv_scheduler.cluster import Cluster, instance_index, instance_name
@@ -96,6 +97,18 @@ class BasePolicy:
     def drain_migrations(self) -> list[Migration]:
         """Moves decided since the last call, redundant ones cancelled, at most one per request."""
         return self.cluster.drain()
+
+    def grow(self, updates: Sequence[Request]) -> list[Migration]:
+        """A period's growth of the requests as one step (a front router's policy tick); when a growth has no room
+        (every instance in use under the cap) and the step raises, each update alone, those without room left
+        where they are (their instance over capacity: the instance itself preempts). Returns the moves."""
+        try:
+            return list(self.step((), updates, ()).migrations)
+        except SchedulerError:
+            for update in updates:
+                with contextlib.suppress(SchedulerError):
+                    self.update(update.request_id, update.kv_tokens)
+            return self.drain_migrations()
 
     def set_max_instances(self, max_instances: int | None) -> None:
         """Instances may be added or removed while it runs (the front router's operator): the cap from now on

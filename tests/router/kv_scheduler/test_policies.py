@@ -94,6 +94,18 @@ def test_max_instances_is_enforced():
         policy.allocate("b", 60)
 
 
+def test_growth_without_room_under_the_cap_is_applied_one_by_one():
+    """grow: a tick's growth as one step; when one growth has no instance under the cap, the others still count."""
+    policy = make_policy("bf", KVSchedulerConfig(capacity=100, max_instances=1))
+    policy.allocate("a", 50)
+    policy.allocate("b", 40)
+    assert policy.grow([Request("b", 44)]) == [] and _loads(policy) == {"instance-0": 94}
+    with pytest.raises(SchedulerError):
+        policy.step((), [Request("a", 70), Request("b", 48)], ())
+    assert policy.grow([Request("a", 70), Request("b", 48)]) == []
+    assert policy.cluster.members == {0: {"a": 70, "b": 48}}  # a stays where it is, its instance over capacity
+
+
 def test_a_batched_step_runs_departs_before_allocates():
     policy = make_policy("bf", KVSchedulerConfig(capacity=100))
     policy.allocate("a", 60)
