@@ -15,7 +15,7 @@ import structlog
 
 from services.controller.status import OperationState, OperationStatus, StackState, StackStatus, WorkerState, WorkerStatus
 from services.router.contracts import EngineStats
-from services.router.grpc_server import stats_from_pb
+from services.router.wire import stats_from_pb
 from services.rpc.auth import auth_metadata
 from services.rpc.errors import describe_error
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc

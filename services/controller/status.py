@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.router.contracts import PREPARING_PHASES, SERVING_PHASES, EngineStats
-from services.router.grpc_server import stats_from_pb, stats_to_pb
+from services.router.wire import stats_from_pb, stats_to_pb
 from services.router.load_window import LoadSnapshot
 from services.rpc.reconfig.v1 import controller_pb2
 

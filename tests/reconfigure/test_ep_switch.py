@@ -19,7 +19,7 @@ from services.launch.cluster import ClusterConfig, LocalCluster
 from services.model.expert_reshard import RESHARD_ENV
 from services.model.spec import ModelSpec
 from services.router.contracts import GenerationRequest
-from services.router.grpc_server import block_maps_to_pb
+from services.router.wire import block_maps_to_pb
 from services.topology import Topology
 from tests.conftest import hf_greedy, make_checkpoint, until
 from tests.reconfigure.conftest import generated_tokens, open_live_stack

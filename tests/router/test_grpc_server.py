@@ -13,7 +13,8 @@ import pytest
 from services.model.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, Tokenizer
 from services.router.contracts import EngineStats
 from services.router.engine import Engine
-from services.router.grpc_server import request_from_pb, start_router_grpc, stats_from_pb, stats_to_pb
+from services.router.grpc_server import start_router_grpc
+from services.router.wire import request_from_pb, stats_from_pb, stats_to_pb
 from services.router.main import RouterConfig, build_engine
 from services.rpc.auth import UNAUTHENTICATED_MESSAGE, auth_metadata, generate_token
 from services.rpc.errors import RETRY_AFTER_KEY

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from services.router.grpc_server import window_from_pb, window_to_pb
+from services.router.wire import window_from_pb, window_to_pb
 from services.router.load_window import LoadWindow
 
 

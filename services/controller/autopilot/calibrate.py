@@ -37,7 +37,7 @@ from services.controller.staging import prepare_workers
 from services.controller.status import OperationState
 from services.model.tokenizer import Tokenizer
 from services.router.contracts import EngineStats
-from services.router.grpc_server import stats_from_pb
+from services.router.wire import stats_from_pb
 from services.rpc.reconfig.v1 import router_pb2
 from services.topology import Topology, place
 from services.topology.balance import BALANCE_MIN_GAIN
