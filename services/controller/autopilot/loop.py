@@ -82,6 +82,16 @@ def check_mode(mode: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class IntentBounds:
+    """What the intent window in force lets the policy do this tick (no intents: everything)."""
+
+    window: str = ""                             # its name
+    allowed: tuple[str, ...] | None = None       # the layouts the policy may choose among (None: any)
+    rejected: dict[str, str] = field(default_factory=dict)  # why it rules the others out
+    tpot_target_s: float | None = None           # its TPOT target (None: none)
+
+
+@dataclass(frozen=True, slots=True)
 class Tick:
     """One decision and what it was made from."""
 
@@ -214,9 +224,9 @@ class Autopilot:
                                      corrections=self.state.corrections if self.state else ())
         obs = self.observation(stats, now, measured)
         self.state = learn(observe(self.state, obs, self.config.policy), obs, self.profile, self.config.policy)
-        window_name, allowed, rejected, tpot_target_s = self.intent_selection(obs, live)
-        decision = decide(self.profile, self.state, obs, self.config.policy, allowed, tpot_target_s)
-        tick = Tick(time.time(), obs, decision, window_name, allowed, rejected)
+        bounds = self.intent_bounds(obs, live)
+        decision = decide(self.profile, self.state, obs, self.config.policy, bounds.allowed, bounds.tpot_target_s)
+        tick = Tick(time.time(), obs, decision, bounds.window, bounds.allowed, bounds.rejected)
         if decision.switches:
             log.info("autopilot.decision", mode=self.mode, live=live, target=decision.target, reason=decision.reason,
                      load=obs.load)
@@ -227,12 +237,11 @@ class Autopilot:
             self.metrics.observe(tick)
         return tick
 
-    def intent_selection(self, obs: Observation, live: str) \
-            -> tuple[str, tuple[str, ...] | None, dict[str, str], float | None]:
+    def intent_bounds(self, obs: Observation, live: str) -> IntentBounds:
         """The intent window now, the layouts it allows at this load, why it rules the others out, and its TPOT
         target."""
         if self.intents is None:
-            return "", None, {}, None
+            return IntentBounds()
         demand = Demand(load=float(max(obs.load, obs.forecast_load or 0.0)), context=obs.context,
                         prompt_tokens=obs.prompt_tokens, arrival_rate=obs.arrival_rate)
         profile = corrected(self.profile, self.state) if self.state is not None else self.profile  # as decide sees it
@@ -245,7 +254,7 @@ class Autopilot:
             allowed = selection.allowed[:1]
         else:
             allowed = selection.allowed if selection.is_met else selection.within_budget
-        return selection.window, tuple(allowed), dict(selection.rejected), selection.tpot_target_s
+        return IntentBounds(selection.window, tuple(allowed), dict(selection.rejected), selection.tpot_target_s)
 
     async def _switch(self, tick: Tick) -> Tick:
         target = tick.decision.target

@@ -283,7 +283,8 @@ def test_when_none_passes_the_autopilot_keeps_its_own_rules_among_the_layouts_wi
         pilot = Autopilot(None, AutopilotConfig(), PROFILE,
                           parse_intents({"windows": [{"name": "w", "start": "00:00", "end": "24:00"} | window]} | top))
         obs = Observation(t=0.0, running=10, waiting=0, kv_used_blocks=0, context=160, prompt_tokens=1000)
-        return pilot.intent_selection(obs, "tp1pp2")[1:]
+        bounds = pilot.intent_bounds(obs, "tp1pp2")
+        return bounds.allowed, bounds.rejected, bounds.tpot_target_s
 
     names = tuple(PROFILE.layouts)
     assert allowed({"tpot_ms": 5}) == (names, {n: select({"tpot_ms": 5}, live="tp1pp2").rejected[n] for n in names},
