@@ -9,7 +9,10 @@ lengths divided (rounded up) by `--prompt-divisor` / `--output-divisor` and clam
 (random prompt ids, seeded). 4 instances (a LocalCluster of one tp1pp1 worker, 1 torch thread, plus a router engine
 and its gRPC each) stay up for all policies; a fresh FrontEngine per policy replays the slice as concurrent greedy
 requests that each generate exactly their output length. The simulator gets the same slice, the instances'
-capacity and block size, and decode / prefill rates measured on that policy's own live run. Prints a table, writes
+capacity and block size, and decode / prefill rates measured on that policy's own live run; the table's simulation
+sees the requests' growth and makes its moves once per the front's policy period, as the front does (the notes give
+the others: every event at once, exact tokens, no instance cap, everything batched); its moves take the live run's
+median move time, and one whose request ends sooner is not made. Prints a table, writes
 bench/results/mell_live.json and .png. A bench: it never asserts; it exits non-zero if a request was lost.
 Heavy imports stay inside functions: worker processes re-import this module as `__mp_main__`.
 """
@@ -24,6 +27,7 @@ import math
 import os
 import platform
 import re
+import statistics
 import sys
 import time
 from collections import Counter
@@ -117,6 +121,12 @@ class LiveRun:
     loadavg: tuple[float, float]     # the machine's 1-minute load average before and after the run
     samples: list[tuple[float, int, int]] = field(default_factory=list)  # (s, instances in use, policy's)
     drops: dict[str, int] = field(default_factory=dict)  # front.totals.drops: the policy's moves not started, by why
+    move_seconds: list[float] = field(default_factory=list)  # each move made: its decision (start) to its commit
+
+    @property
+    def median_move_s(self) -> float:
+        """How long a move took live (the simulator's move_s): its median, 0 without any."""
+        return statistics.median(self.move_seconds) if self.move_seconds else 0.0
 
 
 # ---- the slice ------------------------------------------------------------------------------------------------------
@@ -261,16 +271,18 @@ def _count_decisions(front, decided: Counter, step_errors: Counter) -> None:
 
 
 @contextlib.contextmanager
-def _count_move_failures(failures: Counter):
+def _count_move_failures(failures: Counter, seconds: list[float]):
     """The front counts failed moves but keeps no cause: wrap the mover it calls to count them by error (numbers
-    and the request id blanked, so that errors of one kind add up)."""
+    and the request id blanked, so that errors of one kind add up), and to keep how long each move made took."""
     import services.front.engine as front_engine
 
     move = front_engine.move_request
 
     async def recording_move(request, *args, **kwargs):
         result = await move(request, *args, **kwargs)
-        if not result.moved:
+        if result.moved:
+            seconds.append(result.seconds)
+        else:
             failures[re.sub(r"\d+", "N", result.error.replace(request.request_id, "<id>"))] += 1
         return result
 
@@ -324,6 +336,7 @@ async def run_policy(config: BenchConfig, policy: str, engines, addresses, model
                         FrontSettings(policy=policy, interval_s=config.interval_s))
     await front.start()
     decided, step_errors, move_failures, full_targets = Counter(), Counter(), Counter(), Counter()
+    move_seconds: list[float] = []
     _count_decisions(front, decided, step_errors)
     records = [RequestRecord(len(p), int(o), float(a))
                for p, o, a in zip(prompts, workload.output_tokens, workload.arrival_s)]
@@ -331,7 +344,7 @@ async def run_policy(config: BenchConfig, policy: str, engines, addresses, model
     t0 = time.perf_counter()
     sampler = asyncio.create_task(_sample(front, t0, samples, config.interval_s))
     try:
-        with _count_move_failures(move_failures), _count_full_targets(front, full_targets):
+        with _count_move_failures(move_failures, move_seconds), _count_full_targets(front, full_targets):
             await asyncio.gather(*(_send(front, GenerationRequest(f"{policy}-{i}", prompt, record.max_tokens),
                                          record, t0) for i, (prompt, record) in enumerate(zip(prompts, records))))
         average = front.time_average_instances()  # read at once: the window ends with the last request
@@ -345,7 +358,7 @@ async def run_policy(config: BenchConfig, policy: str, engines, addresses, model
                    dict(step_errors), totals.kv_bytes_moved, totals.move_downtime_s,
                    sum(e.scheduler.num_preemptions for e in engines) - preempted,
                    sum(e.scheduler.block_manager.num_used for e in engines), front.policy.config.capacity,
-                   (loadavg, os.getloadavg()[0]), samples, dict(totals.drops))
+                   (loadavg, os.getloadavg()[0]), samples, dict(totals.drops), move_seconds)
 
 
 # ---- the simulator's prediction -------------------------------------------------------------------------------------
@@ -360,7 +373,8 @@ def measured_rates(runs: list[LiveRun]) -> tuple[float, float]:
 
 
 def simulate_policy(run: LiveRun, workload, block_size: int, bytes_per_token: int, rates: tuple[float, float],
-                    max_instances: int | None, batch_interval_s: float = 0.0, update_interval_s: float = 0.0):
+                    max_instances: int | None, batch_interval_s: float = 0.0, update_interval_s: float = 0.0,
+                    move_s: float = 0.0):
     """`reconfig simulate` of the slice with the run's policy and capacity, the given block size (1: KV sizes in
     exact tokens, as the front feeds its policy), (decode, prefill) rates, instance cap (None: none) and batching
     window (0: every event its own operation)."""
@@ -371,13 +385,16 @@ def simulate_policy(run: LiveRun, workload, block_size: int, bytes_per_token: in
                               decode_tokens_per_s=rates[0], prefill_tokens_per_s=rates[1], block_size=block_size)
     scheduler = KVSchedulerConfig(capacity=run.capacity_tokens, max_instances=max_instances)
     return simulate(run.policy, build_events(workload, profile), SimulationConfig(
-        profile=profile, scheduler=scheduler, batch_interval_s=batch_interval_s, update_interval_s=update_interval_s))
+        profile=profile, scheduler=scheduler, batch_interval_s=batch_interval_s, update_interval_s=update_interval_s,
+        move_s=move_s))
 
 
 def simulate_runs(runs: list[LiveRun], workload, block_size: int, bytes_per_token: int, num_instances: int,
                   interval_s: float) -> dict:
     """Per policy, capped at the live cluster's instances as its front router is (requests wait for room): at its
-    own run's rates in the instances' blocks ("sim") and in exact tokens ("exact"); the same without the cap
+    own run's rates in the instances' blocks, growth and moves once per the front's policy period and each move
+    taking the run's median move time ("periodic": the front's model, the table's), every event at once and moves
+    instant ("sim") and in exact tokens ("exact"); the same without the cap
     ("free", what `reconfig simulate` predicts with instances on demand), and also batched in windows of the front's
     policy period ("batched": the front hands its policy each period's changes as one step); and the time-average
     instances of every policy at one profile pooled over all runs ("pooled")."""
@@ -388,13 +405,15 @@ def simulate_runs(runs: list[LiveRun], workload, block_size: int, bytes_per_toke
         rates = result["rates"][run.policy] = measured_rates([run])
         result["sim"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates, num_instances)
         result["periodic"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates,
-                                                         num_instances, update_interval_s=interval_s)
+                                                         num_instances, update_interval_s=interval_s,
+                                                         move_s=run.median_move_s)
         result["exact"][run.policy] = simulate_policy(run, workload, 1, bytes_per_token, rates, num_instances)
         result["free"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates, None)
         result["batched"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates, None,
                                                         interval_s)
         result["pooled"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token,
-                                                       pooled_rates, num_instances).mean_instances
+                                                       pooled_rates, num_instances, update_interval_s=interval_s,
+                                                       move_s=run.median_move_s).mean_instances
     return result
 
 
@@ -406,35 +425,44 @@ def _p99(values: list[float]) -> float:
 
 
 def summarize(run: LiveRun, sim, exact, free, batched, periodic, rates: tuple[float, float]) -> dict:
+    """The table compares the live run with `periodic` (the front's model: growth and moves once per its policy
+    period); `sim` (every event at once) and the others go to the notes."""
     ttft = [r.ttft_s for r in run.records if r.ttft_s is not None]
     tpot = [r.tpot_s for r in run.records if r.tpot_s is not None]
-    moved = run.moves["moved"]
+    moved, decided_per_s = run.moves["moved"], sum(run.decided.values()) / run.seconds
+    ratio = (lambda value: value / periodic.migrations_per_s if periodic.migrations_per_s else math.nan)
+    # The policy's decisions on both sides: live, every move it asked for; simulated, the moves made and those not
+    # made because their request ended first.
+    sim_decided_per_s = (periodic.migrations + periodic.finished_first) / periodic.duration_s \
+        if periodic.duration_s else math.nan
     return {
-        "policy": run.policy, "live_instances": run.time_average_instances, "sim_instances": sim.mean_instances,
-        "instances_ratio": run.time_average_instances / sim.mean_instances,
-        "live_peak": max((s[1] for s in run.samples), default=0), "sim_peak": sim.peak_instances,
-        "live_migrations_per_s": moved / run.seconds, "sim_migrations_per_s": sim.migrations_per_s,
-        "migrations_ratio": (moved / run.seconds) / sim.migrations_per_s if sim.migrations_per_s else math.nan,
-        "decided_per_s": sum(run.decided.values()) / run.seconds, "moved": moved, "failed": run.moves["failed"],
-        "finished_before_move": run.moves["finished"], "decided": run.decided, "move_outcomes": run.moves, "move_drops": run.drops,
-        "sim_migrations_by_reason": sim.migrations_by_reason, "move_failures": run.move_failures,
+        "policy": run.policy, "live_instances": run.time_average_instances, "sim_instances": periodic.mean_instances,
+        "instances_ratio": run.time_average_instances / periodic.mean_instances,
+        "live_peak": max((s[1] for s in run.samples), default=0), "sim_peak": periodic.peak_instances,
+        "live_migrations_per_s": moved / run.seconds, "sim_migrations_per_s": periodic.migrations_per_s,
+        "migrations_ratio": ratio(moved / run.seconds),
+        "asked_ratio": decided_per_s / sim_decided_per_s if sim_decided_per_s else math.nan,
+        "decided_per_s": decided_per_s, "moved": moved, "failed": run.moves["failed"],
+        "finished_before_move": run.moves["finished"], "decided": run.decided, "move_outcomes": run.moves,
+        "move_drops": run.drops, "sim_migrations_by_reason": periodic.migrations_by_reason,
+        "sim_move_s": run.median_move_s, "sim_finished_first": periodic.finished_first,
+        "event_sim_instances": sim.mean_instances, "event_sim_migrations_per_s": sim.migrations_per_s,
+        "event_sim_migrations_by_reason": sim.migrations_by_reason, "move_failures": run.move_failures,
         "full_targets": run.full_targets, "waited_for_room": run.waited_for_room,
         "policy_step_errors": run.step_errors,
         "sim_exact_instances": exact.mean_instances, "sim_exact_migrations_per_s": exact.migrations_per_s,
         "sim_exact_migrations_by_reason": exact.migrations_by_reason,
-        "sim_waited": sim.num_waited, "sim_mean_wait_s": sim.mean_wait_s,
+        "sim_waited": periodic.num_waited, "sim_mean_wait_s": periodic.mean_wait_s,
         "free_sim_instances": free.mean_instances, "free_sim_peak": free.peak_instances,
         "free_sim_migrations_per_s": free.migrations_per_s,
         "batched_sim_instances": batched.mean_instances, "batched_sim_migrations_per_s": batched.migrations_per_s,
-        "periodic_sim_instances": periodic.mean_instances,
-        "periodic_sim_migrations_per_s": periodic.migrations_per_s,
-        "periodic_sim_migrations_by_reason": periodic.migrations_by_reason,
         "kv_mb_moved": run.kv_bytes_moved / 1e6,
         "mean_downtime_ms": 1e3 * run.move_downtime_s / moved if moved else 0.0,
         "p99_ttft_ms": 1e3 * _p99(ttft), "p99_tpot_ms": 1e3 * _p99(tpot),
         "mean_ttft_ms": 1e3 * sum(ttft) / len(ttft), "mean_tpot_ms": 1e3 * sum(tpot) / len(tpot),
         "preemptions": run.preemptions, "leaked_blocks": run.leaked_blocks,
-        "lost": sum(r.is_lost for r in run.records), "live_seconds": run.seconds, "sim_seconds": sim.duration_s,
+        "lost": sum(r.is_lost for r in run.records), "live_seconds": run.seconds,
+        "sim_seconds": periodic.duration_s,
         "sim_decode_tokens_per_s": rates[0], "sim_prefill_tokens_per_s": rates[1],
         "capacity_tokens": run.capacity_tokens, "loadavg_before_after": run.loadavg,
     }
@@ -444,7 +472,8 @@ _COLUMNS = (  # (header, key, format)
     ("policy", "policy", "<6"), ("live inst", "live_instances", ">9.2f"), ("sim inst", "sim_instances", ">8.2f"),
     ("live/sim", "instances_ratio", ">8.2f"), ("peak l/s", None, ">8"),
     ("live mig/s", "live_migrations_per_s", ">10.2f"), ("sim mig/s", "sim_migrations_per_s", ">9.2f"),
-    ("live/sim", "migrations_ratio", ">8.2f"), ("asked/s", "decided_per_s", ">7.2f"), ("failed", "failed", ">6"),
+    ("live/sim", "migrations_ratio", ">8.2f"), ("asked/s", "decided_per_s", ">7.2f"),
+    ("asked/sim", "asked_ratio", ">9.2f"), ("failed", "failed", ">6"),
     ("KV MB", "kv_mb_moved", ">6.2f"), ("down ms", "mean_downtime_ms", ">7.1f"),
     ("p99 TTFT ms", "p99_ttft_ms", ">11.0f"), ("p99 TPOT ms", "p99_tpot_ms", ">11.1f"),
     ("preempt", "preemptions", ">7"), ("lost", "lost", ">4"),
@@ -468,17 +497,19 @@ def policy_notes(row: dict) -> list[str]:
              f"{row['sim_prefill_tokens_per_s']:.0f} tok/s (its live run's); live {row['live_seconds']:.1f} s, "
              f"simulated {row['sim_seconds']:.1f} s; load average {row['loadavg_before_after'][0]:.1f} before, "
              f"{row['loadavg_before_after'][1]:.1f} after",
-             f"  moves asked live {row['decided']}; simulated {row['sim_migrations_by_reason']}; simulated in exact "
-             f"tokens: {row['sim_exact_instances']:.2f} instances, {row['sim_exact_migrations_per_s']:.2f} mig/s "
+             f"  moves asked live {row['decided']}; simulated {row['sim_migrations_by_reason']}; every event at "
+             f"once: {row['event_sim_instances']:.2f} instances, {row['event_sim_migrations_per_s']:.2f} mig/s "
+             f"{row['event_sim_migrations_by_reason']}; in exact tokens (every event at once): "
+             f"{row['sim_exact_instances']:.2f} instances, {row['sim_exact_migrations_per_s']:.2f} mig/s "
              f"{row['sim_exact_migrations_by_reason']}",
              f"  simulated at most {row['live_peak_cap']} instances: {row['sim_waited']} requests waited for room "
              f"(mean {row['sim_mean_wait_s']:.2f} s); without the cap: {row['free_sim_instances']:.2f} instances "
              f"(peak {row['free_sim_peak']}), {row['free_sim_migrations_per_s']:.2f} mig/s; in windows of the "
-             f"front's policy period: {row['batched_sim_instances']:.2f} instances, "
-             f"{row['batched_sim_migrations_per_s']:.2f} mig/s",
-             f"  growth seen once per policy period (as the front sees it): {row['periodic_sim_instances']:.2f} "
-             f"instances, {row['periodic_sim_migrations_per_s']:.2f} mig/s {row['periodic_sim_migrations_by_reason']}"]
-    lines.append(f"  asked moves by outcome: {row['move_outcomes']}; dropped because {row['move_drops'] or '-'}")
+             f"front's policy period (arrivals and departures too): {row['batched_sim_instances']:.2f} instances, "
+             f"{row['batched_sim_migrations_per_s']:.2f} mig/s"]
+    lines.append(f"  asked moves by outcome: {row['move_outcomes']}; dropped because {row['move_drops'] or '-'}; "
+                 f"simulated with moves of {1e3 * row['sim_move_s']:.0f} ms (the live median): "
+                 f"{row['sim_finished_first']} not made, their request ended first")
     if row["move_failures"]:
         lines.append(f"  failed moves: {row['move_failures']}")
     lines.append(f"  targets without room for a reservation: {row['full_targets'] or 'none'}; moves that waited for "
@@ -515,7 +546,7 @@ def plot(runs: list[LiveRun], sims: dict, path: Path, title: str) -> None:
                   label=f"live: instances holding requests (mean {run.time_average_instances:.2f})")
         axis.step(times, [s[2] for s in run.samples], where="post", lw=0.8, ls=":", label="live: the policy's count")
         axis.step([t for t, _ in sim.timeline], [c for _, c in sim.timeline], where="post", lw=1.0, alpha=0.8,
-                  label=f"simulated (mean {sim.mean_instances:.2f})")
+                  label=f"simulated, per policy period (mean {sim.mean_instances:.2f})")
         axis.set_title(run.policy)
         axis.set_ylabel("instances")
         axis.legend(loc="upper right", fontsize=7)
@@ -600,8 +631,10 @@ def write_results(config: BenchConfig, described: dict, runs: list[LiveRun], sim
         "machine": machine_info(), "wall_seconds": elapsed, "slice": described,
         "pooled_rates": sims["pooled_rates"], "pooled_sim_instances": sims["pooled"], "rows": rows,
         "report": report,
-        "runs": [{"policy": run.policy, "samples": run.samples, "simulated": result_json(sims["sim"][run.policy]),
-                  "sim_timeline": sims["sim"][run.policy].timeline,
+        "runs": [{"policy": run.policy, "samples": run.samples,
+                  "simulated": result_json(sims["periodic"][run.policy]),
+                  "sim_timeline": sims["periodic"][run.policy].timeline,
+                  "simulated_every_event": result_json(sims["sim"][run.policy]),
                   "simulated_exact_tokens": result_json(sims["exact"][run.policy]),
                   "simulated_without_cap": result_json(sims["free"][run.policy]),
                   "requests": [{**asdict(r), "ttft_s": r.ttft_s, "tpot_s": r.tpot_s} for r in run.records]}
@@ -610,7 +643,7 @@ def write_results(config: BenchConfig, described: dict, runs: list[LiveRun], sim
     config.out.parent.mkdir(parents=True, exist_ok=True)
     config.out.write_text(json.dumps(payload, indent=1) + "\n")
     plot_path = config.out.with_suffix(".png")
-    plot(runs, sims["sim"], plot_path, f"{config.model} x{config.num_instances}, {described['num_requests']} "
+    plot(runs, sims["periodic"], plot_path, f"{config.model} x{config.num_instances}, {described['num_requests']} "
          f"requests, C = {config.capacity_tokens} tokens: live front router vs simulator")
     return plot_path
 

@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--update-ms", type=float, default=0.0,
                         help="the policy sees the requests' growth once per this many ms, as a front router's policy "
                              "period (arrivals and departures at once; 0: every growth when it happens)")
+    parser.add_argument("--move-ms", type=float, default=0.0,
+                        help="a move takes this many ms from the policy's decision to its commit: one of a request "
+                             "that ends sooner is not made (0: moves are instant)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", metavar="PNG", help="write instances in use over time, all policies")
 
@@ -60,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size, link_bytes_per_s=args.link_gbytes_per_s * 1e9)
         config = SimulationConfig(
             profile=profile, batch_interval_s=args.batch_ms / 1000.0, update_interval_s=args.update_ms / 1000.0,
+            move_s=args.move_ms / 1000.0,
             scheduler=KVSchedulerConfig(capacity=args.kv_capacity, max_migrations_per_op=args.max_migrations_per_op,
                                         max_instances=args.max_instances))
         workload = _workload(args)

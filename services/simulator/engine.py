@@ -35,8 +35,14 @@ class SimulationConfig:
     scheduler: KVSchedulerConfig | None = None  # None: defaults with the profile's capacity
     batch_interval_s: float = 0.0  # 0: each event is its own operation; > 0: one batched step per window
     # > 0: the policy sees the requests' growth once per this period (the latest size of each, as one step: the live
-    # front router's policy period), arrivals and departures at once; 0: every growth when it happens
+    # front router's policy period), arrivals and departures at once, and the moves it decided meanwhile are made at
+    # the period's end, coalesced (at most one per request, none back where it was), as the front's tick drains
+    # them; 0: every growth when it happens, every move at once
     update_interval_s: float = 0.0
+    # > 0: a move takes this long from the policy's decision to its commit (a live front's pre-copy and stop): one of
+    # a request that departs sooner is not made (the request ends where it was, as the front pins it back); 0: moves
+    # are instant
+    move_s: float = 0.0
     migration_interval_s: float = 1.0  # the adaptive migration choice packs each interval's moves
     prefill_share: float = 0.25  # share of an instance's prefill throughput re-prefill may use
 
@@ -76,6 +82,7 @@ class SimulationResult:
     oversized_migrations: int  # migrations beyond one interval's budgets, sent as KV over several
     wall_s: float
     timeline: tuple[tuple[float, int], ...] = ()  # (time, instances in use) at every change
+    finished_first: int = 0  # with move_s: moves not made, their request departed before the move could commit
     num_waited: int = 0  # with an instance cap: requests that waited for room (their later events shift with them)
     mean_wait_s: float = 0.0  # ... their mean wait
 
@@ -117,6 +124,11 @@ class _Run:
         self.delay: dict[int, float] = {}  # a placed request that waited -> its wait
         self.shifted: list[tuple[float, int, int, int, int]] = []  # heap of (t, kind, order, request, kv tokens)
         self._order = itertools.count()
+        if not (math.isfinite(config.move_s) and config.move_s >= 0):
+            raise ValueError(f"move_s must be a finite number >= 0, not {config.move_s}")
+        self.departs_at = {request: t for t, kind, request in zip(events.time_s, events.kind, events.request)
+                           if kind == DEPART} if config.move_s > 0 else {}
+        self.finished_first = 0
 
     def _collect(self, migrations: list) -> None:
         self.pending.extend(migrations)
@@ -124,6 +136,20 @@ class _Run:
         self.items += len({m.item for m in migrations})
         for migration in migrations:
             self.by_reason[migration.reason] = self.by_reason.get(migration.reason, 0) + 1
+
+    def _made(self, t: float, migrations) -> list:
+        """The moves whose request is still there when they commit (move_s after t); the others are pinned back
+        on their source, as the front router does when a move finds its request ended."""
+        made = []
+        for migration in migrations:
+            request = int(migration.request_id[1:])
+            if self.departs_at[request] + self.delay.get(request, 0.0) > t + self.config.move_s:
+                made.append(migration)
+                continue
+            self.finished_first += 1
+            with contextlib.suppress(SchedulerError):
+                self.policy.pin(migration.request_id, migration.source)
+        return made
 
     def _plan(self, final: bool = False) -> None:
         """Choose KV transfer or re-prefill for the pending migrations within this interval's budgets."""
@@ -159,6 +185,8 @@ class _Run:
             self.next_plan = self.first_t + (math.floor((t - self.first_t) / interval) + 1) * interval
 
     def _observe(self, t: float, migrations) -> None:
+        if migrations and self.config.move_s > 0:
+            migrations = self._made(t, migrations)
         if migrations:
             self._collect(migrations)
         self.count, self.total = self.policy.num_instances, self.policy.total_kv_tokens
@@ -182,8 +210,7 @@ class _Run:
         batch, window_end, next_update = _Batch(), first_t + window, first_t + period
         for t, kind, request, kv_tokens in self._in_order(events):
             if period > 0 and t >= next_update:
-                if self.grown:
-                    self._apply_growth(next_update, ids)
+                self._apply_growth(next_update, ids)  # with the moves decided since the last period's end
                 next_update = first_t + (math.floor((t - first_t) / period) + 1) * period
             if window > 0:
                 if t >= window_end:
@@ -213,7 +240,10 @@ class _Run:
                 allocated += 1
             else:
                 self.waiting[request], self.held[request] = (t, kv_tokens), []
-            self._observe(t, policy.drain_migrations())
+            if period <= 0:
+                self._observe(t, policy.drain_migrations())
+        if period > 0:  # what the last period decided (its end is past the last event: no time added)
+            self._apply_growth(self.last_t, ids)
         if window > 0:
             end = max(self.last_t, window_end if events.time_s else first_t)
             self._advance(end)
@@ -238,6 +268,7 @@ class _Run:
             oversized_migrations=self.oversized,
             wall_s=time.perf_counter() - started, timeline=tuple(self.timeline),
             num_waited=len(self.delay), mean_wait_s=sum(self.delay.values()) / len(self.delay) if self.delay else 0.0,
+            finished_first=self.finished_first,
         )
 
     # ---- an instance cap: requests wait for room ------------------------------------------------------------
@@ -277,7 +308,8 @@ class _Run:
 
     def _apply_growth(self, t: float, ids: list[str]) -> None:
         """The period's growth as one step, as the front router hands it to its policy (`grow`: one by one when a
-        growth has no instance under the cap; without a cap every growth has one, and an error is raised)."""
+        growth has no instance under the cap; without a cap every growth has one, and an error is raised), and the
+        moves decided since the last period's end with it, coalesced."""
         self._advance(t)
         updates, self.grown = [Request(ids[r], tokens) for r, tokens in self.grown.items()], {}
         migrations = self.policy.grow(updates) if self.capped else self.policy.step((), updates, ()).migrations

@@ -160,6 +160,57 @@ def test_an_instance_cap_is_simulated_event_by_event():
             capacity=PROFILE.kv_capacity_tokens, max_instances=2)))
 
 
+def _front_tick_migrations(name: str, events, period: float) -> int:
+    """The front router's loop, written out: arrivals and departures reach the policy when they happen, growth and
+    the moves decided meanwhile at each period's end (one `grow` step draining them, coalesced)."""
+    from services.router.kv_scheduler import make_policy
+    from services.router.kv_scheduler.types import KVSchedulerConfig, Request
+
+    policy = make_policy(name, KVSchedulerConfig(capacity=PROFILE.kv_capacity_tokens))
+    grown: dict[str, int] = {}
+    moved, first = 0, events.time_s[0]
+    next_end = first + period
+    for t, kind, request, kv_tokens in zip(events.time_s, events.kind, events.request, events.kv_tokens):
+        if t >= next_end:
+            moved += len(policy.grow([Request(r, n) for r, n in grown.items()]))
+            grown.clear()
+            next_end = first + ((t - first) // period + 1) * period
+        rid = f"r{request}"
+        if kind == UPDATE:
+            grown[rid] = kv_tokens
+        elif kind == DEPART:
+            grown.pop(rid, None)
+            policy.depart(rid)
+        else:
+            policy.allocate(rid, kv_tokens)
+    return moved + len(policy.grow([]))
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_per_period_moves_are_the_front_ticks(events, name):
+    """With update_interval_s the simulator counts the moves a front router makes: those its policy decided during
+    a period, made at the period's end and coalesced (a move and a move back within one period are none)."""
+    period = 0.05
+    simulated = simulate(name, events, SimulationConfig(profile=PROFILE, update_interval_s=period))
+    assert simulated.migrations == _front_tick_migrations(name, events, period)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_a_move_of_a_request_that_ends_before_it_commits_is_not_made(events, name):
+    """move_s: a move commits that long after the policy decided it; one whose request departs sooner is not made
+    (pinned back on its source, as the front does). Moves that never finish in time: none is made."""
+    instant = simulate(name, events, SimulationConfig(profile=PROFILE, update_interval_s=0.05))
+    slow = simulate(name, events, SimulationConfig(profile=PROFILE, update_interval_s=0.05, move_s=2.0))
+    never = simulate(name, events, SimulationConfig(profile=PROFILE, update_interval_s=0.05, move_s=1e9))
+    assert instant.finished_first == 0 and instant.migrations > 0
+    assert 0 < slow.finished_first and slow.migrations > 0
+    assert never.migrations == 0 and never.finished_first > 0
+    for result in (slow, never):
+        assert result.num_allocated == result.num_departed == events.num_admitted and result.final_instances == 0
+    with pytest.raises(ValueError, match="move_s"):
+        simulate(name, events, SimulationConfig(profile=PROFILE, move_s=-1.0))
+
+
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_growth_seen_once_per_policy_period_moves_only_at_its_end(events, name):
     """update_interval_s: arrivals and departures reach the policy at once, growth at the end of each period (as the
