@@ -374,7 +374,7 @@ def measured_rates(runs: list[LiveRun]) -> tuple[float, float]:
 
 def simulate_policy(run: LiveRun, workload, block_size: int, bytes_per_token: int, rates: tuple[float, float],
                     max_instances: int | None, batch_interval_s: float = 0.0, update_interval_s: float = 0.0,
-                    move_s: float = 0.0):
+                    move_s: float = 0.0, max_concurrent_moves: int = 0):
     """`reconfig simulate` of the slice with the run's policy and capacity, the given block size (1: KV sizes in
     exact tokens, as the front feeds its policy), (decode, prefill) rates, instance cap (None: none) and batching
     window (0: every event its own operation)."""
@@ -386,7 +386,7 @@ def simulate_policy(run: LiveRun, workload, block_size: int, bytes_per_token: in
     scheduler = KVSchedulerConfig(capacity=run.capacity_tokens, max_instances=max_instances)
     return simulate(run.policy, build_events(workload, profile), SimulationConfig(
         profile=profile, scheduler=scheduler, batch_interval_s=batch_interval_s, update_interval_s=update_interval_s,
-        move_s=move_s))
+        move_s=move_s, max_concurrent_moves=max_concurrent_moves))
 
 
 def simulate_runs(runs: list[LiveRun], workload, block_size: int, bytes_per_token: int, num_instances: int,
@@ -398,6 +398,9 @@ def simulate_runs(runs: list[LiveRun], workload, block_size: int, bytes_per_toke
     ("free", what `reconfig simulate` predicts with instances on demand), and also batched in windows of the front's
     policy period ("batched": the front hands its policy each period's changes as one step); and the time-average
     instances of every policy at one profile pooled over all runs ("pooled")."""
+    from services.front.engine import FrontSettings
+
+    limit = FrontSettings().max_concurrent_moves  # the front's, which the bench runs with
     pooled_rates = measured_rates(runs)
     result = {"rates": {}, "sim": {}, "periodic": {}, "exact": {}, "free": {}, "batched": {}, "pooled": {},
               "pooled_rates": pooled_rates}
@@ -406,14 +409,16 @@ def simulate_runs(runs: list[LiveRun], workload, block_size: int, bytes_per_toke
         result["sim"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates, num_instances)
         result["periodic"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates,
                                                          num_instances, update_interval_s=interval_s,
-                                                         move_s=run.median_move_s)
+                                                         move_s=run.median_move_s,
+                                                         max_concurrent_moves=limit)
         result["exact"][run.policy] = simulate_policy(run, workload, 1, bytes_per_token, rates, num_instances)
         result["free"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates, None)
         result["batched"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates, None,
                                                         interval_s)
         result["pooled"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token,
                                                        pooled_rates, num_instances, update_interval_s=interval_s,
-                                                       move_s=run.median_move_s).mean_instances
+                                                       move_s=run.median_move_s,
+                                                       max_concurrent_moves=limit).mean_instances
     return result
 
 
@@ -431,10 +436,10 @@ def summarize(run: LiveRun, sim, exact, free, batched, periodic, rates: tuple[fl
     tpot = [r.tpot_s for r in run.records if r.tpot_s is not None]
     moved, decided_per_s = run.moves["moved"], sum(run.decided.values()) / run.seconds
     ratio = (lambda value: value / periodic.migrations_per_s if periodic.migrations_per_s else math.nan)
-    # The policy's decisions on both sides: live, every move it asked for; simulated, the moves made and those not
-    # made because their request ended first.
-    sim_decided_per_s = (periodic.migrations + periodic.finished_first) / periodic.duration_s \
-        if periodic.duration_s else math.nan
+    # The policy's decisions on both sides: live, every move it asked for; simulated, the moves made, those not made
+    # because their request ended first and those not started (its request or max_concurrent_moves busy moving).
+    sim_decided = periodic.migrations + periodic.finished_first + sum(periodic.not_started.values())
+    sim_decided_per_s = sim_decided / periodic.duration_s if periodic.duration_s else math.nan
     return {
         "policy": run.policy, "live_instances": run.time_average_instances, "sim_instances": periodic.mean_instances,
         "instances_ratio": run.time_average_instances / periodic.mean_instances,
@@ -446,6 +451,7 @@ def summarize(run: LiveRun, sim, exact, free, batched, periodic, rates: tuple[fl
         "finished_before_move": run.moves["finished"], "decided": run.decided, "move_outcomes": run.moves,
         "move_drops": run.drops, "sim_migrations_by_reason": periodic.migrations_by_reason,
         "sim_move_s": run.median_move_s, "sim_finished_first": periodic.finished_first,
+        "sim_not_started": periodic.not_started,
         "event_sim_instances": sim.mean_instances, "event_sim_migrations_per_s": sim.migrations_per_s,
         "event_sim_migrations_by_reason": sim.migrations_by_reason, "move_failures": run.move_failures,
         "full_targets": run.full_targets, "waited_for_room": run.waited_for_room,
@@ -509,7 +515,8 @@ def policy_notes(row: dict) -> list[str]:
              f"{row['batched_sim_migrations_per_s']:.2f} mig/s"]
     lines.append(f"  asked moves by outcome: {row['move_outcomes']}; dropped because {row['move_drops'] or '-'}; "
                  f"simulated with moves of {1e3 * row['sim_move_s']:.0f} ms (the live median): "
-                 f"{row['sim_finished_first']} not made, their request ended first")
+                 f"{row['sim_finished_first']} not made, their request ended first; not started because "
+                 f"{row['sim_not_started'] or '-'}")
     if row["move_failures"]:
         lines.append(f"  failed moves: {row['move_failures']}")
     lines.append(f"  targets without room for a reservation: {row['full_targets'] or 'none'}; moves that waited for "

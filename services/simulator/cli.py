@@ -42,7 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "period (arrivals and departures at once; 0: every growth when it happens)")
     parser.add_argument("--move-ms", type=float, default=0.0,
                         help="a move takes this many ms from the policy's decision to its commit: one of a request "
-                             "that ends sooner is not made (0: moves are instant)")
+                             "that ends sooner is not made, and none starts while one of the same request is under "
+                             "way (0: moves are instant)")
+    parser.add_argument("--max-concurrent-moves", type=int, default=0, metavar="N",
+                        help="with --move-ms: at most N moves under way at once, as a front router's (0: any)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", metavar="PNG", help="write instances in use over time, all policies")
 
@@ -63,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size, link_bytes_per_s=args.link_gbytes_per_s * 1e9)
         config = SimulationConfig(
             profile=profile, batch_interval_s=args.batch_ms / 1000.0, update_interval_s=args.update_ms / 1000.0,
-            move_s=args.move_ms / 1000.0,
+            move_s=args.move_ms / 1000.0, max_concurrent_moves=args.max_concurrent_moves,
             scheduler=KVSchedulerConfig(capacity=args.kv_capacity, max_migrations_per_op=args.max_migrations_per_op,
                                         max_instances=args.max_instances))
         workload = _workload(args)

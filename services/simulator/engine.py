@@ -39,10 +39,12 @@ class SimulationConfig:
     # the period's end, coalesced (at most one per request, none back where it was), as the front's tick drains
     # them; 0: every growth when it happens, every move at once
     update_interval_s: float = 0.0
-    # > 0: a move takes this long from the policy's decision to its commit (a live front's pre-copy and stop): one of
-    # a request that departs sooner is not made (the request ends where it was, as the front pins it back); 0: moves
-    # are instant
+    # > 0: a move takes this long from the policy's decision to its commit (a live front's pre-copy and stop), as in
+    # the front: one of a request that departs sooner is not made, and one is not started (the policy has the request
+    # back on its source) while a move of the same request is under way, or max_concurrent_moves are; 0: moves are
+    # instant
     move_s: float = 0.0
+    max_concurrent_moves: int = 0  # with move_s: moves under way at once (0: any number)
     migration_interval_s: float = 1.0  # the adaptive migration choice packs each interval's moves
     prefill_share: float = 0.25  # share of an instance's prefill throughput re-prefill may use
 
@@ -83,6 +85,7 @@ class SimulationResult:
     wall_s: float
     timeline: tuple[tuple[float, int], ...] = ()  # (time, instances in use) at every change
     finished_first: int = 0  # with move_s: moves not made, their request departed before the move could commit
+    not_started: dict[str, int] = field(default_factory=dict)  # with move_s: moves not started, by why (moving, busy)
     num_waited: int = 0  # with an instance cap: requests that waited for room (their later events shift with them)
     mean_wait_s: float = 0.0  # ... their mean wait
 
@@ -124,11 +127,15 @@ class _Run:
         self.delay: dict[int, float] = {}  # a placed request that waited -> its wait
         self.shifted: list[tuple[float, int, int, int, int]] = []  # heap of (t, kind, order, request, kv tokens)
         self._order = itertools.count()
-        if not (math.isfinite(config.move_s) and config.move_s >= 0):
-            raise ValueError(f"move_s must be a finite number >= 0, not {config.move_s}")
+        if not (math.isfinite(config.move_s) and config.move_s >= 0) or config.max_concurrent_moves < 0:
+            raise ValueError(f"move_s must be a finite number >= 0 and max_concurrent_moves >= 0, not "
+                             f"{config.move_s}, {config.max_concurrent_moves}")
         self.departs_at = {request: t for t, kind, request in zip(events.time_s, events.kind, events.request)
                            if kind == DEPART} if config.move_s > 0 else {}
         self.finished_first = 0
+        self.not_started: dict[str, int] = {}
+        self.under_way: list[float] = []  # heap: when each move under way ends
+        self.moving_until: dict[int, float] = {}  # request -> when its move under way ends
 
     def _collect(self, migrations: list) -> None:
         self.pending.extend(migrations)
@@ -138,17 +145,30 @@ class _Run:
             self.by_reason[migration.reason] = self.by_reason.get(migration.reason, 0) + 1
 
     def _made(self, t: float, migrations) -> list:
-        """The moves whose request is still there when they commit (move_s after t); the others are pinned back
-        on their source, as the front router does when a move finds its request ended."""
-        made = []
+        """The moves the front router would make of those decided at t, each taking move_s. Not started: a move of
+        the same request under way ("moving"), or max_concurrent_moves under way ("busy"); the policy gets the
+        request back on its source, as the front pins it. Not made: the request departs before the move commits;
+        the policy keeps it on the target until then, as the front's does (the move fails after the departure)."""
+        while self.under_way and self.under_way[0] <= t:
+            heapq.heappop(self.under_way)
+        limit, made = self.config.max_concurrent_moves, []
         for migration in migrations:
             request = int(migration.request_id[1:])
-            if self.departs_at[request] + self.delay.get(request, 0.0) > t + self.config.move_s:
-                made.append(migration)
+            why = "moving" if self.moving_until.get(request, -math.inf) > t else \
+                "busy" if limit and len(self.under_way) >= limit else ""
+            if why:
+                self.not_started[why] = self.not_started.get(why, 0) + 1
+                with contextlib.suppress(SchedulerError):
+                    self.policy.pin(migration.request_id, migration.source)
                 continue
-            self.finished_first += 1
-            with contextlib.suppress(SchedulerError):
-                self.policy.pin(migration.request_id, migration.source)
+            departs, commits = self.departs_at[request] + self.delay.get(request, 0.0), t + self.config.move_s
+            ends = min(departs, commits)
+            heapq.heappush(self.under_way, ends)
+            self.moving_until[request] = ends
+            if departs <= commits:
+                self.finished_first += 1
+            else:
+                made.append(migration)
         return made
 
     def _plan(self, final: bool = False) -> None:
@@ -268,7 +288,7 @@ class _Run:
             oversized_migrations=self.oversized,
             wall_s=time.perf_counter() - started, timeline=tuple(self.timeline),
             num_waited=len(self.delay), mean_wait_s=sum(self.delay.values()) / len(self.delay) if self.delay else 0.0,
-            finished_first=self.finished_first,
+            finished_first=self.finished_first, not_started=dict(self.not_started),
         )
 
     # ---- an instance cap: requests wait for room ------------------------------------------------------------

@@ -211,6 +211,24 @@ def test_a_move_of_a_request_that_ends_before_it_commits_is_not_made(events, nam
         simulate(name, events, SimulationConfig(profile=PROFILE, move_s=-1.0))
 
 
+@pytest.mark.parametrize("name", ["mell", "bf", "lb"])  # (Worst-Fit hardly moves)
+def test_moves_are_not_started_while_one_of_the_request_or_too_many_are_under_way(events, name):
+    """As in the front: a move is not started while a move of the same request is under way ("moving") or while
+    max_concurrent_moves are ("busy"); the policy has the request back on its source, and every request still ends."""
+    def run(move_s: float, limit: int = 0):
+        return simulate(name, events, SimulationConfig(profile=PROFILE, update_interval_s=0.05, move_s=move_s,
+                                                       max_concurrent_moves=limit))
+
+    long_moves, one_at_a_time, free = run(2.0), run(0.5, limit=1), run(0.5)
+    assert long_moves.not_started.get("moving", 0) > 0 and "busy" not in long_moves.not_started
+    assert one_at_a_time.not_started.get("busy", 0) > 0 and "busy" not in free.not_started
+    assert one_at_a_time.migrations < free.migrations
+    for result in (long_moves, one_at_a_time):
+        assert result.num_allocated == result.num_departed == events.num_admitted and result.final_instances == 0
+    with pytest.raises(ValueError, match="max_concurrent_moves"):
+        run(0.5, limit=-1)
+
+
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_growth_seen_once_per_policy_period_moves_only_at_its_end(events, name):
     """update_interval_s: arrivals and departures reach the policy at once, growth at the end of each period (as the
