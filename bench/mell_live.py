@@ -12,7 +12,8 @@ requests that each generate exactly their output length. The simulator gets the 
 capacity and block size, and decode / prefill rates measured on that policy's own live run; the table's simulation
 sees the requests' growth and makes its moves once per the front's policy period, as the front does (the notes give
 the others: every event at once, exact tokens, no instance cap, everything batched); its moves take the live run's
-median move time, and one whose request ends sooner is not made. Prints a table, writes
+median move time, at most as many under way as the front allows (one whose request ends sooner is not made, none
+starts while one of its request is under way). Prints a table, writes
 bench/results/mell_live.json and .png. A bench: it never asserts; it exits non-zero if a request was lost.
 Heavy imports stay inside functions: worker processes re-import this module as `__mp_main__`.
 """
