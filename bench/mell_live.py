@@ -375,7 +375,7 @@ def measured_rates(runs: list[LiveRun]) -> tuple[float, float]:
 
 def simulate_policy(run: LiveRun, workload, block_size: int, bytes_per_token: int, rates: tuple[float, float],
                     max_instances: int | None, batch_interval_s: float = 0.0, update_interval_s: float = 0.0,
-                    move_s: float = 0.0, max_concurrent_moves: int = 0):
+                    move_s: float = 0.0, max_concurrent_moves: int = 0, timing=None):
     """`reconfig simulate` of the slice with the run's policy and capacity, the given block size (1: KV sizes in
     exact tokens, as the front feeds its policy), (decode, prefill) rates, instance cap (None: none) and batching
     window (0: every event its own operation)."""
@@ -385,9 +385,26 @@ def simulate_policy(run: LiveRun, workload, block_size: int, bytes_per_token: in
     profile = InstanceProfile(kv_capacity_tokens=run.capacity_tokens, kv_bytes_per_token=bytes_per_token,
                               decode_tokens_per_s=rates[0], prefill_tokens_per_s=rates[1], block_size=block_size)
     scheduler = KVSchedulerConfig(capacity=run.capacity_tokens, max_instances=max_instances)
-    return simulate(run.policy, build_events(workload, profile), SimulationConfig(
+    return simulate(run.policy, build_events(workload, profile, timing), SimulationConfig(
         profile=profile, scheduler=scheduler, batch_interval_s=batch_interval_s, update_interval_s=update_interval_s,
         move_s=move_s, max_concurrent_moves=max_concurrent_moves))
+
+
+def live_timing(run: LiveRun, rates: tuple[float, float]):
+    """Each request's decode start and rate as measured live (RequestTiming; the run's rates for a request with
+    fewer than two tokens): the simulation replays the live requests' pace, instance by instance as it was."""
+    import numpy as np
+
+    from services.simulator.events import RequestTiming
+
+    starts, paces = [], []
+    for record in run.records:
+        rate = 1 / record.tpot_s if record.tpot_s else rates[0]
+        first = record.first_token_s if record.first_token_s is not None else \
+            record.arrival_s + record.num_prompt_tokens / rates[1]
+        starts.append(first - 1 / rate)
+        paces.append(rate)
+    return RequestTiming(np.array(starts), np.array(paces))
 
 
 def simulate_runs(runs: list[LiveRun], workload, block_size: int, bytes_per_token: int, num_instances: int,
@@ -403,8 +420,8 @@ def simulate_runs(runs: list[LiveRun], workload, block_size: int, bytes_per_toke
 
     limit = FrontSettings().max_concurrent_moves  # the front's, which the bench runs with
     pooled_rates = measured_rates(runs)
-    result = {"rates": {}, "sim": {}, "periodic": {}, "exact": {}, "free": {}, "batched": {}, "pooled": {},
-              "pooled_rates": pooled_rates}
+    result = {"rates": {}, "sim": {}, "periodic": {}, "replayed": {}, "exact": {}, "free": {}, "batched": {},
+              "pooled": {}, "pooled_rates": pooled_rates}
     for run in runs:
         rates = result["rates"][run.policy] = measured_rates([run])
         result["sim"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates, num_instances)
@@ -412,6 +429,10 @@ def simulate_runs(runs: list[LiveRun], workload, block_size: int, bytes_per_toke
                                                          num_instances, update_interval_s=interval_s,
                                                          move_s=run.median_move_s,
                                                          max_concurrent_moves=limit)
+        result["replayed"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates,
+                                                         num_instances, update_interval_s=interval_s,
+                                                         move_s=run.median_move_s, max_concurrent_moves=limit,
+                                                         timing=live_timing(run, rates))
         result["exact"][run.policy] = simulate_policy(run, workload, 1, bytes_per_token, rates, num_instances)
         result["free"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates, None)
         result["batched"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates, None,
@@ -475,6 +496,15 @@ def summarize(run: LiveRun, sim, exact, free, batched, periodic, rates: tuple[fl
     }
 
 
+def replay_columns(run: LiveRun, replayed) -> dict:
+    """The simulation at each request's live pace: what is left of the difference is not the pace model's."""
+    moved_per_s = run.moves["moved"] / run.seconds
+    return {"replay_instances": replayed.mean_instances, "replay_migrations_per_s": replayed.migrations_per_s,
+            "replay_instances_ratio": run.time_average_instances / replayed.mean_instances,
+            "replay_migrations_ratio": moved_per_s / replayed.migrations_per_s if replayed.migrations_per_s
+            else math.nan}
+
+
 _COLUMNS = (  # (header, key, format)
     ("policy", "policy", "<6"), ("live inst", "live_instances", ">9.2f"), ("sim inst", "sim_instances", ">8.2f"),
     ("live/sim", "instances_ratio", ">8.2f"), ("peak l/s", None, ">8"),
@@ -514,6 +544,9 @@ def policy_notes(row: dict) -> list[str]:
              f"(peak {row['free_sim_peak']}), {row['free_sim_migrations_per_s']:.2f} mig/s; in windows of the "
              f"front's policy period (arrivals and departures too): {row['batched_sim_instances']:.2f} instances, "
              f"{row['batched_sim_migrations_per_s']:.2f} mig/s"]
+    lines.append(f"  at each request's live pace (a replay): {row['replay_instances']:.2f} instances, "
+                 f"{row['replay_migrations_per_s']:.2f} mig/s; live / replay: instances "
+                 f"{row['replay_instances_ratio']:.2f}, migrations {row['replay_migrations_ratio']:.2f}")
     lines.append(f"  asked moves by outcome: {row['move_outcomes']}; dropped because {row['move_drops'] or '-'}; "
                  f"simulated with moves of {1e3 * row['sim_move_s']:.0f} ms (the live median): "
                  f"{row['sim_finished_first']} not made, their request ended first; not started because "
@@ -676,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {run.policy: {**summarize(run, sims["sim"][run.policy], sims["exact"][run.policy],
                                      sims["free"][run.policy], sims["batched"][run.policy],
                                      sims["periodic"][run.policy], sims["rates"][run.policy]),
+                         **replay_columns(run, sims["replayed"][run.policy]),
                          "live_peak_cap": config.num_instances} for run in runs}
     report = "\n".join([format_table(list(rows.values())), "", *[line for row in rows.values()
                                                                   for line in policy_notes(row)],

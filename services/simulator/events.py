@@ -31,6 +31,19 @@ class InstanceProfile:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestTiming:
+    """Each request's own speed instead of the profile's (a replay of measured requests): when its decode starts
+    (its first token is due 1 / rate after) and its decode rate, one entry per workload request."""
+
+    decode_start_s: np.ndarray
+    decode_tokens_per_s: np.ndarray
+
+    def __post_init__(self) -> None:
+        if len(self.decode_start_s) != len(self.decode_tokens_per_s) or not np.all(self.decode_tokens_per_s > 0):
+            raise ValueError("need one decode start and one rate > 0 per request")
+
+
+@dataclass(frozen=True, slots=True)
 class Events:
     """Every operation a workload causes, in time order, as parallel lists (fast to iterate)."""
 
@@ -42,14 +55,22 @@ class Events:
     num_rejected: int  # requests whose final KV exceeds one instance's capacity
 
 
-def build_events(workload: Workload, profile: InstanceProfile) -> Events:
-    """Allocate at arrival, update at every new KV block, depart at the last token."""
+def build_events(workload: Workload, profile: InstanceProfile, timing: RequestTiming | None = None) -> Events:
+    """Allocate at arrival, update at every new KV block, depart at the last token. timing: each request decodes
+    from its own start at its own rate (never before its arrival), not at the profile's rates."""
     block = profile.block_size
     prompt, output = workload.prompt_tokens, workload.output_tokens
+    if timing is not None and len(timing.decode_start_s) != len(workload):
+        raise ValueError(f"{len(timing.decode_start_s)} request timings for {len(workload)} requests")
     admitted = -(-(prompt + output) // block) * block <= profile.kv_capacity_tokens
     index = np.nonzero(admitted)[0]
     prompt, output, arrival = prompt[index], output[index], workload.arrival_s[index]
-    decode_start = arrival + prompt / profile.prefill_tokens_per_s
+    if timing is None:
+        decode_start = arrival + prompt / profile.prefill_tokens_per_s
+        rate = np.full(len(index), profile.decode_tokens_per_s)
+    else:
+        decode_start = np.maximum(timing.decode_start_s[index], arrival)
+        rate = timing.decode_tokens_per_s[index]
     first_blocks = -(-prompt // block)
     # Block m (1-based) is first needed by generated token k = (m - 1) * block + 1 - prompt; the
     # token at k == output ends the request, so blocks needed only by it are never allocated.
@@ -58,8 +79,7 @@ def build_events(workload: Workload, profile: InstanceProfile) -> Events:
     offset = np.arange(len(owner)) - np.repeat(np.cumsum(num_updates) - num_updates, num_updates)
     blocks = first_blocks[owner] + 1 + offset
     generated = (blocks - 1) * block + 1 - prompt[owner]
-    times = np.concatenate([arrival, decode_start[owner] + generated / profile.decode_tokens_per_s,
-                            decode_start + output / profile.decode_tokens_per_s])
+    times = np.concatenate([arrival, decode_start[owner] + generated / rate[owner], decode_start + output / rate])
     kinds = np.concatenate([np.full(len(index), ALLOCATE), np.full(len(owner), UPDATE),
                             np.full(len(index), DEPART)])
     requests = np.concatenate([index, index[owner], index])

@@ -42,6 +42,26 @@ def test_each_request_allocates_grows_block_by_block_then_departs():
     assert events.time_s == sorted(events.time_s)
 
 
+def test_each_request_can_decode_at_its_own_measured_pace():
+    """RequestTiming (a replay of measured requests): request 0 starts decoding at 0.2 s at 10 tokens/s, request 1
+    would start before its arrival (it starts at its arrival), request 2 is rejected as before."""
+    from services.simulator.events import RequestTiming
+
+    workload = Workload(np.array([0.0, 0.5, 1.0]), np.array([20, 16, 4000]), np.array([30, 1, 200]), "three")
+    timing = RequestTiming(np.array([0.2, 0.1, 1.0]), np.array([10.0, 5.0, 1.0]))
+    events = build_events(workload, PROFILE, timing)
+    per_request = defaultdict(list)
+    for t, kind, request, tokens in zip(events.time_s, events.kind, events.request, events.kv_tokens):
+        per_request[request].append((t, kind, tokens))
+    assert [t for t, _, _ in per_request[0]] == pytest.approx([0.0, 0.2 + 13 / 10, 0.2 + 29 / 10, 0.2 + 30 / 10])
+    assert [t for t, _, _ in per_request[1]] == pytest.approx([0.5, 0.5 + 1 / 5])
+    assert events.num_rejected == 1 and events.time_s == sorted(events.time_s)
+    with pytest.raises(ValueError, match="2 request timings for 3 requests"):
+        build_events(workload, PROFILE, RequestTiming(np.array([0.0, 0.0]), np.array([1.0, 1.0])))
+    with pytest.raises(ValueError, match="rate > 0"):
+        RequestTiming(np.array([0.0]), np.array([0.0]))
+
+
 def test_events_for_every_request_come_in_order(events):
     seen = {}
     for kind, request, tokens in zip(events.kind, events.request, events.kv_tokens):
