@@ -377,8 +377,9 @@ def simulate_policy(run: LiveRun, workload, block_size: int, bytes_per_token: in
                     max_instances: int | None, batch_interval_s: float = 0.0, update_interval_s: float = 0.0,
                     move_s: float = 0.0, max_concurrent_moves: int = 0, timing=None):
     """`reconfig simulate` of the slice with the run's policy and capacity, the given block size (1: KV sizes in
-    exact tokens, as the front feeds its policy), (decode, prefill) rates, instance cap (None: none) and batching
-    window (0: every event its own operation)."""
+    exact tokens, as the front feeds its policy), (decode, prefill) rates, instance cap (None: none), batching
+    window (0: every event its own operation), the front's policy period, move time and move limit (0: none), and
+    each request's own pace (`timing`; None: the rates)."""
     from services.router.kv_scheduler.types import KVSchedulerConfig
     from services.simulator.engine import InstanceProfile, SimulationConfig, build_events, simulate
 
@@ -424,23 +425,19 @@ def simulate_runs(runs: list[LiveRun], workload, block_size: int, bytes_per_toke
               "pooled": {}, "pooled_rates": pooled_rates}
     for run in runs:
         rates = result["rates"][run.policy] = measured_rates([run])
+        # the front's model: its policy period, this run's median move time, its limit of moves under way
+        front = dict(update_interval_s=interval_s, move_s=run.median_move_s, max_concurrent_moves=limit)
         result["sim"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates, num_instances)
         result["periodic"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates,
-                                                         num_instances, update_interval_s=interval_s,
-                                                         move_s=run.median_move_s,
-                                                         max_concurrent_moves=limit)
+                                                         num_instances, **front)
         result["replayed"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates,
-                                                         num_instances, update_interval_s=interval_s,
-                                                         move_s=run.median_move_s, max_concurrent_moves=limit,
-                                                         timing=live_timing(run, rates))
+                                                         num_instances, timing=live_timing(run, rates), **front)
         result["exact"][run.policy] = simulate_policy(run, workload, 1, bytes_per_token, rates, num_instances)
         result["free"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates, None)
         result["batched"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token, rates, None,
                                                         interval_s)
         result["pooled"][run.policy] = simulate_policy(run, workload, block_size, bytes_per_token,
-                                                       pooled_rates, num_instances, update_interval_s=interval_s,
-                                                       move_s=run.median_move_s,
-                                                       max_concurrent_moves=limit).mean_instances
+                                                       pooled_rates, num_instances, **front).mean_instances
     return result
 
 
@@ -451,13 +448,18 @@ def _p99(values: list[float]) -> float:
     return float(np.percentile(values, 99)) if values else math.nan
 
 
-def summarize(run: LiveRun, sim, exact, free, batched, periodic, rates: tuple[float, float]) -> dict:
+def summarize(run: LiveRun, sim, exact, free, batched, periodic, replayed, rates: tuple[float, float]) -> dict:
     """The table compares the live run with `periodic` (the front's model: growth and moves once per its policy
-    period); `sim` (every event at once) and the others go to the notes."""
+    period); `sim` (every event at once), `replayed` (the front's model at each request's live pace: what is left of
+    the difference there is not the pace model's) and the others go to the notes."""
     ttft = [r.ttft_s for r in run.records if r.ttft_s is not None]
     tpot = [r.tpot_s for r in run.records if r.tpot_s is not None]
     moved, decided_per_s = run.moves["moved"], sum(run.decided.values()) / run.seconds
-    ratio = (lambda value: value / periodic.migrations_per_s if periodic.migrations_per_s else math.nan)
+    moved_per_s = moved / run.seconds
+
+    def ratio(value: float, result) -> float:
+        return value / result.migrations_per_s if result.migrations_per_s else math.nan
+
     # The policy's decisions on both sides: live, every move it asked for; simulated, the moves made, those not made
     # because their request ended first and those not started (its request or max_concurrent_moves busy moving).
     sim_decided = periodic.migrations + periodic.finished_first + sum(periodic.not_started.values())
@@ -466,8 +468,8 @@ def summarize(run: LiveRun, sim, exact, free, batched, periodic, rates: tuple[fl
         "policy": run.policy, "live_instances": run.time_average_instances, "sim_instances": periodic.mean_instances,
         "instances_ratio": run.time_average_instances / periodic.mean_instances,
         "live_peak": max((s[1] for s in run.samples), default=0), "sim_peak": periodic.peak_instances,
-        "live_migrations_per_s": moved / run.seconds, "sim_migrations_per_s": periodic.migrations_per_s,
-        "migrations_ratio": ratio(moved / run.seconds),
+        "live_migrations_per_s": moved_per_s, "sim_migrations_per_s": periodic.migrations_per_s,
+        "migrations_ratio": ratio(moved_per_s, periodic),
         "asked_ratio": decided_per_s / sim_decided_per_s if sim_decided_per_s else math.nan,
         "decided_per_s": decided_per_s, "moved": moved, "failed": run.moves["failed"],
         "finished_before_move": run.moves["finished"], "decided": run.decided, "move_outcomes": run.moves,
@@ -493,16 +495,10 @@ def summarize(run: LiveRun, sim, exact, free, batched, periodic, rates: tuple[fl
         "sim_seconds": periodic.duration_s,
         "sim_decode_tokens_per_s": rates[0], "sim_prefill_tokens_per_s": rates[1],
         "capacity_tokens": run.capacity_tokens, "loadavg_before_after": run.loadavg,
+        "replay_instances": replayed.mean_instances, "replay_migrations_per_s": replayed.migrations_per_s,
+        "replay_instances_ratio": run.time_average_instances / replayed.mean_instances,
+        "replay_migrations_ratio": ratio(moved_per_s, replayed),
     }
-
-
-def replay_columns(run: LiveRun, replayed) -> dict:
-    """The simulation at each request's live pace: what is left of the difference is not the pace model's."""
-    moved_per_s = run.moves["moved"] / run.seconds
-    return {"replay_instances": replayed.mean_instances, "replay_migrations_per_s": replayed.migrations_per_s,
-            "replay_instances_ratio": run.time_average_instances / replayed.mean_instances,
-            "replay_migrations_ratio": moved_per_s / replayed.migrations_per_s if replayed.migrations_per_s
-            else math.nan}
 
 
 _COLUMNS = (  # (header, key, format)
@@ -708,8 +704,8 @@ def main(argv: list[str] | None = None) -> int:
     sims = simulate_runs(runs, workload, config.block_size, bytes_per_token, config.num_instances, config.interval_s)
     rows = {run.policy: {**summarize(run, sims["sim"][run.policy], sims["exact"][run.policy],
                                      sims["free"][run.policy], sims["batched"][run.policy],
-                                     sims["periodic"][run.policy], sims["rates"][run.policy]),
-                         **replay_columns(run, sims["replayed"][run.policy]),
+                                     sims["periodic"][run.policy], sims["replayed"][run.policy],
+                                     sims["rates"][run.policy]),
                          "live_peak_cap": config.num_instances} for run in runs}
     report = "\n".join([format_table(list(rows.values())), "", *[line for row in rows.values()
                                                                   for line in policy_notes(row)],
