@@ -16,7 +16,8 @@ On a CUDA machine (../shared/gpu/README.md), in one run:
    `generate`'s);
 6. tp1pp1 -> tp1pp2 -> tp1pp1 in place (all inside the freeze), then the same two switches staged (the target
    built, its KV pre-copied and its decode graphs captured while serving), each with 16 requests of its own
-   streaming: each switch's downtime and phases.
+   streaming: each switch's downtime and phases; for a staged one, the streams' mean gap between tokens while it
+   staged and pre-copied over their gap before it, - 1 ("TPOT while staging").
 Prints a markdown table, writes JSON and a plot next to it (bench/results/ by default).
 """
 
@@ -213,9 +214,11 @@ async def bench_serving(model_dir: Path, batches: list[int], new_tokens: int) ->
     await state.open()
     reconfigurer = Reconfigurer(state, ModelSpec.from_dir(cluster.model_dir), None, state.router_stub, TOKEN)
 
-    async def consume(request, tokens: list[int]) -> None:
+    async def consume(request, tokens: list[int], arrivals: list[float] | None = None) -> None:
         async for delta in engine.generate(request):
             tokens.extend(delta.token_ids)
+            if arrivals is not None and delta.token_ids:
+                arrivals.append(time.perf_counter())
             if delta.finish_reason in ("error", "abort"):
                 raise RuntimeError(f"{request.request_id}: {delta.finish_reason}")
 
@@ -236,20 +239,24 @@ async def bench_serving(model_dir: Path, batches: list[int], new_tokens: int) ->
         switches, streams = [], []
         for strategy, target in (("in-place", "tp1pp2"), ("in-place", "tp1pp1"), ("staged", "tp1pp2"),
                                  ("staged", "tp1pp1")):
-            live = [[] for _ in range(16)]
+            live, arrivals = [[] for _ in range(16)], [[] for _ in range(16)]
             tasks = [asyncio.ensure_future(consume(GenerationRequest(f"s-{strategy}-{target}-{i}", tuple(p),
-                                                                     8 * new_tokens), live[i]))
+                                                                     8 * new_tokens), live[i], arrivals[i]))
                      for i, p in enumerate(prompts(16, 99))]
-            while min(len(t) for t in live) < 8:
+            while min(len(t) for t in live) < 32:  # enough gaps before the switch to compare its staging with
                 await asyncio.sleep(0.005)
+            called = time.perf_counter()
             operation = await reconfigurer.reconfigure(target, strategy=strategy)
             if operation.state is not OperationState.SUCCEEDED:
                 raise RuntimeError(f"switch to {target}: {operation.state.name}: {operation.error}")
             switches.append(dict(target=target, strategy=strategy, downtime_ms=operation.downtime_seconds * 1e3,
                                  live=sum(1 for t in tasks if not t.done()), precopy=operation.precopy,
                                  phases_ms={k: v * 1e3 for k, v in operation.phase_seconds.items()}))
+            staging_s = sum(operation.phase_seconds.get(phase, 0.0) for phase in ("STAGING", "PRECOPY"))
+            switches[-1]["tpot_overhead"] = staging_overhead(arrivals, called, called + staging_s)
             log(f"switch -> {target} ({strategy}): downtime {operation.downtime_seconds * 1e3:.0f} ms, "
-                f"{switches[-1]['live']} requests live, KV pre-copy: {operation.precopy or '-'}")
+                f"{switches[-1]['live']} requests live, KV pre-copy: {operation.precopy or '-'}, "
+                f"TPOT while staging: {_signed(switches[-1]['tpot_overhead'])}")
             await asyncio.gather(*tasks)
             streams.append(live)
         # The same 16 prompts again without a switch: every switched batch must equal them.
@@ -264,6 +271,27 @@ async def bench_serving(model_dir: Path, batches: list[int], new_tokens: int) ->
         await server.stop(0)
         cluster.stop()
     return results
+
+
+def staging_overhead(arrivals: list[list[float]], begin: float, end: float) -> float | None:
+    """Mean gap between two token deltas that arrived in [begin, end] (a switch's staging and pre-copy, while
+    serving) over the mean gap of the same streams before `begin` (the source layout; their first 4 deltas left
+    out, the batch was still filling), - 1. None without gaps on either side."""
+    during, before = [], []
+    for times in arrivals:
+        for index in range(5, len(times)):
+            gap = times[index] - times[index - 1]
+            if times[index] < begin:
+                before.append(gap)
+            elif times[index - 1] >= begin and times[index] <= end:
+                during.append(gap)
+    if not during or not before:
+        return None
+    return (sum(during) / len(during)) / (sum(before) / len(before)) - 1
+
+
+def _signed(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:+.0%}"
 
 
 def table(result: dict, batches: list[int]) -> str:
@@ -294,7 +322,9 @@ def table(result: dict, batches: list[int]) -> str:
         phases = ", ".join(f"{k} {v:.0f}" for k, v in switch["phases_ms"].items())
         lines.append(f"\nswitch → {switch['target']} ({switch.get('strategy', 'in-place')}, shared GPU, "
                      f"{switch['live']} live): downtime "
-                     f"{switch['downtime_ms']:.0f} ms ({phases} ms)")
+                     f"{switch['downtime_ms']:.0f} ms ({phases} ms)"
+                     + (f"; TPOT while staging {_signed(switch.get('tpot_overhead'))}"
+                        if switch.get("strategy") == "staged" else ""))
     if "switch_streams_identical" in result:
         lines.append(f"\nswitched streams identical to unswitched: {result['switch_streams_identical']}")
     return "\n".join(lines)
