@@ -46,6 +46,7 @@ class UpConfig:
     http_keep_alive_s: float = 120.0     # idle HTTP connections outlive client pools (router/api/server.py)
     shutdown_grace_s: float = 5.0       # on stop, admitted requests get this long to finish
     replace_lost_workers: bool = True   # start a joining worker for each one lost (`reconfigctl add-worker` adds it)
+    async_scheduling: bool = True       # tp1pp1: the router sends each decode's next step before it returns
     num_redundant_experts: int = 0      # MoE, EP layouts: extra physical expert slots per layer (EPLB replicas)
     eplb: bool = False                  # MoE, EP layouts: the router rebalances the experts every eplb_step_interval
     eplb_window: int = 1000             # steps of per-expert load each worker keeps (EPLB's sliding window)
@@ -179,6 +180,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on Ctrl-C/SIGTERM, requests already admitted get this long to finish [5]")
     parser.add_argument("--no-replace-lost-workers", dest="replace_lost_workers", action="store_false", default=None,
                         help="do not start a joining worker when one is lost (default: start one)")
+    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false", default=None,
+                        help="one-worker layouts: the router waits for each step's tokens before sending the next "
+                             "(default: it sends each decode's next step ahead; the worker feeds its own token)")
     add_expert_arguments(parser)
     parser.add_argument("--verbose", action="store_true", help="show the services' structured logs")
 
@@ -259,6 +263,7 @@ def _serve(config: UpConfig, cluster: LocalCluster, session: StackSession) -> in
         max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting,
         http_keep_alive_s=config.http_keep_alive_s, shutdown_grace_s=config.shutdown_grace_s,
         eplb=config.eplb, eplb_step_interval=config.eplb_step_interval, spread_decodes=config.spread_decodes,
+        async_scheduling=config.async_scheduling,
     ))
     router_grpc = f"{config.host}:{router['grpc_port']}"
     controller_config = ControllerConfig(

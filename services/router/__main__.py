@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "workers before failing the requests [60]")
     parser.add_argument("--spread-decodes", action="store_true",
                         help="PP layouts: spread the running decodes over the pipeline's micro-batches [off]")
+    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                        help="one-worker layouts: wait for each step's tokens before sending the next [send each "
+                             "decode's next step ahead, the worker feeding the token it sampled]")
     parser.add_argument("--eplb", action="store_true",
                         help="MoE, EP layouts: rebalance the experts every --eplb-step-interval steps [off]")
     parser.add_argument("--eplb-step-interval", type=positive_int, default=3000,
@@ -58,7 +61,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         token=token, api_key=args.api_key, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
         recovery_timeout_s=args.recovery_timeout_s, eplb=args.eplb, eplb_step_interval=args.eplb_step_interval,
-        spread_decodes=args.spread_decodes,
+        spread_decodes=args.spread_decodes, async_scheduling=args.async_scheduling,
     )
 
 

@@ -146,6 +146,7 @@ class EngineStats:
     num_kv_blocks_total: int = 0
     num_kv_blocks_used: int = 0
     num_preemptions: int = 0
+    num_decodes_ahead: int = 0         # decodes sent ahead of the step sampling their input (async scheduling)
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     topology: str = ""

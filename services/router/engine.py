@@ -197,6 +197,7 @@ class Engine:
             num_kv_blocks_used=max(used_per_rank),
             num_kv_blocks_used_per_dp_rank=used_per_rank if blocks.num_ranks > 1 else (),
             num_preemptions=self.scheduler.num_preemptions,
+            num_decodes_ahead=self.scheduler.num_ahead_items,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             topology=str(self.topology),
@@ -436,9 +437,16 @@ class Engine:
         self._wakeup.set()
         return done
 
+    @property
+    def steps_ahead(self) -> bool:
+        """Whether decodes go out a step ahead (SchedulerConfig.async_scheduling): only where one worker runs the
+        whole model, which feeds its own sampled tokens; every other layout waits for each step's tokens."""
+        return self.scheduler.config.async_scheduling and self.topology.num_workers == 1
+
     async def _fill_pipeline(self) -> None:
-        while len(self._inflight) < self.num_inflight_batches:
-            batch = self.scheduler.schedule(self.num_inflight_batches)
+        ahead = self.steps_ahead
+        while len(self._inflight) < self.num_inflight_batches + ahead:
+            batch = self.scheduler.schedule(self.num_inflight_batches, ahead=ahead)
             commit, epoch = self._expert_commit, 0
             if batch is None and (commit is None or self.scheduler.is_frozen):
                 return

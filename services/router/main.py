@@ -40,6 +40,7 @@ class RouterConfig:
     eplb: bool = False                   # MoE, EP layouts: rebalance the experts every eplb_step_interval steps
     eplb_step_interval: int = 3000
     spread_decodes: bool = False         # PP: decodes spread over the micro-batches in flight (SchedulerConfig)
+    async_scheduling: bool = True        # tp1pp1: each decode's next step goes out before it returns (SchedulerConfig)
 
     def __post_init__(self) -> None:
         if self.http_keep_alive_s <= 0:
@@ -59,7 +60,7 @@ async def build_engine(config: RouterConfig) -> Engine:
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting,
-        spread_decodes=config.spread_decodes,
+        spread_decodes=config.spread_decodes, async_scheduling=config.async_scheduling,
     )
     engine = Engine(driver, Tokenizer.from_dir(model_dir), config.model_name or model_dir.name,
                     max_model_len, scheduler_config, vocab_size=spec.vocab_size,

@@ -20,6 +20,14 @@ sequence is never preempted, and newer sequences keep blocks from it only while 
 progresses, and so, one after the other, does every request. (A sequence that preempted itself while the others
 were in flight let two sequences that cannot share the cache preempt each other forever.)
 
+Ahead steps (async scheduling, `schedule(ahead=True)`: the engine asks for them where one worker runs the whole
+model): a decoding sequence whose one step in flight samples can be scheduled again before that step returns, one
+position further, its input token PENDING_TOKEN: the worker feeds the token it sampled for the request in its
+previous step. The router's work for the next step (scheduling, the wire, the clients' streams) then overlaps the
+worker's compute of this one. Only where that token is all the step needs of the history (no penalties, logprobs or
+min_tokens to count, max_tokens not reached by the step in flight); a step ahead of one that ends the request (a
+stop token) is computed and discarded.
+
 A step the workers failed is taken back unadvanced (on_batch_failed); when the workers lost their KV,
 preempt_all sends every running sequence back to re-prefill. The scheduler never touches tensors.
 """
@@ -38,7 +46,7 @@ from services.router.config import SchedulerConfig
 from services.router.contracts import QueueFullError, RequestError
 from services.router.dp import BlockMaps, DataParallelBlocks, Reserved, repartition
 from services.router.sequence import Sequence, SequenceStatus
-from services.worker.step import SequenceOutput, SequenceStep, TokenLogprob
+from services.worker.step import PENDING_TOKEN, SequenceOutput, SequenceStep, TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +102,12 @@ class Scheduler:
         self._admission_counter = itertools.count()
         self._batch_counter = itertools.count()
         self._inflight: dict[int, ScheduledBatch] = {}
-        self._inflight_ids: set[str] = set()
+        # Sequences in flight: their items in flight, oldest first (two: a step ahead follows one).
+        self._inflight_ids: dict[str, list[ScheduledItem]] = {}
+        self.num_ahead_items = 0  # sequence steps scheduled ahead (PENDING_TOKEN inputs), over the scheduler's life
+        # After a failed step, none ahead until nothing is in flight: a step ahead of a failed (or refused) one is
+        # refused in turn, and one ahead of that too, for as long as steps ahead keep going out.
+        self._ahead_after_failure = False
         self._is_frozen = False
         # Set between repartition() and its commit or restore: the old pools and the moved requests' old ids.
         self._old_partition: tuple[DataParallelBlocks, dict[str, list[int]]] | None = None
@@ -135,11 +148,13 @@ class Scheduler:
             cache = "the cache has" if self.block_manager.num_ranks == 1 else "each data-parallel rank's cache has"
             raise RequestError(f"the request needs {needed} KV blocks, {cache} {capacity}")
 
-    def schedule(self, num_micro_batches: int = 1) -> ScheduledBatch | None:
+    def schedule(self, num_micro_batches: int = 1, ahead: bool = False) -> ScheduledBatch | None:
         """The next micro-batch from the sequences not in flight; None when frozen or nothing can run.
 
         The caller keeps up to `num_micro_batches` (the live pp, which a reconfiguration changes) in flight; with
-        config.spread_decodes each takes at most ceil(running / num_micro_batches) decodes.
+        config.spread_decodes each takes at most ceil(running / num_micro_batches) decodes. ahead: also the next
+        decode of sequences whose step in flight samples (module docstring), for a caller whose workers run the
+        steps in order, each after the previous one (one worker: tp1pp1).
         """
         if self._is_frozen:
             return None
@@ -148,12 +163,24 @@ class Scheduler:
         decodes_left = -(-len(self.running) // max(1, shares))
         decoded: set[str] = set()
         items: dict[str, ScheduledItem] = {}  # by request_id, in the order scheduled
+        if self._ahead_after_failure and not self._inflight:
+            self._ahead_after_failure = False
+        # Ahead of the newest step in flight only: the workers feed the tokens their previous step sampled.
+        newest = {item.seq.request_id for item in next(reversed(self._inflight.values())).items} if (
+            ahead and self._inflight and not self._ahead_after_failure) else set()
         short_ranks: set[int | None] = set()  # DP ranks where a running sequence lacked blocks (None: it had none)
         # Decodes first (one token each), then the next chunks of running prefills; each pass oldest first.
         for decodes in (True, False):
             for seq in list(self.running):
                 if budget == 0:
                     break
+                if (decodes and seq.request_id in newest and decodes_left > 0
+                        and (item := self._ahead_item(seq)) is not None):
+                    items[seq.request_id] = item
+                    budget -= 1
+                    decodes_left -= 1
+                    decoded.add(seq.request_id)
+                    continue
                 # A sequence scheduled as a decode still is one in the second pass: it is never fed twice.
                 if (seq.status is not SequenceStatus.RUNNING or seq.request_id in self._inflight_ids
                         or seq.is_prefill == decodes or seq.request_id in self._parking):
@@ -201,8 +228,39 @@ class Scheduler:
             return None
         batch = ScheduledBatch(next(self._batch_counter), tuple(items.values()))
         self._inflight[batch.batch_id] = batch
-        self._inflight_ids.update(items)
+        for request_id, item in items.items():
+            self._inflight_ids.setdefault(request_id, []).append(item)
         return batch
+
+    def _ahead_item(self, seq: Sequence) -> ScheduledItem | None:
+        """The decode after `seq`'s one step in flight (the newest), its input PENDING_TOKEN, where that step
+        samples and the token is all the next one needs; None otherwise, or when the blocks for it are not free (no
+        preemption for a step ahead: the sequence waits for its step as without one)."""
+        inflight = self._inflight_ids.get(seq.request_id, [])
+        if (len(inflight) != 1 or not inflight[0].step.sample
+                or seq.request_id in self._parking or seq.status is not SequenceStatus.RUNNING
+                or len(seq.output_token_ids) + 2 > seq.max_tokens or len(seq.output_token_ids) + 1 < seq.min_tokens
+                or seq.sampling.has_output_penalties or seq.sampling.num_logprobs is not None):
+            return None
+        previous = inflight[0].step
+        start = previous.start_position + len(previous.token_ids)  # the position of the token it samples
+        if not self.block_manager.append_slots(seq, start + 1 - seq.num_computed_tokens):
+            return None
+        self.num_ahead_items += 1
+        step = SequenceStep(request_id=seq.request_id, token_ids=(PENDING_TOKEN,), start_position=start,
+                            block_table=tuple(seq.block_ids), sampling=seq.sampling, sample=True,
+                            num_generated=len(seq.output_token_ids) + 1, dp_rank=previous.dp_rank)
+        return ScheduledItem(seq, step)
+
+    def _returned(self, item: ScheduledItem) -> list[ScheduledItem]:
+        """`item`'s step returned (or failed); the request's items still in flight, oldest first."""
+        request_id = item.seq.request_id
+        left = [other for other in self._inflight_ids[request_id] if other is not item]
+        if left:
+            self._inflight_ids[request_id] = left
+        else:
+            del self._inflight_ids[request_id]
+        return left
 
     def on_batch_done(self, batch: ScheduledBatch, sampled: Mapping[str, int],
                       outputs: Mapping[str, SequenceOutput] | None = None) -> list[SequenceUpdate]:
@@ -218,9 +276,16 @@ class Scheduler:
         now, updates = self.clock(), []
         for item in batch.items:
             seq, step = item.seq, item.step
-            self._inflight_ids.discard(seq.request_id)
+            still_inflight = self._returned(item)
             if seq.is_finished:
-                self.block_manager.free(seq)
+                if not still_inflight:
+                    self.block_manager.free(seq)
+                continue
+            if step.start_position != seq.num_computed_tokens:
+                # A step ahead of one that failed: it fed a position the cache does not hold. Taken back as
+                # failed (the worker refuses a pending token it did not sample, so this is defensive).
+                if not still_inflight:
+                    self.block_manager.truncate(seq, seq.num_computed_tokens)
                 continue
             seq.num_computed_tokens += len(step.token_ids)
             output = outputs.get(seq.request_id)
@@ -258,10 +323,18 @@ class Scheduler:
         """
         if self._inflight.pop(batch.batch_id, None) is None:
             raise ValueError(f"batch {batch.batch_id} is not in flight")
+        self._ahead_after_failure = True
         for item in batch.items:
             seq = item.seq
-            self._inflight_ids.discard(seq.request_id)
-            self.block_manager.truncate(seq, 0 if seq.is_finished else seq.num_computed_tokens)
+            still_inflight = self._returned(item)
+            if not seq.is_finished:
+                # A step ahead failed while the one before it is still in flight: that one keeps the KV it writes
+                # (it ends where this one starts). Any other step gives back all but the cached tokens; one ahead
+                # of it that is still in flight comes back stale (on_batch_done).
+                before = any(other.step.start_position < item.step.start_position for other in still_inflight)
+                self.block_manager.truncate(seq, item.step.start_position if before else seq.num_computed_tokens)
+            elif not still_inflight:
+                self.block_manager.truncate(seq, 0)
         self._park_requested(batch)
 
     def abort(self, request_id: str) -> bool:
@@ -480,7 +553,7 @@ class Scheduler:
         """A step returned: park its sequences that asked to be (unless the step finished them)."""
         for item in batch.items:
             seq = item.seq
-            if seq.request_id in self._parking:
+            if seq.request_id in self._parking and seq.request_id not in self._inflight_ids:
                 self._parking.discard(seq.request_id)
                 if not seq.is_finished:
                     self._park_running(seq)

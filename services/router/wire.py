@@ -110,7 +110,8 @@ def stats_to_pb(stats: EngineStats) -> router_pb2.RouterStats:
     return router_pb2.RouterStats(
         num_running=stats.num_running, num_waiting=stats.num_waiting,
         num_kv_blocks_total=stats.num_kv_blocks_total, num_kv_blocks_used=stats.num_kv_blocks_used,
-        num_preemptions=stats.num_preemptions, num_prompt_tokens=stats.num_prompt_tokens,
+        num_preemptions=stats.num_preemptions, num_decodes_ahead=stats.num_decodes_ahead,
+        num_prompt_tokens=stats.num_prompt_tokens,
         num_generation_tokens=stats.num_generation_tokens, topology=stats.topology,
         is_frozen=stats.is_frozen, extra=stats.extra, stalled=stats.stalled,
         num_kv_blocks_used_per_dp_rank=stats.num_kv_blocks_used_per_dp_rank,
@@ -126,7 +127,8 @@ def stats_from_pb(pb: router_pb2.RouterStats) -> EngineStats:
     return EngineStats(
         num_running=pb.num_running, num_waiting=pb.num_waiting,
         num_kv_blocks_total=pb.num_kv_blocks_total, num_kv_blocks_used=pb.num_kv_blocks_used,
-        num_preemptions=pb.num_preemptions, num_prompt_tokens=pb.num_prompt_tokens,
+        num_preemptions=pb.num_preemptions, num_decodes_ahead=pb.num_decodes_ahead,
+        num_prompt_tokens=pb.num_prompt_tokens,
         num_generation_tokens=pb.num_generation_tokens, topology=pb.topology,
         is_frozen=pb.is_frozen, extra=dict(pb.extra), stalled=pb.stalled,
         num_kv_blocks_used_per_dp_rank=tuple(pb.num_kv_blocks_used_per_dp_rank),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -15,7 +16,12 @@ from services.worker.kv_cache import KVCache
 from services.worker.logits_processor import needs_processing
 from services.worker.parallel import ParallelState
 from services.worker.sampler import sample_outputs
-from services.worker.step import SequenceOutput, StepBatch, StepOutput
+from services.worker.step import PENDING_TOKEN, SequenceOutput, StepBatch, StepOutput
+
+
+class PendingTokenMissing(ValueError):
+    """A step fed PENDING_TOKEN for a position this worker's previous step did not sample (the step before it
+    failed, or the router sent it ahead where it must not): the step fails before any collective."""
 
 
 class ModelRunner:
@@ -40,6 +46,8 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, kv_cache, device, capture=True)
         elif cuda_graphs:
             self.graphs_refused = why_not
+        # What the previous step sampled, by request: (position, token); a step sent ahead feeds these.
+        self._sampled: dict[str, tuple[int, int]] = {}
 
     graphs_refused = ""  # why decode graphs are off in this layout, when asked for
 
@@ -58,10 +66,38 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: StepBatch, rank: int) -> StepOutput:
         """Run one step. Only the last stage's TP rank 0 returns outputs (in an EP layout, every last-stage rank,
-        each for its own requests)."""
-        started = time.perf_counter()
+        each for its own requests); that rank remembers them for a step sent ahead (PENDING_TOKEN inputs)."""
         if not batch.sequences:
             return StepOutput(batch.step_id, rank)
+        batch = self._with_sampled_inputs(batch)
+        self._sampled = {}  # a step that fails leaves nothing for the next one to feed
+        output = self._execute(batch, rank)
+        positions = {s.request_id: s.start_position + len(s.token_ids) for s in batch.sequences}
+        self._sampled = {o.request_id: (positions[o.request_id], o.token_id) for o in output.outputs
+                         if o.token_id >= 0}
+        return output
+
+    def _with_sampled_inputs(self, batch: StepBatch) -> StepBatch:
+        """The batch with each PENDING_TOKEN input replaced by the token the previous step sampled there."""
+        if not any(s.token_ids == (PENDING_TOKEN,) for s in batch.sequences):
+            return batch
+        if self.placement.topology.num_workers > 1:  # every rank refuses alike, before any collective
+            raise PendingTokenMissing(f"step {batch.step_id} feeds pending tokens, which only a worker running the "
+                                      f"whole model keeps; this one runs a part of {self.placement.topology}")
+        seqs = []
+        for s in batch.sequences:
+            if s.token_ids == (PENDING_TOKEN,):
+                position, token_id = self._sampled.get(s.request_id, (-1, -1))
+                if position != s.start_position:
+                    raise PendingTokenMissing(
+                        f"step {batch.step_id} feeds the token of {s.request_id!r} at position {s.start_position}, "
+                        f"which this worker's previous step did not sample")
+                s = dataclasses.replace(s, token_ids=(token_id,))
+            seqs.append(s)
+        return StepBatch(batch.step_id, tuple(seqs), batch.commit_expert_map)
+
+    def _execute(self, batch: StepBatch, rank: int) -> StepOutput:
+        started = time.perf_counter()
         seqs = batch.sequences
         if self.is_data_parallel:
             seqs = tuple(s for s in seqs if s.dp_rank == self.wp.dp_rank)

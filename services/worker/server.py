@@ -15,6 +15,7 @@ from services.rpc.errors import ErrorInterceptor
 from services.worker.faults import FAULTS
 from services.worker.expert_balance import ExpertMapError
 from services.worker.kv_import import ImportRefused
+from services.worker.model_runner import PendingTokenMissing
 from services.worker.shard import WorkerShard
 from services.worker.switch import SwitchFailed
 from services.worker.step import StepBatch, StepOutput
@@ -60,6 +61,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             output = runner.execute(batch, self.rank)
             self.shard.balancer.record()
             return output
+        except PendingTokenMissing as exc:  # refused before any collective: the world stands
+            log.warning("worker.step_refused", step_id=batch.step_id, error=str(exc))
+            return StepOutput(batch.step_id, self.rank, error=str(exc))
         except Exception as exc:  # a failed step answers with an error; the stream stays open
             log.exception("worker.step_failed", step_id=batch.step_id)
             self.shard.leave_world(exc)  # peers may be blocked on this step's collectives: let them fail now

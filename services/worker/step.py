@@ -58,6 +58,9 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams()
+# A decode's input token when the router sent the step ahead of the one sampling it (async scheduling): the worker
+# feeds the token it sampled for the request, at the step's start_position, in its previous step.
+PENDING_TOKEN = -1
 
 
 @dataclass(frozen=True, slots=True)

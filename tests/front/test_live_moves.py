@@ -230,10 +230,12 @@ async def test_a_source_that_froze_during_a_move_has_its_kv_copied_again(instanc
     source_engine = instances.engines[0]
     expected = await _reference(source_engine, PROMPTS[2], "froze-ref")
     pulled: list[list[int]] = []
+    froze: list[int] = []  # the pulls made before the source froze
     migrate_out, migrate_in = a.migrate_out, b.migrate_in
 
     async def freezing(request_id, action, timeout_s=30.0):
-        if action == OUT.STOP and not pulled[1:]:
+        if action == OUT.STOP and not froze:
+            froze.append(len(pulled))
             await source_engine.freeze(10)
             source_engine.resume()
         return await migrate_out(request_id, action, timeout_s)
@@ -248,7 +250,9 @@ async def test_a_source_that_froze_during_a_move_has_its_kv_copied_again(instanc
     async with open_front(instances, migrate=False) as front:
         tokens, moves = await _run_with_moves(front, _request("froze", PROMPTS[2]), [(9, b)])
     assert tokens == expected and moves[0].moved and not moves[0].reprefilled
-    assert len(pulled) == 2 and pulled[1][:len(pulled[0])] == pulled[0]  # the delta started over from block 0
+    # The pre-copy's rounds (as many as the request's growth asked for), then the delta after the stop, which
+    # started over from block 0.
+    assert froze and len(pulled) == froze[0] + 1 and pulled[-1][:len(pulled[0])] == pulled[0]
 
     await a.connect()
     try:

@@ -289,7 +289,8 @@ async def test_without_a_token_admin_is_unreachable(serving_engine, oracle):
 
 def test_stats_round_trip():
     stats = EngineStats(num_running=3, num_waiting=4, num_kv_blocks_total=512, num_kv_blocks_used=9,
-                        num_preemptions=1, num_prompt_tokens=70, num_generation_tokens=80, topology="tp1pp4",
+                        num_preemptions=1, num_decodes_ahead=5, num_prompt_tokens=70, num_generation_tokens=80,
+                        topology="tp1pp4",
                         is_frozen=True, extra={"a": 1.5}, stalled="worker 127.0.0.1:1 stream failed")
     assert stats_from_pb(stats_to_pb(stats)) == stats
     field_names = {f.name for f in dataclasses.fields(EngineStats)}

@@ -20,6 +20,7 @@ from services.router.config import SchedulerConfig
 from services.router.contracts import GenerationRequest, QueueFullError, RequestError
 from services.router.scheduler import ScheduledBatch, Scheduler
 from services.router.sequence import Sequence, SequenceStatus
+from services.worker.step import PENDING_TOKEN, SamplingParams
 
 VOCAB = 97
 
@@ -50,6 +51,7 @@ class PagedWorkers:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.cache: dict[int, list[int | None]] = {}
+        self.sampled: dict[str, tuple[int, int]] = {}  # the previous step's (position, token) by request, as a worker
 
     def _key(self, step, block_id: int):
         """Where a block of `step` lives in the store: its global id."""
@@ -65,14 +67,25 @@ class PagedWorkers:
             step, seq = item.step, item.seq
             end = step.start_position + len(step.token_ids)
             self._check(step, end)
-            for offset, token in enumerate(step.token_ids):
+            token_ids = step.token_ids
+            if token_ids == (PENDING_TOKEN,):  # a step ahead: the token this "worker" sampled there last step
+                assert self.sampled[step.request_id][0] == step.start_position
+                token_ids = (self.sampled[step.request_id][1],)
+            for offset, token in enumerate(token_ids):
                 position = step.start_position + offset
                 block = self.cache.setdefault(self._key(step, step.block_table[position // size]), [None] * size)
                 block[position % size] = token
             if step.sample:
                 prefix = [self.cache[self._key(step, step.block_table[p // size])][p % size] for p in range(end)]
-                assert prefix == seq.all_token_ids, f"{seq.request_id}: cached prefix differs from its tokens"
+                # (A step ahead of one whose request ended meanwhile feeds that step's token, which the request did
+                # not keep: the step is computed and discarded.)
+                assert prefix == seq.all_token_ids or (seq.is_finished and prefix[:-1] == seq.all_token_ids), (
+                    f"{seq.request_id}: cached prefix differs from its tokens")
                 sampled[step.request_id] = next_token(prefix)
+        if batch.items:
+            self.sampled = {item.step.request_id: (item.step.start_position + len(item.step.token_ids),
+                                                   sampled[item.step.request_id])
+                            for item in batch.items if item.step.request_id in sampled}
         return sampled
 
 
@@ -270,6 +283,141 @@ def test_spread_decodes_share_the_pipeline_micro_batches():
         assert scheduler.block_manager.num_used == 0
 
 
+# ---- steps ahead (async scheduling) ---------------------------------------------------------------------------
+
+def test_a_decode_goes_out_ahead_of_the_step_sampling_its_input():
+    prompt = prompt_of(1, 6)
+    scheduler = make_scheduler(block_size=4)
+    workers = PagedWorkers(scheduler.block_manager)
+    seq = seq_of("a", prompt, 5)
+    scheduler.add(seq)
+    prefill = scheduler.schedule(ahead=True)
+    assert scheduler.schedule(ahead=False) is None  # without ahead: nothing until the prefill returns
+    first = scheduler.schedule(ahead=True)
+    [item] = first.items
+    assert item.step.token_ids == (PENDING_TOKEN,) and item.step.start_position == 6 and item.step.sample
+    assert item.step.num_generated == 1 and len(item.step.block_table) == 2  # position 6 is in a second block
+    assert scheduler.schedule(ahead=True) is None  # one step ahead at most
+    scheduler.on_batch_done(prefill, workers.run(prefill))
+    second = scheduler.schedule(ahead=True)  # ahead of `first`, now the newest in flight
+    assert second.items[0].step.start_position == 7
+    for batch in (first, second):
+        scheduler.on_batch_done(batch, workers.run(batch))
+    drain(scheduler, workers)
+    assert seq.output_token_ids == expected_output(prompt, 5)
+    assert scheduler.num_ahead_items == 2  # outputs 2 and 3 (drain() schedules the rest one step at a time)
+    assert scheduler.block_manager.num_used == 0
+
+
+@pytest.mark.parametrize("request_args", [
+    dict(max_tokens=1),                                     # the step in flight samples the last token
+    dict(sampling=SamplingParams(presence_penalty=0.5)),   # a penalty counts the token in flight
+    dict(sampling=SamplingParams(num_logprobs=1)),          # logprobs: its update carries them (kept synchronous)
+    dict(min_tokens=3),                                     # stop tokens masked until the third token
+])
+def test_no_step_ahead_where_the_next_step_needs_more_than_the_pending_token(request_args):
+    scheduler = make_scheduler()
+    args = dict(max_tokens=8) | request_args
+    scheduler.add(Sequence.from_request(GenerationRequest("a", tuple(prompt_of(2, 5)), **args)))
+    prefill = scheduler.schedule(ahead=True)
+    assert prefill is not None and scheduler.schedule(ahead=True) is None
+    assert scheduler.num_ahead_items == 0
+
+
+def test_ahead_only_of_the_newest_step_in_flight():
+    """Two micro-batches in flight (a pipeline): the decodes of the older one wait for it; the worker feeds only
+    what its previous step sampled."""
+    scheduler = make_scheduler(num_inflight_batches=2)
+    workers = PagedWorkers(scheduler.block_manager)
+    scheduler.add(seq_of("a", prompt_of(3, 4), 6))
+    older = scheduler.schedule(2, ahead=True)
+    scheduler.add(seq_of("b", prompt_of(4, 4), 6))
+    newer = scheduler.schedule(2)
+    assert [i.seq.request_id for i in newer.items] == ["b"]
+    third = scheduler.schedule(2, ahead=True)  # "a" is in flight in the older step: not ahead of it
+    assert [(i.seq.request_id, i.step.token_ids) for i in third.items] == [("b", (PENDING_TOKEN,))]
+    for batch in (older, newer, third):
+        scheduler.on_batch_done(batch, workers.run(batch))
+    drain(scheduler, workers)
+
+
+def test_a_request_ending_with_a_step_ahead_in_flight_frees_its_blocks_when_that_step_returns():
+    prompt = prompt_of(6, 4)
+    want = expected_output(prompt, 10)
+    scheduler = make_scheduler(block_size=2)
+    workers = PagedWorkers(scheduler.block_manager)
+    stopped = seq_of("stop", prompt, 10, stop_token_ids={want[0]})  # its prefill samples its stop token
+    ended = seq_of("string", prompt_of(7, 4), 10)                   # the engine ends it (a stop string)
+    for seq in (stopped, ended):
+        scheduler.add(seq)
+    prefill = scheduler.schedule(ahead=True)
+    ahead = scheduler.schedule(ahead=True)
+    assert len(ahead.items) == 2
+    updates = scheduler.on_batch_done(prefill, workers.run(prefill))
+    assert [u.finished for u in updates] == [True, False] and stopped.output_token_ids == [want[0]]
+    assert scheduler.finish("string")
+    assert scheduler.block_manager.num_used == len(stopped.block_ids) + len(ended.block_ids) > 0  # still in flight
+    assert scheduler.on_batch_done(ahead, workers.run(ahead)) == []  # computed, discarded
+    assert scheduler.block_manager.num_used == 0 and not scheduler.has_unfinished
+    assert stopped.output_token_ids == [want[0]] and len(ended.output_token_ids) == 1
+
+
+def test_a_step_ahead_of_a_failed_step_is_taken_back_too():
+    prompt = prompt_of(8, 5)
+    scheduler = make_scheduler(block_size=2)
+    workers = PagedWorkers(scheduler.block_manager)
+    seq = seq_of("a", prompt, 6)
+    scheduler.add(seq)
+    scheduler.on_batch_done(batch := scheduler.schedule(ahead=True), workers.run(batch))  # prefill, token 1
+    failed = scheduler.schedule(ahead=True)
+    ahead = scheduler.schedule(ahead=True)
+    assert ahead.items[0].step.start_position == 6
+    scheduler.on_batch_failed(failed)
+    assert len(seq.block_ids) == 3  # the 5 cached tokens and the one to feed; the step ahead's slot given back
+    # Were the step ahead to come back with a token (a real worker refuses it: PendingTokenMissing), it is stale.
+    assert scheduler.on_batch_done(ahead, {"a": 0}) == [] and seq.num_computed_tokens == 5
+    drain(scheduler, workers)
+    assert seq.output_token_ids == expected_output(prompt, 6)
+    assert scheduler.block_manager.num_used == 0
+
+
+def test_a_step_ahead_that_fails_leaves_the_step_before_it_its_kv():
+    """The step ahead could not be sent (or failed alone): the step before it, still in flight, keeps its blocks."""
+    prompt = prompt_of(10, 8)
+    scheduler = make_scheduler(block_size=4)
+    workers = PagedWorkers(scheduler.block_manager)
+    seq = seq_of("a", prompt, 6)
+    scheduler.add(seq)
+    prefill = scheduler.schedule(ahead=True)  # positions 0-7: two blocks
+    ahead = scheduler.schedule(ahead=True)    # position 8: a third
+    assert len(seq.block_ids) == 3
+    scheduler.on_batch_failed(ahead)
+    assert len(seq.block_ids) == 2
+    assert scheduler.schedule(ahead=True) is None  # after a failure, none ahead until nothing is in flight
+    scheduler.on_batch_done(prefill, workers.run(prefill))
+    decode, again = scheduler.schedule(ahead=True), scheduler.schedule(ahead=True)  # nothing in flight: ahead again
+    assert again.items[0].step.token_ids == (PENDING_TOKEN,)
+    for batch in (decode, again):
+        scheduler.on_batch_done(batch, workers.run(batch))
+    drain(scheduler, workers)
+    assert seq.output_token_ids == expected_output(prompt, 6)
+    assert scheduler.block_manager.num_used == 0
+
+
+def test_a_request_parks_once_its_step_ahead_returns_too():
+    scheduler = make_scheduler()
+    workers = PagedWorkers(scheduler.block_manager)
+    seq = seq_of("a", prompt_of(9, 4), 8)
+    scheduler.add(seq)
+    prefill = scheduler.schedule(ahead=True)
+    ahead = scheduler.schedule(ahead=True)
+    assert scheduler.park("a") is False
+    scheduler.on_batch_done(prefill, workers.run(prefill))
+    assert "a" not in scheduler.parked and scheduler.schedule(ahead=True) is None  # parking: nothing more ahead
+    scheduler.on_batch_done(ahead, workers.run(ahead))
+    assert scheduler.parked["a"] is seq and seq.num_computed_tokens == 5 and len(seq.output_token_ids) == 2
+
+
 def test_stop_token_finishes_the_sequence():
     prompt = prompt_of(6, 4)
     want = expected_output(prompt, 10)
@@ -461,22 +609,27 @@ def contended_workloads(draw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.one_of(workloads(), contended_workloads()))
-def test_random_workloads_finish_correctly_under_every_invariant(workload):
-    scheduler, _, _ = simulate(*workload)
+@given(st.one_of(workloads(), contended_workloads()), st.booleans(), st.sets(st.integers(0, 60), max_size=3))
+def test_random_workloads_finish_correctly_under_every_invariant(workload, ahead, failures):
+    """With `ahead`, one more step than the micro-batches is kept in flight, as the engine does (async
+    scheduling), and the decodes of the newest step go out again before it returns. The steps returning at the
+    ticks in `failures` fail (and so does a step ahead of a failed one, as a worker refuses it)."""
+    scheduler, _, _ = simulate(*workload, ahead=ahead, failures=failures)
     event(f"preempted: {scheduler.num_preemptions > 0}")
+    event(f"steps ahead: {scheduler.num_ahead_items > 0}")
 
 
 def test_a_heavy_pipelined_workload_with_scarce_blocks_preempts_and_still_finishes_correctly():
     rng = random.Random(0)
     requests = [(rng.randrange(0, 40), rng.randrange(1, 40), rng.randrange(1, 20)) for _ in range(60)]
     config = dict(max_model_len=64, max_num_seqs=16, max_num_batched_tokens=24, num_inflight_batches=2)
-    scheduler, _, _ = simulate(4, 16, config, requests, frozenset(), [(30, 5), (31, 17)])
-    assert scheduler.num_preemptions > 10
+    for ahead in (False, True):
+        scheduler, _, _ = simulate(4, 16, config, requests, frozenset(), [(30, 5), (31, 17)], ahead=ahead)
+        assert scheduler.num_preemptions > 10 and (scheduler.num_ahead_items > 0) == ahead
 
 
 def simulate(block_size, num_blocks, config, requests, stop_token_ids, aborts,
-             max_ticks=None) -> tuple[Scheduler, list[Sequence], list[int]]:
+             max_ticks=None, ahead=False, failures=()) -> tuple[Scheduler, list[Sequence], list[int]]:
     """Replay a workload (arrival tick, prompt length, max_tokens) with aborts (tick, index); check everything.
 
     Progress: while a request is unfinished some micro-batch is in flight (the pipeline never idles), a sequence
@@ -493,7 +646,7 @@ def simulate(block_size, num_blocks, config, requests, stop_token_ids, aborts,
     arrivals = deque(sorted(range(len(requests)), key=lambda i: (requests[i][0], i)))
     add_order, first_scheduled, aborted, inflight = [], [], set(), deque()
     age, finished_at = {}, [None] * len(seqs)
-    for tick in range(max(a for a, _, _ in requests) + max_ticks + config["num_inflight_batches"]):
+    for tick in range(max(a for a, _, _ in requests) + max_ticks + config["num_inflight_batches"] + ahead):
         if not arrivals and not scheduler.has_unfinished:
             break
         while arrivals and requests[arrivals[0]][0] <= tick:
@@ -503,21 +656,34 @@ def simulate(block_size, num_blocks, config, requests, stop_token_ids, aborts,
         for _, index in [a for a in aborts if a[0] == tick]:
             if index in add_order and scheduler.abort(f"r{index}"):
                 aborted.add(index)
-        while len(inflight) < config["num_inflight_batches"]:
+        while len(inflight) < config["num_inflight_batches"] + ahead:
             running = list(scheduler.running)
-            batch = scheduler.schedule(scheduler.config.num_inflight_batches)
+            batch = scheduler.schedule(scheduler.config.num_inflight_batches, ahead=ahead)
             for victim in (s for s in running if s.status is SequenceStatus.WAITING):
                 assert any(age[s.request_id] < age[victim.request_id] for s in scheduler.running), (
                     f"{victim.request_id} was preempted, and no older sequence is running")
             if batch is None:
                 break
-            busy = {item.seq.request_id for b in inflight for item in b.items}
+            busy = {item.seq.request_id: item.step for b in inflight for item in b.items}
             names = [item.seq.request_id for item in batch.items]
-            assert len(set(names)) == len(names) and not busy & set(names), "micro-batches overlap"
+            newest = {item.seq.request_id: item.step for item in inflight[-1].items} if inflight else {}
+            for item in batch.items:
+                if item.step.token_ids == (PENDING_TOKEN,):  # a step ahead of its sampling step, the newest
+                    step, previous = item.step, newest[item.seq.request_id]
+                    assert ahead and previous.sample
+                    assert sum(item.seq in (i.seq for i in b.items) for b in inflight) == 1
+                    assert step.start_position == previous.start_position + len(previous.token_ids)
+                    assert step.sample and step.num_generated == len(item.seq.output_token_ids) + 1
+                    assert step.num_generated < item.seq.max_tokens
+            ahead_names = {i.seq.request_id for i in batch.items if i.step.token_ids == (PENDING_TOKEN,)}
+            assert len(set(names)) == len(names) and not set(busy) & (set(names) - ahead_names), (
+                "micro-batches overlap")
             assert batch.num_tokens <= config["max_num_batched_tokens"]
             assert scheduler.num_running <= config["max_num_seqs"]
             for item in batch.items:
                 step, seq = item.step, item.seq
+                if step.token_ids == (PENDING_TOKEN,):
+                    continue
                 assert step.start_position == seq.num_computed_tokens and step.num_generated == len(
                     seq.output_token_ids)
                 end = step.start_position + len(step.token_ids)
@@ -530,7 +696,14 @@ def simulate(block_size, num_blocks, config, requests, stop_token_ids, aborts,
         assert inflight or not scheduler.has_unfinished, "the pipeline idles while requests are unfinished"
         if inflight:
             batch = inflight.popleft()  # the pipeline returns micro-batches in order
-            scheduler.on_batch_done(batch, workers.run(batch))
+            refused = any(i.step.token_ids == (PENDING_TOKEN,)
+                          and workers.sampled.get(i.seq.request_id, (-1,))[0] != i.step.start_position
+                          for i in batch.items)
+            if tick in failures or refused:
+                scheduler.on_batch_failed(batch)
+                workers.sampled = {}  # what a worker keeps after a failed step
+            else:
+                scheduler.on_batch_done(batch, workers.run(batch))
         _check_blocks(scheduler, inflight)
         for i in add_order:
             if finished_at[i] is None and seqs[i].is_finished:
@@ -560,15 +733,23 @@ def check_every_request_done(scheduler, seqs, aborted, stop_token_ids) -> None:
 
 def _check_blocks(scheduler: Scheduler, inflight: deque[ScheduledBatch]) -> None:
     manager = scheduler.block_manager
-    step_of = {item.seq.request_id: item.step for batch in inflight for item in batch.items}
+    steps_of: dict[str, list] = {}  # the steps in flight of each request, oldest first
+    for batch in inflight:
+        for item in batch.items:
+            steps_of.setdefault(item.seq.request_id, []).append(item.step)
     holders = {s.request_id: s for s in scheduler.running}
     holders.update({item.seq.request_id: item.seq for batch in inflight for item in batch.items})
     owned = [b for s in holders.values() for b in s.block_ids]
     assert len(owned) == len(set(owned)), "a block is owned by two sequences"
     assert manager.num_used == len(owned) and manager.num_free + manager.num_used == manager.num_total
     for seq in holders.values():
-        step = step_of.get(seq.request_id)
-        cached = seq.num_computed_tokens + (len(step.token_ids) if step else 0)
+        if seq.is_finished:  # ended while in flight: it keeps its blocks until its last step in flight returns
+            continue
+        cached = seq.num_computed_tokens
+        for step in steps_of.get(seq.request_id, []):  # each continuing the one before (not a step ahead of a
+            if step.start_position != cached:          # failed one: it comes back stale)
+                break
+            cached = step.start_position + len(step.token_ids)
         assert len(seq.block_ids) == num_blocks_for(cached, manager.block_size)
     for seq in scheduler.waiting:
         assert seq.block_ids == [] and seq.num_computed_tokens == 0

@@ -51,7 +51,8 @@ async def _run(addresses: list[str]):
             SequenceStep("o", tuple(OTHER), 0, (4,), GREEDY),
         ])
         second = await driver.step([
-            SequenceStep("o", (first.outputs[-1].token_id,), 3, (4,), GREEDY, num_generated=1),
+            SequenceStep("o", ({o.request_id: o for o in first.outputs}["o"].token_id,), 3, (4,), GREEDY,
+                         num_generated=1),
             SequenceStep("p", tuple(PROMPT[CHUNK:]), CHUNK, (0, 1, 2, 3), wanted,
                          prompt_logprob_token_ids=tuple(PROMPT[CHUNK + 1:])),
         ])

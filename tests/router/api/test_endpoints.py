@@ -18,7 +18,7 @@ pytestmark = pytest.mark.multiprocess
 ENGINE_METRICS = (
     "reconfig:num_requests_running", "reconfig:num_requests_waiting", "reconfig:kv_cache_usage_perc",
     "reconfig:prompt_tokens", "reconfig:generation_tokens", "reconfig:num_preemptions", "reconfig:topology_info",
-    "reconfig:router_stalled",
+    "reconfig:router_stalled", "reconfig:decodes_ahead_total",
 )
 LATENCY_METRICS = (
     "reconfig:time_to_first_token_seconds", "reconfig:inter_token_latency_seconds",
@@ -93,6 +93,7 @@ async def test_metrics_after_one_request(client, serving_engine):
     assert value(after, "reconfig:prompt_tokens_total") == stats.num_prompt_tokens
     assert value(after, "reconfig:generation_tokens_total") == stats.num_generation_tokens >= num_tokens
     assert value(after, "reconfig:num_requests_running") == 0
+    assert value(after, "reconfig:decodes_ahead_total") == stats.num_decodes_ahead
     assert value(after, "reconfig:router_stalled") == 0
     assert value(after, "reconfig:kv_cache_usage_perc") == 0.0  # the finished request's blocks are free
 

@@ -344,7 +344,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RouterStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_total", "num_kv_blocks_used", "num_preemptions", "num_prompt_tokens", "num_generation_tokens", "topology", "is_frozen", "extra", "stalled", "num_kv_blocks_used_per_dp_rank", "window", "worker_time", "block_size", "max_model_len")
+    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_total", "num_kv_blocks_used", "num_preemptions", "num_prompt_tokens", "num_generation_tokens", "topology", "is_frozen", "extra", "stalled", "num_kv_blocks_used_per_dp_rank", "window", "worker_time", "block_size", "max_model_len", "num_decodes_ahead")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -368,6 +368,7 @@ class RouterStats(_message.Message):
     WORKER_TIME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECODES_AHEAD_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_kv_blocks_total: int
@@ -384,7 +385,8 @@ class RouterStats(_message.Message):
     worker_time: _containers.RepeatedCompositeFieldContainer[WorkerTime]
     block_size: int
     max_model_len: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., topology: _Optional[str] = ..., is_frozen: _Optional[bool] = ..., extra: _Optional[_Mapping[str, float]] = ..., stalled: _Optional[str] = ..., num_kv_blocks_used_per_dp_rank: _Optional[_Iterable[int]] = ..., window: _Optional[_Union[LoadWindow, _Mapping]] = ..., worker_time: _Optional[_Iterable[_Union[WorkerTime, _Mapping]]] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    num_decodes_ahead: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., topology: _Optional[str] = ..., is_frozen: _Optional[bool] = ..., extra: _Optional[_Mapping[str, float]] = ..., stalled: _Optional[str] = ..., num_kv_blocks_used_per_dp_rank: _Optional[_Iterable[int]] = ..., window: _Optional[_Union[LoadWindow, _Mapping]] = ..., worker_time: _Optional[_Iterable[_Union[WorkerTime, _Mapping]]] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_decodes_ahead: _Optional[int] = ...) -> None: ...
 
 class WorkerTime(_message.Message):
     __slots__ = ("rank", "forward_seconds", "head_seconds", "steps")

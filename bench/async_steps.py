@@ -1,0 +1,173 @@
+"""Async scheduling through one worker (tp1pp1): the router waiting for each step's tokens vs sending each decode's
+next step ahead (the worker feeding the token it sampled), side by side in one run.
+
+    python bench/async_steps.py [--models tiny-llama,smollm2-135m] [--active 1,16,64] [--reps 2] [--quick]
+                                [--device cuda]
+
+For each model, one stack (weightstore, one worker, the router's engine in this process); for each number of
+concurrent requests N, the same N greedy requests (random prompts, exactly --new-tokens each) run in both modes,
+`--reps` times each, alternating (wait, ahead, ahead, wait, ...) so that drift hits both:
+- `wait` (SchedulerConfig.async_scheduling off): the next step goes out once the previous one's tokens are back;
+- `ahead` (the default): the engine keeps one step more in flight, each decode's next step sent before the one
+  sampling its input returns, so the router's work (scheduling, the wire, the clients' streams) overlaps the
+  worker's compute.
+Reports generated tokens/s (submission to the last token; the mean over the reps), mean TPOT, the ratio
+ahead / wait, the steps the worker ran per second of its compute (how busy the router keeps it), and whether both
+modes produced the same tokens. Prints a table, writes JSON and a plot (bench/results/ by default).
+Heavy imports stay inside functions: worker processes re-import this module as `__mp_main__`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stack import REPO_ROOT  # noqa: E402
+from switch import MIB, machine_info, random_prompts  # noqa: E402
+
+DEFAULTS = dict(models="tiny-llama,smollm2-135m", active="1,16,64", prompt_len=32, new_tokens=64, reps=2)
+QUICK = dict(models="tiny-llama", active="1,16", prompt_len=16, new_tokens=16, reps=1)
+MODES = ("wait", "ahead")
+
+
+def log(message: str) -> None:
+    print(f"[async-steps {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+async def run_mode(engine, prompts: list[list[int]], new_tokens: int, mode: str, tag: str) -> dict:
+    """The requests at once through `engine` in `mode`; tokens/s, TPOT, the worker's busy share, the tokens."""
+    from services.router.contracts import GenerationRequest
+
+    scheduler = engine.scheduler
+    scheduler.config = dataclasses.replace(scheduler.config, async_scheduling=mode == "ahead")
+    tokens: list[list[int]] = [[] for _ in prompts]
+    times: list[list[float]] = [[] for _ in prompts]
+
+    async def consume(i: int) -> None:
+        request = GenerationRequest(f"{tag}-{mode}-{i}", tuple(prompts[i]), new_tokens)
+        async for delta in engine.generate(request):
+            tokens[i].extend(delta.token_ids)
+            times[i].extend([time.perf_counter()] * len(delta.token_ids))
+
+    work_before = sum(w.forward_seconds + w.head_seconds for w in engine.driver.worker_times())
+    started = time.perf_counter()
+    await asyncio.gather(*(consume(i) for i in range(len(prompts))))
+    seconds = time.perf_counter() - started
+    work = sum(w.forward_seconds + w.head_seconds for w in engine.driver.worker_times()) - work_before
+    tpots = [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1]
+    return dict(tokens_per_s=sum(map(len, tokens)) / seconds, tpot_ms=statistics.mean(tpots) * 1e3 if tpots else 0,
+                seconds=seconds, worker_busy=work / seconds, tokens=tokens)
+
+
+async def run_model(args, model: str) -> list[dict]:
+    from services.launch.cluster import ClusterConfig, LocalCluster
+    from services.router.main import RouterConfig, build_engine
+
+    actives = [int(n) for n in args.active.split(",")]
+    kv_mb = max(16, max(actives) * (args.prompt_len + args.new_tokens) * 80 // 1024)  # the presets' KV, generously
+    cluster = LocalCluster(ClusterConfig(model=model, num_workers=1, topology="tp1pp1", block_size=16,
+                                         kv_cache_bytes=kv_mb * MIB, device=args.device,
+                                         num_threads=args.worker_threads,
+                                         gpus=(0,) if args.device == "cuda" else None,
+                                         env={"RECONFIG_LOG_LEVEL": "WARNING"}))
+    cluster.start()
+    rows = []
+    try:
+        engine = await build_engine(RouterConfig(worker_addresses=tuple(cluster.worker_addresses),
+                                                 model_dir=str(cluster.model_dir), model_name=model,
+                                                 max_num_seqs=max(128, max(actives))))
+        try:
+            for mode in MODES:  # warm both paths (first steps, and on a GPU the decode graphs)
+                await run_mode(engine, random_prompts(max(actives), args.prompt_len, 7), 4, mode, "warmup")
+            for n in actives:
+                prompts = random_prompts(n, args.prompt_len, args.seed + n)
+                runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+                for rep in range(args.reps):
+                    for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
+                        runs[mode].append(await run_mode(engine, prompts, args.new_tokens, mode, f"n{n}-{rep}"))
+                mean = {mode: {key: statistics.mean(r[key] for r in runs[mode])
+                               for key in ("tokens_per_s", "tpot_ms", "seconds", "worker_busy")} for mode in MODES}
+                same = all(r["tokens"] == runs["wait"][0]["tokens"] for mode in MODES for r in runs[mode])
+                rows.append(dict(model=model, active=n, same_tokens=same,
+                                 ratio=mean["ahead"]["tokens_per_s"] / mean["wait"]["tokens_per_s"],
+                                 **{f"{mode}_{key}": value for mode in MODES for key, value in mean[mode].items()}))
+                log(f"{model} N={n}: wait {mean['wait']['tokens_per_s']:.1f} tok/s, ahead "
+                    f"{mean['ahead']['tokens_per_s']:.1f} tok/s ({rows[-1]['ratio']:.2f}x), same tokens: {same}")
+        finally:
+            await engine.stop()
+    finally:
+        cluster.stop()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | N | wait tok/s | ahead tok/s | ahead ÷ wait | TPOT wait ms | TPOT ahead ms "
+             "| worker busy wait / ahead | same tokens |", "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['active']} | {r['wait_tokens_per_s']:.1f} | {r['ahead_tokens_per_s']:.1f} "
+                     f"| **{r['ratio']:.2f}×** | {r['wait_tpot_ms']:.2f} | {r['ahead_tpot_ms']:.2f} | "
+                     f"{r['wait_worker_busy']:.0%} / {r['ahead_worker_busy']:.0%} | "
+                     f"{'yes' if r['same_tokens'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['model']}\nN={r['active']}" for r in rows]
+    xs = range(len(rows))
+    figure, axes = plt.subplots(figsize=(1.8 * len(rows) + 3, 4))
+    axes.bar([x - 0.2 for x in xs], [r["wait_tokens_per_s"] for r in rows], 0.4, label="wait for each step")
+    axes.bar([x + 0.2 for x in xs], [r["ahead_tokens_per_s"] for r in rows], 0.4, label="next step ahead")
+    axes.set_xticks(list(xs), labels)
+    axes.set_yscale("log")
+    axes.set_ylabel("generated tokens/s")
+    axes.set_title(title)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models")
+    parser.add_argument("--active", help="numbers of concurrent requests, e.g. 1,16,64")
+    parser.add_argument("--prompt-len", type=int)
+    parser.add_argument("--new-tokens", type=int)
+    parser.add_argument("--reps", type=int, help="runs of each mode per N, alternating")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--worker-threads", type=int,
+                        help="the worker's torch threads (default: its share of the cores, all of them here)")
+    parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "async_steps.json")
+    args = parser.parse_args(argv)
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    rows = []
+    for model in args.models.split(","):
+        rows += asyncio.run(run_model(args, model))
+    threads = f", {args.worker_threads} thread(s)" if args.worker_threads else ""
+    title = f"one worker ({args.device}{threads}): waiting for each step vs the next step ahead"
+    print(f"\n# {title}\n\n{table(rows)}\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(config={k: str(v) for k, v in vars(args).items()}, machine=machine_info(),
+                                        rows=rows), indent=1) + "\n")
+    plot(rows, args.out.with_suffix(".png"), title)
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0 if all(r["same_tokens"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

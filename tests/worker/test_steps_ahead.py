@@ -1,0 +1,69 @@
+"""Steps sent ahead (async scheduling): a worker feeds PENDING_TOKEN with the token its previous step sampled for
+the request there, on the eager path and the fixed-shape decode path, and refuses one it did not sample."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from services.model.spec import ModelSpec
+from services.topology import Topology, place
+from services.worker.model_runner import PendingTokenMissing
+from services.worker.step import PENDING_TOKEN, SequenceStep, StepBatch
+from tests.conftest import hf_greedy, make_checkpoint
+from tests.worker.test_decode_graphs import _runner
+
+
+@contextlib.contextmanager
+def runner_of(model_dir, graphs: bool):
+    runner = _runner(ModelSpec.from_dir(model_dir), model_dir, graphs)
+    try:
+        yield runner
+    finally:
+        runner.kv_cache.close()
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode-graphs"])
+def test_pending_tokens_are_the_ones_sampled_the_step_before(tmp_path, graphs):
+    model_dir = make_checkpoint(tmp_path / "llama", "llama", seed=5)
+    prompts = [[5, 6, 7, 8, 9], [3, 4], list(range(20, 33))]
+    tables = [tuple(range(0, 8)), tuple(range(8, 16)), tuple(range(16, 24))]
+    num_new = 8
+    expected, _ = hf_greedy(model_dir, prompts, num_new)
+    outputs = [[] for _ in prompts]
+    seqs = tuple(SequenceStep(f"r{i}", tuple(p), 0, t) for i, (p, t) in enumerate(zip(prompts, tables)))
+    with runner_of(model_dir, graphs) as runner:
+        for step in range(num_new):
+            result = runner.execute(StepBatch(step, seqs), 0)
+            for i, out in enumerate(result.outputs):
+                outputs[i].append(out.token_id)
+            # Every input of the next step pending, except r1's on odd steps (the router knew that one already).
+            seqs = tuple(SequenceStep(f"r{i}", (outputs[i][-1],) if i == 1 and step % 2 else (PENDING_TOKEN,),
+                                      len(p) + step, t) for i, (p, t) in enumerate(zip(prompts, tables)))
+    assert outputs == expected
+
+
+def test_a_pending_token_the_previous_step_did_not_sample_is_refused(tmp_path):
+    model_dir = make_checkpoint(tmp_path / "llama", "llama", seed=5)
+    table = tuple(range(0, 8))
+    with runner_of(model_dir, False) as runner:
+        runner.execute(StepBatch(0, (SequenceStep("a", (5, 6, 7), 0, table),)), 0)  # samples position 3
+        with pytest.raises(PendingTokenMissing, match="position 4"):
+            runner.execute(StepBatch(1, (SequenceStep("a", (PENDING_TOKEN,), 4, table),)), 0)
+        with pytest.raises(PendingTokenMissing, match="'b'"):
+            runner.execute(StepBatch(1, (SequenceStep("b", (PENDING_TOKEN,), 3, table),)), 0)
+        # A step that did not sample it (a prefill chunk) comes between: the token is gone.
+        runner.execute(StepBatch(2, (SequenceStep("c", (1, 2), 0, tuple(range(8, 16)), sample=False),)), 0)
+        with pytest.raises(PendingTokenMissing):
+            runner.execute(StepBatch(3, (SequenceStep("a", (PENDING_TOKEN,), 3, table),)), 0)
+
+
+def test_a_worker_running_part_of_the_model_refuses_pending_tokens(tmp_path):
+    """Only a worker that runs the whole model samples what it feeds: in any other layout every rank refuses a
+    pending token alike, before its first collective (a rank that resolved it would wait for the others)."""
+    model_dir = make_checkpoint(tmp_path / "llama", "llama", seed=5)
+    with runner_of(model_dir, False) as runner:
+        runner.placement = place(Topology(1, 2), runner.placement.shape)
+        with pytest.raises(PendingTokenMissing, match="whole model"):
+            runner.execute(StepBatch(0, (SequenceStep("a", (PENDING_TOKEN,), 3, tuple(range(8))),)), 0)
