@@ -29,7 +29,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from figures import paired_bars  # noqa: E402
 from stack import REPO_ROOT  # noqa: E402
+from streams import stream_all  # noqa: E402
 from switch import MIB, machine_info, random_prompts  # noqa: E402
 
 DEFAULTS = dict(models="tiny-llama,smollm2-135m", active="1,16,64", prompt_len=32, new_tokens=64, reps=2)
@@ -43,27 +45,12 @@ def log(message: str) -> None:
 
 async def run_mode(engine, prompts: list[list[int]], new_tokens: int, mode: str, tag: str) -> dict:
     """The requests at once through `engine` in `mode`; tokens/s, TPOT, the worker's busy share, the tokens."""
-    from services.router.contracts import GenerationRequest
-
     scheduler = engine.scheduler
     scheduler.config = dataclasses.replace(scheduler.config, async_scheduling=mode == "ahead")
-    tokens: list[list[int]] = [[] for _ in prompts]
-    times: list[list[float]] = [[] for _ in prompts]
-
-    async def consume(i: int) -> None:
-        request = GenerationRequest(f"{tag}-{mode}-{i}", tuple(prompts[i]), new_tokens)
-        async for delta in engine.generate(request):
-            tokens[i].extend(delta.token_ids)
-            times[i].extend([time.perf_counter()] * len(delta.token_ids))
-
     work_before = sum(w.forward_seconds + w.head_seconds for w in engine.driver.worker_times())
-    started = time.perf_counter()
-    await asyncio.gather(*(consume(i) for i in range(len(prompts))))
-    seconds = time.perf_counter() - started
+    result = await stream_all(engine, prompts, new_tokens, f"{tag}-{mode}")
     work = sum(w.forward_seconds + w.head_seconds for w in engine.driver.worker_times()) - work_before
-    tpots = [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1]
-    return dict(tokens_per_s=sum(map(len, tokens)) / seconds, tpot_ms=statistics.mean(tpots) * 1e3 if tpots else 0,
-                seconds=seconds, worker_busy=work / seconds, tokens=tokens)
+    return dict(result, worker_busy=work / result["seconds"])
 
 
 async def run_model(args, model: str) -> list[dict]:
@@ -119,23 +106,9 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['model']}\nN={r['active']}" for r in rows]
-    xs = range(len(rows))
-    figure, axes = plt.subplots(figsize=(1.8 * len(rows) + 3, 4))
-    axes.bar([x - 0.2 for x in xs], [r["wait_tokens_per_s"] for r in rows], 0.4, label="wait for each step")
-    axes.bar([x + 0.2 for x in xs], [r["ahead_tokens_per_s"] for r in rows], 0.4, label="next step ahead")
-    axes.set_xticks(list(xs), labels)
-    axes.set_yscale("log")
-    axes.set_ylabel("generated tokens/s")
-    axes.set_title(title)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    paired_bars(path, title, [f"{r['model']}\nN={r['active']}" for r in rows],
+                ("wait for each step", [r["wait_tokens_per_s"] for r in rows]),
+                ("next step ahead", [r["ahead_tokens_per_s"] for r in rows]), "generated tokens/s", log=True)
 
 
 def main(argv: list[str] | None = None) -> int:

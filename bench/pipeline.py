@@ -19,13 +19,14 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from figures import paired_bars  # noqa: E402
 from stack import REPO_ROOT  # noqa: E402
+from streams import stream_all  # noqa: E402
 from switch import MIB, machine_info, random_prompts  # noqa: E402
 
 DEFAULTS = dict(model="smollm2-135m", layouts="tp1pp2:2,tp1pp4:4", active="16,64", prompt_len=32, new_tokens=48)
@@ -39,25 +40,9 @@ def log(message: str) -> None:
 
 async def run_mode(engine, prompts: list[list[int]], new_tokens: int, mode: str, tag: str) -> dict:
     """The requests at once through `engine`, the scheduler in `mode`; tokens/s, TPOT, the tokens."""
-    from services.router.contracts import GenerationRequest
-
     scheduler = engine.scheduler
     scheduler.config = dataclasses.replace(scheduler.config, spread_decodes=mode == "spread")
-    tokens: list[list[int]] = [[] for _ in prompts]
-    times: list[list[float]] = [[] for _ in prompts]
-
-    async def consume(i: int) -> None:
-        request = GenerationRequest(f"{tag}-{mode}-{i}", tuple(prompts[i]), new_tokens)
-        async for delta in engine.generate(request):
-            tokens[i].extend(delta.token_ids)
-            times[i].extend([time.perf_counter()] * len(delta.token_ids))
-
-    started = time.perf_counter()
-    await asyncio.gather(*(consume(i) for i in range(len(prompts))))
-    seconds = time.perf_counter() - started
-    tpots = [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1]
-    return dict(tokens_per_s=sum(map(len, tokens)) / seconds, tpot_ms=statistics.mean(tpots) * 1e3,
-                seconds=seconds, tokens=tokens)
+    return await stream_all(engine, prompts, new_tokens, f"{tag}-{mode}")
 
 
 async def run_layout(args, topology: str, num_workers: int) -> list[dict]:
@@ -107,22 +92,9 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['layout']}\nN={r['active']}" for r in rows]
-    xs = range(len(rows))
-    figure, axes = plt.subplots(figsize=(1.8 * len(rows) + 3, 4))
-    axes.bar([x - 0.2 for x in xs], [r["one_tokens_per_s"] for r in rows], 0.4, label="one micro-batch")
-    axes.bar([x + 0.2 for x in xs], [r["spread_tokens_per_s"] for r in rows], 0.4, label="spread over pp")
-    axes.set_xticks(list(xs), labels)
-    axes.set_ylabel("generated tokens/s")
-    axes.set_title(title)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    paired_bars(path, title, [f"{r['layout']}\nN={r['active']}" for r in rows],
+                ("one micro-batch", [r["one_tokens_per_s"] for r in rows]),
+                ("spread over pp", [r["spread_tokens_per_s"] for r in rows]), "generated tokens/s")
 
 
 def main(argv: list[str] | None = None) -> int:
