@@ -13,7 +13,7 @@ On a CUDA machine (../shared/gpu/README.md), in one run:
    CUDA graphs and eagerly, tok/s over the decode steps alone;
 5. reconfig's serving path: a LocalCluster of 2 workers sharing the GPU (tp1pp1, one on standby) behind the router's
    engine over gRPC, concurrent requests, tok/s from submission to the last token (prefill included, as
-   `generate`'s);
+   `generate`'s), with async scheduling (the default) and with the router waiting for each step's tokens;
 6. tp1pp1 -> tp1pp2 -> tp1pp1 in place (all inside the freeze), then the same two switches staged (the target
    built, its KV pre-copied and its decode graphs captured while serving), each with 16 requests of its own
    streaming: each switch's downtime and phases; for a staged one, the streams' mean gap between tokens while it
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -223,17 +224,25 @@ async def bench_serving(model_dir: Path, batches: list[int], new_tokens: int) ->
                 raise RuntimeError(f"{request.request_id}: {delta.finish_reason}")
 
     try:
-        for batch in [1, *batches]:  # the first pass at batch 1 warms the stack up
-            outputs = [[] for _ in range(batch)]
-            began = time.perf_counter()
-            await asyncio.gather(*(consume(GenerationRequest(f"b{batch}-{i}-{time.monotonic_ns()}", tuple(p),
-                                                             new_tokens), outputs[i])
-                                   for i, p in enumerate(prompts(batch, batch))))
-            seconds = time.perf_counter() - began
-            assert all(len(o) == new_tokens for o in outputs)
-            results[f"reconfig_serving/{batch}"] = batch * new_tokens / seconds
-        for batch in batches:
-            log(f"reconfig_serving batch {batch}: {results[f'reconfig_serving/{batch}']:.1f} tok/s")
+        # Async scheduling (the default: each decode's next step sent ahead), then the router waiting for each
+        # step's tokens, on the same requests.
+        served: dict[int, list[list[int]]] = {}
+        for row, ahead in (("reconfig_serving", True), ("reconfig_serving_wait", False)):
+            engine.scheduler.config = dataclasses.replace(engine.scheduler.config, async_scheduling=ahead)
+            for batch in [1, *batches]:  # the first pass at batch 1 warms the stack up
+                outputs = [[] for _ in range(batch)]
+                began = time.perf_counter()
+                await asyncio.gather(*(consume(GenerationRequest(f"b{batch}-{i}-{time.monotonic_ns()}", tuple(p),
+                                                                 new_tokens), outputs[i])
+                                       for i, p in enumerate(prompts(batch, batch))))
+                seconds = time.perf_counter() - began
+                assert all(len(o) == new_tokens for o in outputs)
+                results[f"{row}/{batch}"] = batch * new_tokens / seconds
+                if served.setdefault(batch, outputs) != outputs:
+                    raise RuntimeError(f"batch {batch}: waiting for each step changed the tokens")
+            for batch in batches:
+                log(f"{row} batch {batch}: {results[f'{row}/{batch}']:.1f} tok/s")
+        engine.scheduler.config = dataclasses.replace(engine.scheduler.config, async_scheduling=True)
         # Live switches, each with 16 requests of its own streaming (a staged switch serves through its staging
         # and pre-copy: one batch would end before the later switches).
         switches, streams = [], []
@@ -296,11 +305,12 @@ def _signed(fraction: float | None) -> str:
 
 def table(result: dict, batches: list[int]) -> str:
     rows = ["hf_eager", "hf_static", "hf_static_compiled", "reconfig_step_eager", "reconfig_step_graphs",
-            "reconfig_serving"]
+            "reconfig_serving", "reconfig_serving_wait"]
     labels = {"hf_eager": "transformers generate, eager", "hf_static": "transformers generate, static cache (eager)",
               "hf_static_compiled": "transformers generate, static cache (compiled)",
               "reconfig_step_eager": "reconfig worker step, eager", "reconfig_step_graphs":
-              "reconfig worker step, CUDA graphs", "reconfig_serving": "reconfig serving (engine + gRPC, graphs)"}
+              "reconfig worker step, CUDA graphs", "reconfig_serving": "reconfig serving (engine + gRPC, graphs)",
+              "reconfig_serving_wait": "reconfig serving, waiting for each step (no async scheduling)"}
     lines = [f"| decode tok/s | {' | '.join(f'batch {b}' for b in batches)} |",
              "|---|" + "---|" * len(batches)]
     for row in rows:
@@ -318,6 +328,8 @@ def table(result: dict, batches: list[int]) -> str:
             f"hf_static/{b}")
         if ours and theirs:
             lines.append(f"\nbatch {b}: reconfig serving ÷ transformers static cache = {ours / theirs:.2f}×")
+        if ours and (waiting := result.get(f"reconfig_serving_wait/{b}")):
+            lines.append(f"\nbatch {b}: async scheduling, serving ÷ waiting for each step = {ours / waiting:.2f}×")
     for switch in result.get("switches", []):
         phases = ", ".join(f"{k} {v:.0f}" for k, v in switch["phases_ms"].items())
         lines.append(f"\nswitch → {switch['target']} ({switch.get('strategy', 'in-place')}, shared GPU, "
@@ -339,7 +351,8 @@ def plot(result: dict, batches: list[int], path: Path) -> None:
     except ImportError:
         return
     rows = [r for r in ("hf_eager", "hf_static", "hf_static_compiled", "reconfig_step_eager",
-                        "reconfig_step_graphs", "reconfig_serving") if any(result.get(f"{r}/{b}") for b in batches)]
+                        "reconfig_step_graphs", "reconfig_serving", "reconfig_serving_wait")
+            if any(result.get(f"{r}/{b}") for b in batches)]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / max(1, len(rows))
     for i, row in enumerate(rows):
