@@ -115,3 +115,29 @@ async def test_workers_get_their_share_of_the_cores_after_each_switch(live_stack
                 threads.append(info.num_threads)
         assert threads == [threads_per_worker(usable_cores(), topology.num_workers, rank < topology.num_workers)
                            for rank in range(len(threads))], target
+
+
+async def test_steps_ahead_in_flight_drain_into_a_switch_and_resume_after_it(live_stack, switch_checkpoint):
+    """tp1pp1 sends its decodes a step ahead (async scheduling): a freeze drains both steps in flight, the switch
+    out of tp1pp1 and back keeps every stream exact, and the decodes go ahead again once back in tp1pp1. (tp1pp1's
+    cache holds about half of what the 12 requests grow to: some are preempted and prefill again meanwhile.)"""
+    engine, reconfigurer = live_stack.engine, live_stack.reconfigurer
+    assert (await reconfigurer.reconfigure("tp1pp1")).state is OperationState.SUCCEEDED
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(2, 20))] for _ in range(12)]
+    lengths = [rng.randrange(200, 230) for _ in prompts]
+    expected, _ = hf_greedy(switch_checkpoint, prompts, max(lengths))
+    tasks = [asyncio.ensure_future(generated_tokens(engine, GenerationRequest(f"ahead-{i}", tuple(p), n)))
+             for i, (p, n) in enumerate(zip(prompts, lengths))]
+    await until(lambda: engine.stats().num_decodes_ahead > 2 * len(prompts), what="decodes sent ahead")
+    for target in ("tp2pp1", "tp1pp1"):  # in place: the freeze starts at once, with both steps in flight
+        assert any(not t.done() for t in tasks), "a switch with nothing in flight proves nothing"
+        operation = await reconfigurer.reconfigure(target, strategy="in-place")
+        assert operation.state is OperationState.SUCCEEDED, operation.error
+    outputs = await asyncio.gather(*tasks)
+    for i, tokens in enumerate(outputs):
+        assert tokens == expected[i][: lengths[i]], f"request {i}"
+    ahead = engine.stats().num_decodes_ahead
+    assert await generated_tokens(engine, GenerationRequest("after", tuple(prompts[0]), 8)) == expected[0][:8]
+    assert engine.stats().num_decodes_ahead > ahead  # tp1pp1 again: ahead again
+    assert (await reconfigurer.reconfigure("tp2pp2")).state is OperationState.SUCCEEDED
