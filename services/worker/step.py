@@ -83,41 +83,40 @@ class SequenceStep:
     dp_rank: int = 0  # EP layouts: the data-parallel rank running this request's attention (its KV pool)
 
     def to_pb(self) -> worker_pb2.SequenceStep:
-        return worker_pb2.SequenceStep(
-            request_id=self.request_id,
-            token_ids=self.token_ids,
-            start_position=self.start_position,
-            block_table=self.block_table,
-            sampling=self.sampling.to_pb() if self.sampling != GREEDY else None,  # absent: greedy (most steps)
-            sample=self.sample,
-            return_logits=self.return_logits,
-            num_generated=self.num_generated,
-            output_token_ids=[token_id for token_id, _ in self.output_token_counts],
-            output_token_counts=[count for _, count in self.output_token_counts],
-            distinct_prompt_token_ids=self.distinct_prompt_token_ids,
-            suppressed_token_ids=self.suppressed_token_ids,
-            prompt_logprob_token_ids=self.prompt_logprob_token_ids,
-            dp_rank=self.dp_rank,
-        )
+        # Only what is set: most steps are greedy decodes with none of the optional fields (the per-step cost of
+        # this conversion and its reverse scales with the batch).
+        fields = dict(request_id=self.request_id, token_ids=self.token_ids, start_position=self.start_position,
+                      block_table=self.block_table, sample=self.sample, num_generated=self.num_generated,
+                      dp_rank=self.dp_rank)
+        if self.sampling is not GREEDY and self.sampling != GREEDY:  # absent: greedy
+            fields["sampling"] = self.sampling.to_pb()
+        if self.return_logits:
+            fields["return_logits"] = True
+        if self.output_token_counts:
+            fields["output_token_ids"] = [token_id for token_id, _ in self.output_token_counts]
+            fields["output_token_counts"] = [count for _, count in self.output_token_counts]
+        if self.distinct_prompt_token_ids:
+            fields["distinct_prompt_token_ids"] = self.distinct_prompt_token_ids
+        if self.suppressed_token_ids:
+            fields["suppressed_token_ids"] = self.suppressed_token_ids
+        if self.prompt_logprob_token_ids:
+            fields["prompt_logprob_token_ids"] = self.prompt_logprob_token_ids
+        return worker_pb2.SequenceStep(**fields)
 
     @classmethod
     def from_pb(cls, pb: worker_pb2.SequenceStep) -> SequenceStep:
-        if len(pb.output_token_ids) != len(pb.output_token_counts):
+        output_token_ids, counts = pb.output_token_ids, pb.output_token_counts
+        if len(output_token_ids) != len(counts):
             raise ValueError("output_token_ids and output_token_counts differ in length")
-        return cls(
-            request_id=pb.request_id,
-            token_ids=tuple(pb.token_ids),
-            start_position=pb.start_position,
-            block_table=tuple(pb.block_table),
-            sampling=SamplingParams.from_pb(pb.sampling) if pb.HasField("sampling") else GREEDY,
-            sample=pb.sample,
-            return_logits=pb.return_logits,
-            num_generated=pb.num_generated,
-            output_token_counts=tuple(zip(pb.output_token_ids, pb.output_token_counts, strict=True)),
-            distinct_prompt_token_ids=tuple(pb.distinct_prompt_token_ids),
-            suppressed_token_ids=tuple(pb.suppressed_token_ids),
-            prompt_logprob_token_ids=tuple(pb.prompt_logprob_token_ids),
-            dp_rank=pb.dp_rank,
+        distinct, suppressed, prompt_logprob = (pb.distinct_prompt_token_ids, pb.suppressed_token_ids,
+                                                pb.prompt_logprob_token_ids)
+        return cls(  # positional, in field order; the empty ones as ()
+            pb.request_id, tuple(pb.token_ids), pb.start_position, tuple(pb.block_table),
+            SamplingParams.from_pb(pb.sampling) if pb.HasField("sampling") else GREEDY,
+            pb.sample, pb.return_logits, pb.num_generated,
+            tuple(zip(output_token_ids, counts)) if counts else (),
+            tuple(distinct) if distinct else (), tuple(suppressed) if suppressed else (),
+            tuple(prompt_logprob) if prompt_logprob else (), pb.dp_rank,
         )
 
 
@@ -170,6 +169,8 @@ class SequenceOutput:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()   # one per step.prompt_logprob_token_ids
 
     def to_pb(self) -> worker_pb2.SequenceResult:
+        if not (self.logits or self.logprob or self.prompt_logprobs):  # most results: a token, nothing else
+            return worker_pb2.SequenceResult(request_id=self.request_id, token_id=self.token_id)
         return worker_pb2.SequenceResult(
             request_id=self.request_id, token_id=self.token_id, logits=self.logits,
             sampled_logprob=self.logprob.to_pb() if self.logprob is not None else None,
@@ -178,10 +179,11 @@ class SequenceOutput:
 
     @classmethod
     def from_pb(cls, pb: worker_pb2.SequenceResult) -> SequenceOutput:
+        prompt_logprobs = pb.prompt_logprobs
         return cls(
             pb.request_id, pb.token_id, pb.logits,
             TokenLogprob.from_pb(pb.sampled_logprob) if pb.HasField("sampled_logprob") else None,
-            tuple(TokenLogprob.from_pb(p) for p in pb.prompt_logprobs),
+            tuple(TokenLogprob.from_pb(p) for p in prompt_logprobs) if prompt_logprobs else (),
         )
 
 
