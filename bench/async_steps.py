@@ -1,10 +1,11 @@
-"""Async scheduling through one worker (tp1pp1): the router waiting for each step's tokens vs sending each decode's
-next step ahead (the worker feeding the token it sampled), side by side in one run.
+"""Async scheduling in a single-stage layout (one worker by default, `--topology tp2pp1` for TP ranks): the router
+waiting for each step's tokens vs sending each decode's next step ahead (the workers feeding the token they
+sampled), side by side in one run.
 
     python bench/async_steps.py [--models tiny-llama,smollm2-135m] [--active 1,16,64] [--reps 2] [--quick]
                                 [--device cuda]
 
-For each model, one stack (weightstore, one worker, the router's engine in this process); for each number of
+For each model, one stack (weightstore, the layout's workers, the router's engine in this process); for each number of
 concurrent requests N, the same N greedy requests (random prompts, exactly --new-tokens each) run in both modes,
 `--reps` times each, alternating (wait, ahead, ahead, wait, ...) so that drift hits both:
 - `wait` (SchedulerConfig.async_scheduling off): the next step goes out once the previous one's tokens are back;
@@ -56,13 +57,17 @@ async def run_mode(engine, prompts: list[list[int]], new_tokens: int, mode: str,
 async def run_model(args, model: str) -> list[dict]:
     from services.launch.cluster import ClusterConfig, LocalCluster
     from services.router.main import RouterConfig, build_engine
+    from services.topology import Topology
 
     actives = [int(n) for n in args.active.split(",")]
     kv_mb = max(16, max(actives) * (args.prompt_len + args.new_tokens) * 80 // 1024)  # the presets' KV, generously
-    cluster = LocalCluster(ClusterConfig(model=model, num_workers=1, topology="tp1pp1", block_size=16,
+    topology = Topology.parse(args.topology)
+    cluster = LocalCluster(ClusterConfig(model=model, num_workers=topology.num_workers, topology=args.topology,
+                                         block_size=16,
                                          kv_cache_bytes=kv_mb * MIB, device=args.device,
                                          num_threads=args.worker_threads,
                                          gpus=(0,) if args.device == "cuda" else None,
+                                         gpu_sharing=args.device == "cuda" and topology.num_workers > 1,
                                          env={"RECONFIG_LOG_LEVEL": "WARNING"}))
     cluster.start()
     rows = []
@@ -119,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int)
     parser.add_argument("--reps", type=int, help="runs of each mode per N, alternating")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--topology", default="tp1pp1", help="a single-stage layout (tp1pp1, tp2pp1, ...)")
     parser.add_argument("--worker-threads", type=int,
                         help="the worker's torch threads (default: its share of the cores, all of them here)")
     parser.add_argument("--seed", type=int, default=3)
@@ -132,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models.split(","):
         rows += asyncio.run(run_model(args, model))
     threads = f", {args.worker_threads} thread(s)" if args.worker_threads else ""
-    title = f"one worker ({args.device}{threads}): waiting for each step vs the next step ahead"
+    title = f"{args.topology} ({args.device}{threads}): waiting for each step vs the next step ahead"
     print(f"\n# {title}\n\n{table(rows)}\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(config={k: str(v) for k, v in vars(args).items()}, machine=machine_info(),

@@ -46,7 +46,7 @@ class UpConfig:
     http_keep_alive_s: float = 120.0     # idle HTTP connections outlive client pools (router/api/server.py)
     shutdown_grace_s: float = 5.0       # on stop, admitted requests get this long to finish
     replace_lost_workers: bool = True   # start a joining worker for each one lost (`reconfigctl add-worker` adds it)
-    async_scheduling: bool = True       # tp1pp1: the router sends each decode's next step before it returns
+    async_scheduling: bool = True       # single-stage layouts: each decode's next step goes out before it returns
     num_redundant_experts: int = 0      # MoE, EP layouts: extra physical expert slots per layer (EPLB replicas)
     eplb: bool = False                  # MoE, EP layouts: the router rebalances the experts every eplb_step_interval
     eplb_window: int = 1000             # steps of per-expert load each worker keeps (EPLB's sliding window)
@@ -181,8 +181,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-replace-lost-workers", dest="replace_lost_workers", action="store_false", default=None,
                         help="do not start a joining worker when one is lost (default: start one)")
     parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false", default=None,
-                        help="one-worker layouts: the router waits for each step's tokens before sending the next "
-                             "(default: it sends each decode's next step ahead; the worker feeds its own token)")
+                        help="single-stage layouts (no pipeline, no EP): the router waits for each step's tokens "
+                             "before sending the next (default: it sends each decode's next step ahead; the workers "
+                             "feed their own tokens)")
     add_expert_arguments(parser)
     parser.add_argument("--verbose", action="store_true", help="show the services' structured logs")
 

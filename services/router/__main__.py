@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--spread-decodes", action="store_true",
                         help="PP layouts: spread the running decodes over the pipeline's micro-batches [off]")
     parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                        help="one-worker layouts: wait for each step's tokens before sending the next [send each "
-                             "decode's next step ahead, the worker feeding the token it sampled]")
+                        help="single-stage layouts: wait for each step's tokens before sending the next [send each "
+                             "decode's next step ahead, the workers feeding the token they sampled]")
     parser.add_argument("--eplb", action="store_true",
                         help="MoE, EP layouts: rebalance the experts every --eplb-step-interval steps [off]")
     parser.add_argument("--eplb-step-interval", type=positive_int, default=3000,

@@ -22,9 +22,9 @@ class SchedulerConfig:
     # machine, 4 stages sharing the cores lost (tp1pp4 0.66-1.04x, tp1pp2 1.08-1.31x: bench/pipeline.py); where each
     # stage has a device of its own it is what keeps a pipeline busy, not measured there yet.
     spread_decodes: bool = False
-    # Async scheduling: where one worker runs the whole model (tp1pp1), each decode's next step goes out before
-    # its step returns (the scheduler's "ahead" steps), so the router's work for a step overlaps the worker's
-    # compute of the one before. 1.2-1.4x decode tokens/s through one worker on CPU (bench/async_steps.py).
+    # Async scheduling: in a single-stage layout (tpN, no pipeline, no EP), each decode's next step goes out before
+    # its step returns (the scheduler's "ahead" steps), so the router's work for a step overlaps the workers'
+    # compute of the one before. 1.1-1.5x decode tokens/s through one worker on CPU (bench/async_steps.py).
     async_scheduling: bool = True
     retry_after_s: float = 1.0           # what QueueFullError tells the client to wait
 

@@ -439,14 +439,17 @@ class Engine:
 
     @property
     def steps_ahead(self) -> bool:
-        """Whether decodes go out a step ahead (SchedulerConfig.async_scheduling): only where one worker runs the
-        whole model, which feeds its own sampled tokens; every other layout waits for each step's tokens."""
-        return self.scheduler.config.async_scheduling and self.topology.num_workers == 1
+        """Whether decodes go out a step ahead (SchedulerConfig.async_scheduling): only in a single-stage layout
+        (tp, not a pipeline, not EP), whose ranks all sample and feed their own tokens; a pipeline or an EP layout
+        waits for each step's tokens. With several TP ranks, only greedy and seeded requests go ahead."""
+        return (self.scheduler.config.async_scheduling and self.topology.pp == 1
+                and not self.topology.is_expert_parallel)
 
     async def _fill_pipeline(self) -> None:
         ahead = self.steps_ahead
         while len(self._inflight) < self.num_inflight_batches + ahead:
-            batch = self.scheduler.schedule(self.num_inflight_batches, ahead=ahead)
+            batch = self.scheduler.schedule(self.num_inflight_batches, ahead=ahead,
+                                            ahead_random=self.topology.num_workers == 1)
             commit, epoch = self._expert_commit, 0
             if batch is None and (commit is None or self.scheduler.is_frozen):
                 return

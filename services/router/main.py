@@ -40,7 +40,7 @@ class RouterConfig:
     eplb: bool = False                   # MoE, EP layouts: rebalance the experts every eplb_step_interval steps
     eplb_step_interval: int = 3000
     spread_decodes: bool = False         # PP: decodes spread over the micro-batches in flight (SchedulerConfig)
-    async_scheduling: bool = True        # tp1pp1: each decode's next step goes out before it returns (SchedulerConfig)
+    async_scheduling: bool = True        # single-stage layouts: decodes go a step ahead (SchedulerConfig)
 
     def __post_init__(self) -> None:
         if self.http_keep_alive_s <= 0:

@@ -20,13 +20,14 @@ sequence is never preempted, and newer sequences keep blocks from it only while 
 progresses, and so, one after the other, does every request. (A sequence that preempted itself while the others
 were in flight let two sequences that cannot share the cache preempt each other forever.)
 
-Ahead steps (async scheduling, `schedule(ahead=True)`: the engine asks for them where one worker runs the whole
-model): a decoding sequence whose one step in flight samples can be scheduled again before that step returns, one
-position further, its input token PENDING_TOKEN: the worker feeds the token it sampled for the request in its
-previous step. The router's work for the next step (scheduling, the wire, the clients' streams) then overlaps the
-worker's compute of this one. Only where that token is all the step needs of the history (no penalties, logprobs or
-min_tokens to count, max_tokens not reached by the step in flight); a step ahead of one that ends the request (a
-stop token) is computed and discarded.
+Ahead steps (async scheduling, `schedule(ahead=True)`: the engine asks for them in single-stage layouts, whose
+workers all sample and keep their tokens): a decoding sequence whose one step in flight samples can be scheduled
+again before that step returns, one position further, its input token PENDING_TOKEN: the workers feed the token
+they sampled for the request in their previous step. The router's work for the next step (scheduling, the wire,
+the clients' streams) then overlaps the workers' compute of this one. Only where that token is all the step needs
+of the history (no penalties, logprobs or min_tokens to count, max_tokens not reached by the step in flight), and,
+with several samplers (TP ranks), where every one draws the same token (greedy or seeded); a step ahead of one that
+ends the request (a stop token) is computed and discarded.
 
 A step the workers failed is taken back unadvanced (on_batch_failed); when the workers lost their KV,
 preempt_all sends every running sequence back to re-prefill. The scheduler never touches tensors.
@@ -148,13 +149,16 @@ class Scheduler:
             cache = "the cache has" if self.block_manager.num_ranks == 1 else "each data-parallel rank's cache has"
             raise RequestError(f"the request needs {needed} KV blocks, {cache} {capacity}")
 
-    def schedule(self, num_micro_batches: int = 1, ahead: bool = False) -> ScheduledBatch | None:
+    def schedule(self, num_micro_batches: int = 1, ahead: bool = False,
+                 ahead_random: bool = True) -> ScheduledBatch | None:
         """The next micro-batch from the sequences not in flight; None when frozen or nothing can run.
 
         The caller keeps up to `num_micro_batches` (the live pp, which a reconfiguration changes) in flight; with
         config.spread_decodes each takes at most ceil(running / num_micro_batches) decodes. ahead: also the next
         decode of sequences whose step in flight samples (module docstring), for a caller whose workers run the
-        steps in order, each after the previous one (one worker: tp1pp1).
+        steps in order, each after the previous one, and keep what they sampled (a single-stage layout);
+        ahead_random: also of requests sampled without a seed (only where one worker samples: several TP ranks
+        would each draw another token).
         """
         if self._is_frozen:
             return None
@@ -175,7 +179,7 @@ class Scheduler:
                 if budget == 0:
                     break
                 if (decodes and seq.request_id in newest and decodes_left > 0
-                        and (item := self._ahead_item(seq)) is not None):
+                        and (item := self._ahead_item(seq, ahead_random)) is not None):
                     items[seq.request_id] = item
                     budget -= 1
                     decodes_left -= 1
@@ -232,7 +236,7 @@ class Scheduler:
             self._inflight_ids.setdefault(request_id, []).append(item)
         return batch
 
-    def _ahead_item(self, seq: Sequence) -> ScheduledItem | None:
+    def _ahead_item(self, seq: Sequence, random: bool) -> ScheduledItem | None:
         """The decode after `seq`'s one step in flight (the newest), its input PENDING_TOKEN, where that step
         samples and the token is all the next one needs; None otherwise, or when the blocks for it are not free (no
         preemption for a step ahead: the sequence waits for its step as without one)."""
@@ -240,7 +244,8 @@ class Scheduler:
         if (len(inflight) != 1 or not inflight[0].step.sample
                 or seq.request_id in self._parking or seq.status is not SequenceStatus.RUNNING
                 or len(seq.output_token_ids) + 2 > seq.max_tokens or len(seq.output_token_ids) + 1 < seq.min_tokens
-                or seq.sampling.has_output_penalties or seq.sampling.num_logprobs is not None):
+                or seq.sampling.has_output_penalties or seq.sampling.num_logprobs is not None
+                or not (random or seq.sampling.is_greedy or seq.sampling.seed is not None)):
             return None
         previous = inflight[0].step
         start = previous.start_position + len(previous.token_ids)  # the position of the token it samples

@@ -41,6 +41,9 @@ class ModelRunner:
         self.prev_rank = (wp.pp_rank - 1) * size + wp.stage_rank if not wp.is_first_stage else None
         self.next_rank = (wp.pp_rank + 1) * size + wp.stage_rank if not wp.is_last_stage else None
         self.is_data_parallel = wp.ep_size > 1  # EP layout: attention for this rank's own requests only
+        # The ranks of a single-stage layout (tp, not a pipeline, not EP) all sample each step, so that each keeps
+        # the tokens a step sent ahead feeds; only TP rank 0 returns them.
+        self.keeps_samples = wp.is_first_stage and wp.is_last_stage and not self.is_data_parallel
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and (why_not := self.graph_support()) is None:
             self.graphs = DecodeGraphs(model, kv_cache, device, capture=True)
@@ -72,18 +75,28 @@ class ModelRunner:
         batch = self._with_sampled_inputs(batch)
         self._sampled = {}  # a step that fails leaves nothing for the next one to feed
         output = self._execute(batch, rank)
-        positions = {s.request_id: s.start_position + len(s.token_ids) for s in batch.sequences}
-        self._sampled = {o.request_id: (positions[o.request_id], o.token_id) for o in output.outputs
-                         if o.token_id >= 0}
+        if self.keeps_samples:
+            self._sampled = self._samples(batch, output.outputs)
+            if self.wp.tp_rank != 0:
+                output = dataclasses.replace(output, outputs=())
         return output
+
+    def _samples(self, batch: StepBatch, outputs) -> dict[str, tuple[int, int]]:
+        """(position, token) of what this step sampled, by request. With several TP ranks, only what every rank
+        drew alike (greedy or seeded): a request sampled without a seed draws differently on each rank."""
+        several = self.placement.topology.tp > 1
+        positions = {s.request_id: s.start_position + len(s.token_ids) for s in batch.sequences
+                     if not several or s.sampling.is_greedy or s.sampling.seed is not None}
+        return {o.request_id: (positions[o.request_id], o.token_id) for o in outputs
+                if o.token_id >= 0 and o.request_id in positions}
 
     def _with_sampled_inputs(self, batch: StepBatch) -> StepBatch:
         """The batch with each PENDING_TOKEN input replaced by the token the previous step sampled there."""
         if not any(s.token_ids == (PENDING_TOKEN,) for s in batch.sequences):
             return batch
-        if self.placement.topology.num_workers > 1:  # every rank refuses alike, before any collective
-            raise PendingTokenMissing(f"step {batch.step_id} feeds pending tokens, which only a worker running the "
-                                      f"whole model keeps; this one runs a part of {self.placement.topology}")
+        if not self.keeps_samples:  # every rank of the layout refuses alike, before any collective
+            raise PendingTokenMissing(f"step {batch.step_id} feeds pending tokens, which only the ranks of a "
+                                      f"single-stage layout keep, not those of {self.placement.topology}")
         seqs = []
         for s in batch.sequences:
             if s.token_ids == (PENDING_TOKEN,):
@@ -136,7 +149,7 @@ class ModelRunner:
             last = [meta.sequences[i].token_start + meta.sequences[i].num_new_tokens - 1 for i in wanted]
             rows = torch.tensor(prompt_rows + last, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [R, vocab]; a TP collective
-            if self.wp.tp_rank == 0:
+            if self.wp.tp_rank == 0 or self.keeps_samples:
                 outputs = sample_outputs(list(seqs), wanted, logits.cpu(), len(prompt_rows))
         head_s = self._measured("forward", head_started, rank)
         return StepOutput(batch.step_id, rank, tuple(outputs), compute_seconds=time.perf_counter() - started,
@@ -161,7 +174,7 @@ class ModelRunner:
             self.parallel.send(result.hidden, self.next_rank)
             return StepOutput(batch.step_id, rank, compute_seconds=time.perf_counter() - started)
         outputs: list[SequenceOutput] = []
-        if self.wp.tp_rank == 0:
+        if self.wp.tp_rank == 0 or self.keeps_samples:
             wanted = [i for i, s in enumerate(seqs) if s.sample or s.return_logits]
             chosen = [seqs[i] for i in wanted]
             if all(s.sample and s.sampling.is_greedy and s.sampling.num_logprobs is None and not s.return_logits

@@ -324,6 +324,18 @@ def test_no_step_ahead_where_the_next_step_needs_more_than_the_pending_token(req
     assert scheduler.num_ahead_items == 0
 
 
+def test_with_several_samplers_only_greedy_and_seeded_requests_go_ahead():
+    """ahead_random=False (TP ranks each sample): a request sampled without a seed would draw another token on
+    each rank, so it waits for its step; greedy and seeded ones go ahead."""
+    scheduler = make_scheduler()
+    for request_id, sampling in (("greedy", SamplingParams()), ("seeded", SamplingParams(temperature=0.7, seed=1)),
+                                 ("random", SamplingParams(temperature=0.7))):
+        scheduler.add(Sequence.from_request(GenerationRequest(request_id, tuple(prompt_of(5, 4)), 8, sampling)))
+    scheduler.schedule(ahead=True, ahead_random=False)
+    ahead = scheduler.schedule(ahead=True, ahead_random=False)
+    assert [item.seq.request_id for item in ahead.items] == ["greedy", "seeded"]
+
+
 def test_ahead_only_of_the_newest_step_in_flight():
     """Two micro-batches in flight (a pipeline): the decodes of the older one wait for it; the worker feeds only
     what its previous step sampled."""

@@ -1,6 +1,8 @@
-"""Async scheduling through the engine and a real tp1pp1 worker: with each decode's next step sent ahead (the
-worker feeding the token it sampled), every request ends with exactly what it ends with when the router waits for
-each step, whatever its options, and aborted or stopped requests give their blocks back."""
+"""Async scheduling through the engine and real workers of a single-stage layout (tp1pp1, tp2pp1): with each
+decode's next step sent ahead (the workers feeding the token they sampled), every request ends with exactly what it
+ends with when the router waits for each step, whatever its options, and aborted or stopped requests give their
+blocks back. With two TP ranks, requests sampled without a seed wait for each step (each rank would draw another
+token)."""
 
 from __future__ import annotations
 
@@ -19,24 +21,25 @@ from tests.conftest import hf_greedy
 pytestmark = pytest.mark.multiprocess
 
 
-@pytest.fixture(scope="module")
-def one_worker(serving_checkpoint):
-    config = ClusterConfig(model=str(serving_checkpoint), num_workers=1, topology="tp1pp1",
+@pytest.fixture(scope="module", params=[(1, "tp1pp1"), (2, "tp2pp1")], ids=["tp1pp1", "tp2pp1"])
+def single_stage(request, serving_checkpoint):
+    num_workers, topology = request.param
+    config = ClusterConfig(model=str(serving_checkpoint), num_workers=num_workers, topology=topology,
                            kv_cache_bytes=1 << 20, block_size=4)
     with LocalCluster(config) as cluster:
         yield cluster
 
 
 @pytest_asyncio.fixture
-async def engines(one_worker):
-    """An engine factory over the one worker (one engine at a time: each holds the worker's step stream)."""
+async def engines(single_stage):
+    """An engine factory over the workers (one engine at a time: each holds the workers' step streams)."""
     started = []
 
     async def start(async_scheduling: bool):
         if started:
             await started.pop().stop()
-        engine = await build_engine(RouterConfig(worker_addresses=tuple(one_worker.worker_addresses),
-                                                 model_dir=str(one_worker.model_dir), model_name="llama-serving",
+        engine = await build_engine(RouterConfig(worker_addresses=tuple(single_stage.worker_addresses),
+                                                 model_dir=str(single_stage.model_dir), model_name="llama-serving",
                                                  async_scheduling=async_scheduling))
         started.append(engine)
         return engine
@@ -46,7 +49,7 @@ async def engines(one_worker):
         await engine.stop()
 
 
-def requests(engine_tokenizer, stop_text: str) -> list[GenerationRequest]:
+def requests(stop_text: str) -> list[GenerationRequest]:
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 160) for _ in range(rng.randrange(1, 25))] for _ in range(8)]
     greedy = [GenerationRequest(f"g{i}", tuple(p), rng.randrange(1, 24)) for i, p in enumerate(prompts)]
@@ -58,6 +61,7 @@ def requests(engine_tokenizer, stop_text: str) -> list[GenerationRequest]:
         GenerationRequest("stop-string", (5, 6, 7, 8), 24, stop_strings=(stop_text,)),
         GenerationRequest("min-tokens", tuple(prompts[3]), 16, stop_token_ids=frozenset(range(80)), min_tokens=6),
         GenerationRequest("one-token", tuple(prompts[4]), 1),
+        GenerationRequest("unseeded", tuple(prompts[5]), 16, SamplingParams(temperature=0.8)),  # tokens vary
     ]
 
 
@@ -80,25 +84,26 @@ async def run_all(engine, batch: list[GenerationRequest]):
             break
         await asyncio.sleep(0.02)
     assert stats.num_running == 0 and stats.num_kv_blocks_used == 0
-    return results
+    return dict(zip((r.request_id for r in batch), results))
 
 
 async def test_steps_ahead_end_every_request_as_waiting_for_each_step_does(engines, serving_checkpoint):
     expected, _ = hf_greedy(serving_checkpoint, [[5, 6, 7, 8]], 24)
     engine = await engines(async_scheduling=False)
     stop_text = engine.tokenizer.decode(expected[0])[6:9]
-    batch = requests(engine.tokenizer, stop_text)
+    batch = requests(stop_text)
     waiting = await run_all(engine, batch)
     assert engine.scheduler.num_ahead_items == 0
     engine = await engines(async_scheduling=True)
     assert engine.steps_ahead
     ahead = await run_all(engine, batch)
     assert engine.stats().num_decodes_ahead == engine.scheduler.num_ahead_items > 50
+    unseeded = ahead.pop("unseeded"), waiting.pop("unseeded")
     assert ahead == waiting
+    assert [len(tokens) for tokens, *_ in unseeded] == [16, 16]
     greedy = [r for r in batch if r.request_id.startswith("g")]
     oracle, _ = hf_greedy(serving_checkpoint, [list(r.prompt_token_ids) for r in greedy], 24)
-    for request, result, want in zip(greedy, ahead, oracle):
-        assert result[0] == want[:request.max_tokens], request.request_id
-    by_id = dict(zip((r.request_id for r in batch), ahead))
-    assert by_id["stop-string"][2] == "stop" and stop_text not in by_id["stop-string"][1]
-    assert len(by_id["min-tokens"][0]) >= 6 and len(by_id["one-token"][0]) == 1
+    for request, want in zip(greedy, oracle):
+        assert ahead[request.request_id][0] == want[:request.max_tokens], request.request_id
+    assert ahead["stop-string"][2] == "stop" and stop_text not in ahead["stop-string"][1]
+    assert len(ahead["min-tokens"][0]) >= 6 and len(ahead["one-token"][0]) == 1

@@ -32,9 +32,10 @@ def test_buckets():
     assert key_blocks(1000, 16) == 1024 // 16
 
 
-def _runner(spec, model_dir, graphs: bool):
+def _runner(spec, model_dir, graphs: bool, topology: Topology = Topology(1, 1)):
+    """A runner in process over rank 0 of `topology` (its collectives on one rank: only tp1pp1 runs steps)."""
     tensors = load_file(model_dir / "model.safetensors")
-    placement = place(Topology(1, 1), spec.shape)
+    placement = place(topology, spec.shape)
     wp = placement.workers[0]
     loader = ShardLoader(tensors.__getitem__, set(tensors), torch.float32, CPU)
     cache = KVCache(wp.layers, len(wp.kv_heads), spec.head_dim, BLOCK_SIZE, torch.float32, CPU, num_blocks=96)

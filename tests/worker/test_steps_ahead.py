@@ -8,7 +8,7 @@ import contextlib
 import pytest
 
 from services.model.spec import ModelSpec
-from services.topology import Topology, place
+from services.topology import Topology
 from services.worker.model_runner import PendingTokenMissing
 from services.worker.step import PENDING_TOKEN, SequenceStep, StepBatch
 from tests.conftest import hf_greedy, make_checkpoint
@@ -16,8 +16,8 @@ from tests.worker.test_decode_graphs import _runner
 
 
 @contextlib.contextmanager
-def runner_of(model_dir, graphs: bool):
-    runner = _runner(ModelSpec.from_dir(model_dir), model_dir, graphs)
+def runner_of(model_dir, graphs: bool, topology: Topology = Topology(1, 1)):
+    runner = _runner(ModelSpec.from_dir(model_dir), model_dir, graphs, topology)
     try:
         yield runner
     finally:
@@ -59,11 +59,11 @@ def test_a_pending_token_the_previous_step_did_not_sample_is_refused(tmp_path):
             runner.execute(StepBatch(3, (SequenceStep("a", (PENDING_TOKEN,), 3, table),)), 0)
 
 
-def test_a_worker_running_part_of_the_model_refuses_pending_tokens(tmp_path):
-    """Only a worker that runs the whole model samples what it feeds: in any other layout every rank refuses a
-    pending token alike, before its first collective (a rank that resolved it would wait for the others)."""
+def test_a_pipeline_stage_refuses_pending_tokens(tmp_path):
+    """Only the ranks of a single-stage layout sample what they feed: in a pipeline (or an EP layout) every rank
+    refuses a pending token alike, before its first collective (a rank that resolved it would wait for the
+    others)."""
     model_dir = make_checkpoint(tmp_path / "llama", "llama", seed=5)
-    with runner_of(model_dir, False) as runner:
-        runner.placement = place(Topology(1, 2), runner.placement.shape)
-        with pytest.raises(PendingTokenMissing, match="whole model"):
+    with runner_of(model_dir, False, Topology(1, 2)) as runner:
+        with pytest.raises(PendingTokenMissing, match="single-stage"):
             runner.execute(StepBatch(0, (SequenceStep("a", (PENDING_TOKEN,), 3, tuple(range(8))),)), 0)

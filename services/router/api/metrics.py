@@ -56,7 +56,7 @@ class EngineStatsCollector(Collector):
         yield counter("generation_tokens", "Generated tokens.", stats.num_generation_tokens)
         yield counter("num_preemptions", "Requests preempted (re-prefilled later).", stats.num_preemptions)
         yield counter("decodes_ahead", "Decodes sent before the step sampling their input returned (async "
-                      "scheduling: one-worker layouts).", stats.num_decodes_ahead)
+                      "scheduling: single-stage layouts).", stats.num_decodes_ahead)
         topology = GaugeMetricFamily(
             PREFIX + "topology_info", "The live parallel layout (value is always 1).", labels=(*LABELS, "topology")
         )
