@@ -103,8 +103,9 @@ class Scheduler:
         self._admission_counter = itertools.count()
         self._batch_counter = itertools.count()
         self._inflight: dict[int, ScheduledBatch] = {}
-        # Sequences in flight: their items in flight, oldest first (two: a step ahead follows one).
-        self._inflight_ids: dict[str, list[ScheduledItem]] = {}
+        # Sequences in flight, by id(seq) (not request_id: a new request may reuse the id of one that ended with a
+        # step still in flight): their items in flight, oldest first (two: a step ahead follows one).
+        self._inflight_items: dict[int, list[ScheduledItem]] = {}
         self.num_ahead_items = 0  # sequence steps scheduled ahead (PENDING_TOKEN inputs), over the scheduler's life
         # After a failed step, none ahead until nothing is in flight: a step ahead of a failed (or refused) one is
         # refused in turn, and one ahead of that too, for as long as steps ahead keep going out.
@@ -186,7 +187,7 @@ class Scheduler:
                     decoded.add(seq.request_id)
                     continue
                 # A sequence scheduled as a decode still is one in the second pass: it is never fed twice.
-                if (seq.status is not SequenceStatus.RUNNING or seq.request_id in self._inflight_ids
+                if (seq.status is not SequenceStatus.RUNNING or self._in_flight(seq)
                         or seq.is_prefill == decodes or seq.request_id in self._parking):
                     continue
                 if decodes and decodes_left == 0:
@@ -232,15 +233,18 @@ class Scheduler:
             return None
         batch = ScheduledBatch(next(self._batch_counter), tuple(items.values()))
         self._inflight[batch.batch_id] = batch
-        for request_id, item in items.items():
-            self._inflight_ids.setdefault(request_id, []).append(item)
+        for item in items.values():
+            self._inflight_items.setdefault(id(item.seq), []).append(item)
         return batch
+
+    def _in_flight(self, seq: Sequence) -> bool:
+        return id(seq) in self._inflight_items
 
     def _ahead_item(self, seq: Sequence, random: bool) -> ScheduledItem | None:
         """The decode after `seq`'s one step in flight (the newest), its input PENDING_TOKEN, where that step
         samples and the token is all the next one needs; None otherwise, or when the blocks for it are not free (no
         preemption for a step ahead: the sequence waits for its step as without one)."""
-        inflight = self._inflight_ids.get(seq.request_id, [])
+        inflight = self._inflight_items.get(id(seq), [])
         if (len(inflight) != 1 or not inflight[0].step.sample
                 or seq.request_id in self._parking or seq.status is not SequenceStatus.RUNNING
                 or len(seq.output_token_ids) + 2 > seq.max_tokens or len(seq.output_token_ids) + 1 < seq.min_tokens
@@ -259,12 +263,12 @@ class Scheduler:
 
     def _returned(self, item: ScheduledItem) -> list[ScheduledItem]:
         """`item`'s step returned (or failed); the request's items still in flight, oldest first."""
-        request_id = item.seq.request_id
-        left = [other for other in self._inflight_ids[request_id] if other is not item]
+        key = id(item.seq)
+        left = [other for other in self._inflight_items[key] if other is not item]
         if left:
-            self._inflight_ids[request_id] = left
+            self._inflight_items[key] = left
         else:
-            del self._inflight_ids[request_id]
+            del self._inflight_items[key]
         return left
 
     def on_batch_done(self, batch: ScheduledBatch, sampled: Mapping[str, int],
@@ -367,7 +371,7 @@ class Scheduler:
         seq.finished_time = self.clock()
         del self._sequences[seq.request_id]
         del self._admission_index[seq.request_id]
-        if seq.request_id not in self._inflight_ids:
+        if not self._in_flight(seq):
             self.block_manager.free(seq)
 
     def _age(self, seq: Sequence) -> int:
@@ -381,7 +385,7 @@ class Scheduler:
         for seq in reversed(self.running):  # newest first
             if self._age(seq) <= oldest:
                 return None
-            if (seq.request_id not in self._inflight_ids and (among is None or seq.request_id in among)
+            if (not self._in_flight(seq) and (among is None or seq.request_id in among)
                     and (rank is None or self.block_manager.rank_of(seq) in (None, rank))):
                 return seq
         return None
@@ -407,7 +411,7 @@ class Scheduler:
 
     def has_unscheduled(self) -> bool:
         """Whether a request waits outside every step in flight (a running one between steps, or a waiting one)."""
-        return bool(self.waiting) or any(seq.request_id not in self._inflight_ids for seq in self.running)
+        return bool(self.waiting) or any(not self._in_flight(seq) for seq in self.running)
 
     def rebind(self, num_blocks: int) -> list[Sequence]:
         """Take a new KV capacity per DP rank (REBINDING); preempts, newest first, the owners of ids past it in any
@@ -515,7 +519,7 @@ class Scheduler:
             return True
         if seq.status is not SequenceStatus.RUNNING:
             raise ValueError(f"{request_id} is {seq.status.value}")
-        if request_id in self._inflight_ids:
+        if self._in_flight(seq):
             self._parking.add(request_id)
             return False
         self._park_running(seq)
@@ -558,7 +562,7 @@ class Scheduler:
         """A step returned: park its sequences that asked to be (unless the step finished them)."""
         for item in batch.items:
             seq = item.seq
-            if seq.request_id in self._parking and seq.request_id not in self._inflight_ids:
+            if seq.request_id in self._parking and not self._in_flight(seq):
                 self._parking.discard(seq.request_id)
                 if not seq.is_finished:
                     self._park_running(seq)

@@ -416,6 +416,30 @@ def test_a_step_ahead_that_fails_leaves_the_step_before_it_its_kv():
     assert scheduler.block_manager.num_used == 0
 
 
+def test_a_request_id_reused_while_the_step_ahead_of_its_last_owner_is_in_flight():
+    """A client may reuse the id of a request that ended (aborted here) while its steps were in flight: each
+    request's steps are its own, and both give their blocks back."""
+    prompt = prompt_of(11, 6)
+    scheduler = make_scheduler(block_size=2)
+    workers = PagedWorkers(scheduler.block_manager)
+    old = seq_of("a", prompt, 8)
+    scheduler.add(old)
+    prefill = scheduler.schedule(ahead=True)
+    ahead = scheduler.schedule(ahead=True)
+    assert scheduler.abort("a")
+    scheduler.on_batch_done(prefill, workers.run(prefill))
+    new = seq_of("a", prompt, 4)
+    scheduler.add(new)
+    first = scheduler.schedule(ahead=True)  # the new request's prefill, behind the old one's step ahead
+    assert [item.seq for item in first.items] == [new]
+    scheduler.on_batch_done(ahead, workers.run(ahead))
+    assert scheduler.block_manager.num_used == len(new.block_ids)  # the old request's blocks are back
+    scheduler.on_batch_done(first, workers.run(first))
+    drain(scheduler, workers)
+    assert new.output_token_ids == expected_output(prompt, 4)
+    assert scheduler.block_manager.num_used == 0
+
+
 def test_a_request_parks_once_its_step_ahead_returns_too():
     scheduler = make_scheduler()
     workers = PagedWorkers(scheduler.block_manager)
