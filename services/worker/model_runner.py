@@ -69,7 +69,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: StepBatch, rank: int) -> StepOutput:
         """Run one step. Only the last stage's TP rank 0 returns outputs (in an EP layout, every last-stage rank,
-        each for its own requests); that rank remembers them for a step sent ahead (PENDING_TOKEN inputs)."""
+        each for its own requests); in a single-stage layout every rank samples and remembers the tokens for a
+        step sent ahead (PENDING_TOKEN inputs)."""
         if not batch.sequences:
             return StepOutput(batch.step_id, rank)
         batch = self._with_sampled_inputs(batch)
