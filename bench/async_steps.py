@@ -5,16 +5,18 @@ sampled), side by side in one run.
     python bench/async_steps.py [--models tiny-llama,smollm2-135m] [--active 1,16,64] [--reps 2] [--quick]
                                 [--device cuda]
 
-For each model, one stack (weightstore, the layout's workers, the router's engine in this process); for each number of
-concurrent requests N, the same N greedy requests (random prompts, exactly --new-tokens each) run in both modes,
+For each model, one stack (weightstore, the layout's workers, the router's engine in this process); for each number
+of concurrent requests N, the same N greedy requests (random prompts, exactly --new-tokens each) run in both modes,
 `--reps` times each, alternating (wait, ahead, ahead, wait, ...) so that drift hits both:
 - `wait` (SchedulerConfig.async_scheduling off): the next step goes out once the previous one's tokens are back;
 - `ahead` (the default): the engine keeps one step more in flight, each decode's next step sent before the one
   sampling its input returns, so the router's work (scheduling, the wire, the clients' streams) overlaps the
   worker's compute.
 Reports generated tokens/s (submission to the last token; the mean over the reps), mean TPOT, the ratio
-ahead / wait, the steps the worker ran per second of its compute (how busy the router keeps it), and whether both
-modes produced the same tokens. Prints a table, writes JSON and a plot (bench/results/ by default).
+ahead / wait, the worker's model time over the wall time (how busy the router keeps it), the median time to first
+token of 1-token requests arriving one at a time mid-decode (a run of its own per mode: what async scheduling costs
+a new request), and whether both modes produced the same tokens. Prints a table, writes JSON and a plot
+(bench/results/ by default).
 Heavy imports stay inside functions: worker processes re-import this module as `__mp_main__`.
 """
 
@@ -44,14 +46,39 @@ def log(message: str) -> None:
     print(f"[async-steps {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-async def run_mode(engine, prompts: list[list[int]], new_tokens: int, mode: str, tag: str) -> dict:
-    """The requests at once through `engine` in `mode`; tokens/s, TPOT, the worker's busy share, the tokens."""
+async def run_mode(engine, prompts: list[list[int]], new_tokens: int, mode: str, tag: str,
+                   probe: bool = False) -> dict:
+    """The requests at once through `engine` in `mode`; tokens/s, TPOT, the worker's busy share, the tokens; with
+    `probe`, also the median time to first token of requests arriving mid-decode (which disturb the rest)."""
     scheduler = engine.scheduler
     scheduler.config = dataclasses.replace(scheduler.config, async_scheduling=mode == "ahead")
     work_before = sum(w.forward_seconds + w.head_seconds for w in engine.driver.worker_times())
-    result = await stream_all(engine, prompts, new_tokens, f"{tag}-{mode}")
+    streams = asyncio.ensure_future(stream_all(engine, prompts, new_tokens, f"{tag}-{mode}"))
+    ttfts = await probe_ttfts(engine, streams, len(prompts), f"{tag}-{mode}") if probe else []
+    result = await streams
     work = sum(w.forward_seconds + w.head_seconds for w in engine.driver.worker_times()) - work_before
-    return dict(result, worker_busy=work / result["seconds"])
+    return dict(result, worker_busy=work / result["seconds"],
+                probe_ttft_ms=statistics.median(ttfts) * 1e3 if ttfts else float("nan"))
+
+
+async def probe_ttfts(engine, streams: asyncio.Future, num_streams: int, tag: str, num_probes: int = 8) -> list[float]:
+    """While `streams` decode, one 1-token request at a time (an 8-token prompt), each once the streams have made
+    two steps more: the time to its token, a request arriving mid-decode (async scheduling puts its prefill behind
+    one more step)."""
+    from services.router.contracts import GenerationRequest
+
+    generated = lambda: engine.stats().num_generation_tokens  # noqa: E731
+    ttfts, next_at = [], generated() + num_streams  # every stream has its first token
+    while not streams.done() and len(ttfts) < num_probes:
+        if generated() < next_at:
+            await asyncio.sleep(0.001)  # a bench's poll, not a test's synchronization
+            continue
+        began, first = time.perf_counter(), None
+        async for _ in engine.generate(GenerationRequest(f"{tag}-probe{len(ttfts)}", tuple(range(3, 11)), 1)):
+            first = first or time.perf_counter()
+        ttfts.append(first - began)
+        next_at = generated() + 2 * num_streams
+    return ttfts
 
 
 async def run_model(args, model: str) -> list[dict]:
@@ -86,6 +113,9 @@ async def run_model(args, model: str) -> list[dict]:
                         runs[mode].append(await run_mode(engine, prompts, args.new_tokens, mode, f"n{n}-{rep}"))
                 mean = {mode: {key: statistics.mean(r[key] for r in runs[mode])
                                for key in ("tokens_per_s", "tpot_ms", "seconds", "worker_busy")} for mode in MODES}
+                for mode in MODES:  # apart from the runs above: the probes take steps of their own
+                    probed = await run_mode(engine, prompts, args.new_tokens, mode, f"n{n}-probe", probe=True)
+                    mean[mode]["probe_ttft_ms"] = probed["probe_ttft_ms"]
                 same = all(r["tokens"] == runs["wait"][0]["tokens"] for mode in MODES for r in runs[mode])
                 rows.append(dict(model=model, active=n, same_tokens=same,
                                  ratio=mean["ahead"]["tokens_per_s"] / mean["wait"]["tokens_per_s"],
@@ -101,11 +131,13 @@ async def run_model(args, model: str) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | N | wait tok/s | ahead tok/s | ahead ÷ wait | TPOT wait ms | TPOT ahead ms "
-             "| worker busy wait / ahead | same tokens |", "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+             "| worker busy wait / ahead | TTFT mid-decode wait / ahead ms | same tokens |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['active']} | {r['wait_tokens_per_s']:.1f} | {r['ahead_tokens_per_s']:.1f} "
                      f"| **{r['ratio']:.2f}×** | {r['wait_tpot_ms']:.2f} | {r['ahead_tpot_ms']:.2f} | "
                      f"{r['wait_worker_busy']:.0%} / {r['ahead_worker_busy']:.0%} | "
+                     f"{r['wait_probe_ttft_ms']:.1f} / {r['ahead_probe_ttft_ms']:.1f} | "
                      f"{'yes' if r['same_tokens'] else 'NO'} |")
     return "\n".join(lines)
 
