@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -30,8 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline import run_mode  # noqa: E402
+from report import apply_defaults, write_report  # noqa: E402
 from stack import REPO_ROOT  # noqa: E402
-from switch import BenchConfig, machine_info, random_prompts, start_stack, stop_stack  # noqa: E402
+from switch import BenchConfig, random_prompts, start_stack, stop_stack  # noqa: E402
 
 DEFAULTS = dict(model="smollm2-135m", cases="tp1pp1,tp1pp2>tp1pp1,tp1pp2,tp1pp4>tp1pp2", active=10, prompt_len=64,
                 new_tokens=48, rounds=3, num_workers=4)
@@ -181,21 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     from services.logs import configure_logging
 
     configure_logging("bench", "WARNING")
-    for key, value in (QUICK if args.quick else DEFAULTS).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    apply_defaults(args, QUICK if args.quick else DEFAULTS)
     started = time.perf_counter()
     cases = [asyncio.run(run_case(args, case)) for case in parse_cases(args.cases)]
     table_rows = rows(cases, args.strategy)
     title = f"{args.model}: decode after a switch vs a fresh stack ({args.active} requests)"
-    print(f"\n# {title}\n\n{table(table_rows)}\n")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(config={k: str(v) for k, v in vars(args).items()}, machine=machine_info(),
-                                        wall_seconds=time.perf_counter() - started,
-                                        cases=[asdict(c) | {"tokens": None} for c in cases], rows=table_rows),
-                                   indent=1) + "\n")
-    plot(table_rows, args.out.with_suffix(".png"), title)
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    write_report(args, title, table(table_rows), table_rows, plot, wall_seconds=time.perf_counter() - started,
+                 cases=[asdict(c) | {"tokens": None} for c in cases])
     return 0 if all(r["same_tokens"] is not False for r in table_rows) else 1
 
 

@@ -25,17 +25,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from figures import paired_bars  # noqa: E402
+from report import apply_defaults, paired_bars, write_report  # noqa: E402
 from stack import REPO_ROOT  # noqa: E402
 from streams import stream_all  # noqa: E402
-from switch import MIB, machine_info, random_prompts  # noqa: E402
+from switch import MIB, random_prompts  # noqa: E402
 
 DEFAULTS = dict(models="tiny-llama,smollm2-135m", active="1,16,64", prompt_len=32, new_tokens=64, reps=2)
 QUICK = dict(models="tiny-llama", active="1,16", prompt_len=16, new_tokens=16, reps=1)
@@ -163,20 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "async_steps.json")
     args = parser.parse_args(argv)
-    for key, value in (QUICK if args.quick else DEFAULTS).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    apply_defaults(args, QUICK if args.quick else DEFAULTS)
     rows = []
     for model in args.models.split(","):
         rows += asyncio.run(run_model(args, model))
     threads = f", {args.worker_threads} thread(s)" if args.worker_threads else ""
     title = f"{args.topology} ({args.device}{threads}): waiting for each step vs the next step ahead"
-    print(f"\n# {title}\n\n{table(rows)}\n")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(config={k: str(v) for k, v in vars(args).items()}, machine=machine_info(),
-                                        rows=rows), indent=1) + "\n")
-    plot(rows, args.out.with_suffix(".png"), title)
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    write_report(args, title, table(rows), rows, plot)
     return 0 if all(r["same_tokens"] for r in rows) else 1
 
 

@@ -18,16 +18,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from figures import paired_bars  # noqa: E402
+from report import apply_defaults, paired_bars, write_report  # noqa: E402
 from stack import REPO_ROOT  # noqa: E402
 from streams import stream_all  # noqa: E402
-from switch import MIB, machine_info, random_prompts  # noqa: E402
+from switch import MIB, random_prompts  # noqa: E402
 
 DEFAULTS = dict(model="smollm2-135m", layouts="tp1pp2:2,tp1pp4:4", active="16,64", prompt_len=32, new_tokens=48)
 QUICK = dict(model="tiny-llama", layouts="tp1pp2:2", active="8", prompt_len=16, new_tokens=16)
@@ -108,20 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "pipeline.json")
     args = parser.parse_args(argv)
-    for key, value in (QUICK if args.quick else DEFAULTS).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    apply_defaults(args, QUICK if args.quick else DEFAULTS)
     rows = []
     for layout in args.layouts.split(","):
         topology, workers = layout.split(":")
         rows += asyncio.run(run_layout(args, topology, int(workers)))
     title = f"{args.model}: decode through a pipeline, one micro-batch vs spread"
-    print(f"\n# {title}\n\n{table(rows)}\n")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(config={k: str(v) for k, v in vars(args).items()}, machine=machine_info(),
-                                        rows=rows), indent=1) + "\n")
-    plot(rows, args.out.with_suffix(".png"), title)
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    write_report(args, title, table(rows), rows, plot)
     return 0 if all(r["same_tokens"] for r in rows) else 1
 
 
