@@ -645,12 +645,14 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     return config
 
 
-def shared_cores_note(num_instances: int) -> str:
-    """Where the instances' workers share cores, a live request decodes slower the more instances are busy; the
-    simulator's one decode rate per run does not model that (bench/README: within 10% on 16 cores, not on 2)."""
-    if len(os.sched_getaffinity(0)) > num_instances:
-        return ""
-    return " (shared: live decode slows as instances get busy, which the simulator's one rate does not model)"
+def cores_phrase(num_instances: int) -> str:
+    """The cores the instances run on, and whether they share them: where they do, a live request decodes slower
+    the more instances are busy, which the simulator's one decode rate per run does not model (bench/README: within
+    10% on 16 cores, not on 2)."""
+    cores = len(os.sched_getaffinity(0))
+    shared = "" if cores > num_instances else \
+        " (shared: live decode slows as instances get busy, which the simulator's one rate does not model)"
+    return f"on {cores} usable cores{shared}"
 
 
 def slice_lines(config: BenchConfig, described: dict, max_model_len: int) -> str:
@@ -661,8 +663,8 @@ def slice_lines(config: BenchConfig, described: dict, max_model_len: int) -> str
             f"{prompt[0]:.0f}, p99 {prompt[2]:.0f}, max {prompt[3]}), outputs /{config.output_divisor} (mean "
             f"{output[0]:.0f}, p99 {output[2]:.0f}, max {output[3]}), {described['num_clamped']} clamped to "
             f"{max_model_len} tokens; {described['output_tokens_per_s']:.0f} output tokens/s offered\n"
-            f"instances: {config.num_instances} x {config.model} tp1pp1, 1 worker, 1 thread, on "
-            f"{len(os.sched_getaffinity(0))} usable cores{shared_cores_note(config.num_instances)}; KV "
+            f"instances: {config.num_instances} x {config.model} tp1pp1, 1 worker, 1 thread, "
+            f"{cores_phrase(config.num_instances)}; KV "
             f"{config.capacity_tokens} tokens each (blocks of {config.block_size}, {described['kv_bytes_per_token']} "
             f"B/token); a request's final KV is {described['final_kv_over_capacity_mean']:.3f} C on average; "
             f"policy period {config.interval_s * 1e3:g} ms")
