@@ -249,7 +249,7 @@ class Scheduler:
                 or seq.request_id in self._parking or seq.status is not SequenceStatus.RUNNING
                 or len(seq.output_token_ids) + 2 > seq.max_tokens or len(seq.output_token_ids) + 1 < seq.min_tokens
                 or seq.sampling.has_output_penalties or seq.sampling.num_logprobs is not None
-                or not (random or seq.sampling.is_greedy or seq.sampling.seed is not None)):
+                or not (random or seq.sampling.draws_alike)):
             return None
         previous = inflight[0].step
         start = previous.start_position + len(previous.token_ids)  # the position of the token it samples

@@ -87,7 +87,7 @@ class ModelRunner:
         drew alike (greedy or seeded): a request sampled without a seed draws differently on each rank."""
         several = self.placement.topology.tp > 1
         positions = {s.request_id: s.start_position + len(s.token_ids) for s in batch.sequences
-                     if not several or s.sampling.is_greedy or s.sampling.seed is not None}
+                     if not several or s.sampling.draws_alike}
         return {o.request_id: (positions[o.request_id], o.token_id) for o in outputs
                 if o.token_id >= 0 and o.request_id in positions}
 

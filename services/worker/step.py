@@ -30,6 +30,12 @@ class SamplingParams:
         return self.temperature < MIN_TEMPERATURE
 
     @property
+    def draws_alike(self) -> bool:
+        """Whether two samplers given the same logits draw the same token (greedy, or seeded by position): what
+        lets every TP rank keep the token a step sent ahead feeds."""
+        return self.is_greedy or self.seed is not None
+
+    @property
     def has_output_penalties(self) -> bool:
         """Whether sampling needs the counts of the generated tokens."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
