@@ -264,11 +264,11 @@ class Scheduler:
     def _returned(self, item: ScheduledItem) -> list[ScheduledItem]:
         """`item`'s step returned (or failed); the request's items still in flight, oldest first."""
         key = id(item.seq)
-        left = [other for other in self._inflight_items[key] if other is not item]
-        if left:
-            self._inflight_items[key] = left
-        else:
+        items = self._inflight_items[key]
+        if len(items) == 1 and items[0] is item:  # most steps: the sequence's only one
             del self._inflight_items[key]
+            return []
+        left = self._inflight_items[key] = [other for other in items if other is not item]
         return left
 
     def on_batch_done(self, batch: ScheduledBatch, sampled: Mapping[str, int],
