@@ -38,13 +38,17 @@ class Stack:
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=environment, stdout=self._log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
         self.base_url = self._wait_ready(startup_timeout)
-        self.info = json.loads((Path(self._run_dir.name) / "stack.json").read_text())
+        self.info = json.loads(self._stack_file().read_text())
+
+    def _stack_file(self) -> Path | None:
+        """stacks/NAME/stack.json in its run directory, once the stack is up."""
+        return next(Path(self._run_dir.name).glob("stacks/*/stack.json"), None)
 
     def _wait_ready(self, timeout: float) -> str:
-        deadline, stack_file = time.monotonic() + timeout, Path(self._run_dir.name) / "stack.json"
+        deadline = time.monotonic() + timeout
         base_url = None
         while time.monotonic() < deadline and self.process.poll() is None:
-            if base_url is None and stack_file.exists():
+            if base_url is None and (stack_file := self._stack_file()) is not None:
                 base_url = json.loads(stack_file.read_text())["router_http_address"]
             if base_url is not None:
                 try:

@@ -91,6 +91,19 @@ async def until(predicate, timeout_s: float = 30.0, what: str = "the condition",
         await asyncio.sleep(interval_s)
 
 
+def wait_for_stack_file(process, run_dir: Path, timeout_s: float = 120.0, name: str = "*") -> Path:
+    """The stack file of the `reconfig up` (`process`) started with RECONFIG_RUN_DIR=`run_dir` (the only one there,
+    or the one called `name`), once it is up (stacks/NAME/stack.json); fails with the launcher's stderr if it exits
+    first or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := list(run_dir.glob(f"stacks/{name}/stack.json"))):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"reconfig up did not start: {process.communicate()[1][-3000:]}")
+        time.sleep(0.2)
+    return found[0]
+
+
 def process_running(pid: int) -> bool:
     """Whether `pid` runs (a zombie awaiting its parent's wait() does not)."""
     try:

@@ -100,7 +100,8 @@ def test_an_instance_started_at_runtime_serves_and_stops(stack, checkpoint):
     started = _reconfigctl(env, "instances", "start", "--timeout", "120")  # the first instance's layout
     assert started.returncode == 0 and started.stdout.startswith("i2: standby (tp1pp2"), (started.stdout,
                                                                                            started.stderr)
-    stack_file = json.loads((Path(env["RECONFIG_RUN_DIR"]) / "stack.json").read_text())
+    [path] = Path(env["RECONFIG_RUN_DIR"]).glob("stacks/*/stack.json")
+    stack_file = json.loads(path.read_text())
     launched = {name[len("i2-"):]: pid for name, pid in stack_file["pids"].items() if name.startswith("i2-")}
     assert {"router", "controller"} <= set(launched) and len(launched) >= 4, launched  # + its 2 workers
     pids = list(launched.values())

@@ -22,7 +22,7 @@ import pytest
 
 from services.rpc.auth import auth_metadata, read_token_file
 from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc
-from tests.conftest import hf_greedy, make_checkpoint
+from tests.conftest import hf_greedy, make_checkpoint, wait_for_stack_file
 
 pytestmark = pytest.mark.multiprocess
 NUM_CLIENTS, MAX_REQUESTS_PER_CLIENT, NUM_SWITCHES = 200, 40, 20
@@ -40,12 +40,8 @@ def stack(tmp_path_factory):
         [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--workers", "4", "--topology", "tp2pp2",
          "--http-port", "0", "--grpc-port", "0", "--controller-port", "0", "--controller-metrics-port", "0", "--kv-cache-mb", "8", "--block-size", "4"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    stack_file = run_dir / "stack.json"
     deadline = time.monotonic() + 120
-    while not stack_file.exists():
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-2000:]
-        time.sleep(0.2)
-    info = json.loads(stack_file.read_text())
+    info = json.loads(wait_for_stack_file(process, run_dir).read_text())
     while True:
         try:
             with urllib.request.urlopen(info["router_http_address"] + "/ready", timeout=2):

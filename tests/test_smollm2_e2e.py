@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, wait_for_stack_file
 
 pytestmark = pytest.mark.multiprocess
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -25,11 +25,8 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-def _wait_ready(process: subprocess.Popen, stack_file, deadline: float) -> dict:
-    while not stack_file.exists():
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
-        time.sleep(0.2)
-    info = json.loads(stack_file.read_text())
+def _wait_ready(process: subprocess.Popen, run_dir, deadline: float) -> dict:
+    info = json.loads(wait_for_stack_file(process, run_dir, deadline - time.monotonic()).read_text())
     while True:
         try:
             with urllib.request.urlopen(info["router_http_address"] + "/ready", timeout=2):
@@ -48,7 +45,7 @@ def test_default_stack_answers_the_chat_as_transformers(smollm2, tmp_path):
         [sys.executable, "-m", "services.cli", "up", "--http-port", "0", "--grpc-port", "0", "--controller-port", "0", "--controller-metrics-port", "0"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        info = _wait_ready(process, tmp_path / "run" / "stack.json", time.monotonic() + 180)
+        info = _wait_ready(process, tmp_path / "run", time.monotonic() + 180)
         assert (info["model"], info["topology"]) == ("smollm2-135m", "tp1pp4")
         reply = _post(info["router_http_address"] + "/v1/chat/completions",
                       {"model": "smollm2-135m", "messages": QUESTION, "max_tokens": MAX_TOKENS, "temperature": 0})

@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import hf_greedy, make_checkpoint, process_running
+from tests.conftest import hf_greedy, make_checkpoint, process_running, wait_for_stack_file
 
 pytestmark = pytest.mark.multiprocess
 NUM_TOKENS = 16
@@ -31,14 +31,7 @@ def launch_up(args: list[str], run_dir, extra_env: dict[str, str] | None = None)
     env = {**os.environ, "RECONFIG_RUN_DIR": str(run_dir), **(extra_env or {})}
     process = subprocess.Popen([sys.executable, "-m", "services.cli", "up", *args], env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
-    stack_file = run_dir / "stack.json"
-    deadline = time.monotonic() + 120
-    while not stack_file.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"reconfig up did not start: {process.communicate()[1][-3000:]}")
-        time.sleep(0.2)
-    info = json.loads(stack_file.read_text())
+    info = json.loads(wait_for_stack_file(process, run_dir).read_text())
     _wait_ready(info["router_http_address"])
     return process, info, env
 

@@ -29,6 +29,7 @@ __all__ = ["ControllerConfig", "run_controller", "serve_controller", "start_cont
 from services.rpc.auth import TokenAuthInterceptor, protect_all
 from services.rpc.errors import ErrorInterceptor
 from services.rpc.reconfig.v1 import controller_pb2_grpc
+from services.rpc.server import listen, new_server
 
 log = structlog.get_logger(__name__)
 _GRACE_S = 1.0  # open WatchStatus streams are cancelled after this
@@ -87,12 +88,10 @@ async def _calibrate_at_start(autopilot: Autopilot, state: ControllerState) -> N
 async def start_controller_grpc(state: ControllerState, host: str, port: int, token: str,
                                 servicer: ControllerServicer | None = None) -> tuple[grpc.aio.Server, int]:
     """Start the Controller service (every RPC needs the token); returns the server and the bound port."""
-    server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token, protect_all), ErrorInterceptor()])
+    server = new_server([TokenAuthInterceptor(token, protect_all), ErrorInterceptor()])
     servicer = servicer or ControllerServicer(state, make_reconfigurer(state))
     controller_pb2_grpc.add_ControllerServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"cannot bind the controller gRPC server to {host}:{port}")
+    bound = listen(server, host, port, "controller")
     await server.start()
     return server, bound
 

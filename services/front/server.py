@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import structlog
 
-from services.front.autoscale import AutoscaleSettings, Autoscaler
+from services.front.autoscale import Autoscaler, AutoscaleSettings
 from services.front.engine import FrontEngine, FrontSettings, MoveRefused
 from services.front.instances import Instance
 from services.front.launcher import InstanceLauncher, LaunchError, Launches, PipeLauncher
@@ -22,6 +22,7 @@ from services.router.kv_scheduler import POLICY_NAMES
 from services.rpc.auth import TokenAuthInterceptor, generate_token, protect_all
 from services.rpc.errors import ErrorInterceptor
 from services.rpc.reconfig.v1 import front_pb2, front_pb2_grpc
+from services.rpc.server import listen, new_server
 
 log = structlog.get_logger(__name__)
 
@@ -131,12 +132,9 @@ class FrontServicer(front_pb2_grpc.FrontServicer):
 
 async def start_front_grpc(engine: FrontEngine, host: str, port: int, token: str | None,
                            launches: Launches | None = None) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token or generate_token(), protect_all),
-                                           ErrorInterceptor()])
+    server = new_server([TokenAuthInterceptor(token or generate_token(), protect_all), ErrorInterceptor()])
     front_pb2_grpc.add_FrontServicer_to_server(FrontServicer(engine, launches), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"cannot bind the front gRPC server to {host}:{port}")
+    bound = listen(server, host, port, "front gRPC server")
     await server.start()
     return server, bound
 

@@ -37,8 +37,8 @@ class InstanceSet:
     """The processes of each instance of one stack (its cluster of weight store and workers, its router and
     controller). The first cluster's weight store serves every instance: that instance is never stopped alone."""
 
-    def __init__(self, config, token: str, threads: int) -> None:
-        self.config, self.token, self.threads = config, token, threads
+    def __init__(self, config, token: str, threads: int, claim) -> None:
+        self.config, self.token, self.threads, self.claim = config, token, threads, claim
         self.clusters: dict[str, LocalCluster] = {}
         self.entries: dict[str, dict] = {}  # name -> {name, router_grpc, controller, topology}
 
@@ -51,7 +51,6 @@ class InstanceSet:
         ClusterError if it did not start (whatever started is stopped)."""
         from services.controller.server import ControllerConfig, run_controller
         from services.front.instances import free_name
-        from services.launch.stackfile import run_dir
         from services.router.main import RouterConfig, run_router
 
         config, host = self.config, self.config.host
@@ -75,7 +74,7 @@ class InstanceSet:
             controller = cluster.spawn_service("controller", run_controller, ControllerConfig(
                 host=host, port=0, token=self.token, worker_addresses=tuple(cluster.worker_addresses),
                 router_grpc_address=router_grpc, topology=layout, model=config.model,
-                model_dir=str(cluster.model_dir), state_file=str(run_dir() / f"controller-state-{name}.json"),
+                model_dir=str(cluster.model_dir), state_file=str(self.claim.state_file(name)),
                 metrics_port=None))
         except BaseException:
             if len(self.clusters) > 1:  # the first one's failure ends the stack: stop_all stops it
@@ -101,11 +100,9 @@ class InstanceSet:
             self._stop(name, timeout_s)
 
     def _stop(self, name: str, timeout_s: float) -> None:
-        from services.launch.stackfile import run_dir
-
         self.entries.pop(name, None)
         self.clusters.pop(name).stop(timeout_s=timeout_s)  # services first, then workers
-        (run_dir() / f"controller-state-{name}.json").unlink(missing_ok=True)
+        self.claim.state_file(name).unlink(missing_ok=True)
 
     def pids(self) -> dict[str, int]:
         return {f"{name}-{n}": pid for name, cluster in self.clusters.items() for n, pid in cluster.pids.items()}
@@ -128,18 +125,19 @@ class InstanceSet:
         return reply
 
 
-def up_instances(config) -> int:
-    """Start the instances and the front router; supervise until Ctrl-C/SIGTERM (0) or the front dies (1); start
-    and stop instances when the front router asks (`reconfigctl instances start|stop`)."""
+def up_instances(config, claim) -> int:
+    """Start the instances and the front router (`claim`: the stack's name and ports, taken by the caller);
+    supervise until Ctrl-C/SIGTERM (0) or the front dies (1); start and stop instances when the front router asks
+    (`reconfigctl instances start|stop`)."""
     from services.launch.session import StackSession
     from services.model.converted import ConsoleProgress
     from services.model.presets import resolve_model
 
     layouts = instance_topologies(config.topology, config.instances, config.instance_topologies)
     resolve_model(config.model, progress=ConsoleProgress())
-    session = StackSession()
+    session = StackSession(claim)
     threads = max(1, (os.cpu_count() or 1) // (max(config.instances, config.max_instances) * config.workers))
-    instances = InstanceSet(config, session.token, threads)
+    instances = InstanceSet(config, session.token, threads, claim)
 
     def stop() -> None:
         timeout_s = config.shutdown_grace_s + 10.0
@@ -171,7 +169,7 @@ def _serve(config, layouts: list[str], instances: InstanceSet, session) -> int:
     entry = instances.entries[instances.first]
     stack_file = _write_stack(session, StackFile(
         controller_address=entry["controller"], router_http_address=http, router_grpc_address=entry["router_grpc"],
-        token_file=str(session.token_file), model=config.model, started_at=time.time(),
+        token_file=str(session.token_file), model=config.model, started_at=time.time(), name=session.name,
         front_grpc_address=f"{config.host}:{front['grpc_port']}"), instances)
     scaling = f", up to {config.max_instances} by itself" if config.max_instances else ""
     print(f"reconfig is up in {time.perf_counter() - started:.1f}s: {config.instances} instances of "

@@ -1,4 +1,5 @@
-"""The stack file: where `reconfig up` tells `reconfigctl` (same user) how to reach the running stack."""
+"""The stack file: where `reconfig up` tells `reconfigctl` (same user) how to reach a running stack (one per stack,
+in its directory: services/launch/stacks.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ STACK_FILE_NAME = "stack.json"
 
 
 class StackNotFoundError(RuntimeError):
-    """No running stack: no stack file, an unreadable one, or one whose processes are all gone."""
+    """No running stack: no stack file, or an unreadable one."""
 
 
 def _run_dir_path() -> Path:
@@ -25,29 +26,11 @@ def _run_dir_path() -> Path:
 
 
 def run_dir() -> Path:
-    """Where a stack keeps its stack file and token (created 0700): $RECONFIG_RUN_DIR, else
-    $XDG_RUNTIME_DIR/reconfig, else ~/.local/state/reconfig."""
+    """Where this user's stacks keep their files, each stack in stacks/NAME/ (created 0700): $RECONFIG_RUN_DIR,
+    else $XDG_RUNTIME_DIR/reconfig, else ~/.local/state/reconfig."""
     path = _run_dir_path()
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     return path
-
-
-def stack_file_path() -> Path:
-    """The stack file of this user: stack.json in the run directory (not created by asking)."""
-    return _run_dir_path() / STACK_FILE_NAME
-
-
-def is_alive(pid: int) -> bool:
-    """Whether a process with this id exists (owned by anyone)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, another user's
-        return True
-    return True
 
 
 def _not_found(path: Path, why: str = "") -> StackNotFoundError:
@@ -70,10 +53,10 @@ class StackFile:
     replacements: list[str] = field(default_factory=list)  # joining workers started for lost ones (add-worker)
     front_grpc_address: str = ""           # `reconfig up --instances N`: the front router's Front gRPC service
     instances: list[dict] = field(default_factory=list)  # ... and each instance: name, router, controller, topology
+    name: str = ""                         # the stack's name (`reconfig up --name`; reconfigctl --stack)
 
-    def write(self, path: Path | None = None) -> Path:
+    def write(self, path: Path) -> Path:
         """Save atomically with mode 0600 (its directory 0700); returns the path."""
-        path = path or stack_file_path()
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # created 0600
         try:
@@ -87,9 +70,8 @@ class StackFile:
         return path
 
     @classmethod
-    def read(cls, path: Path | None = None) -> StackFile:
+    def read(cls, path: Path) -> StackFile:
         """Parse the file whatever the state of its processes; StackNotFoundError when missing or malformed."""
-        path = path or stack_file_path()
         try:
             data = json.loads(path.read_text())
             if not isinstance(data, dict):
@@ -103,27 +85,3 @@ class StackFile:
         if not isinstance(stack.pids, dict) or not all(isinstance(p, int) for p in stack.pids.values()):
             raise _not_found(path, "unreadable stack file (pids must map names to ints)")
         return stack
-
-    @classmethod
-    def load(cls, path: Path | None = None) -> StackFile:
-        """The running stack; StackNotFoundError when there is no file or none of its processes is alive."""
-        path = path or stack_file_path()
-        stack = cls.read(path)
-        if stack.pids and not any(is_alive(pid) for pid in stack.pids.values()):
-            raise _not_found(path, "its processes are gone")
-        return stack
-
-    def dead_processes(self) -> list[str]:
-        """Names of the stack's processes that are gone."""
-        return [name for name, pid in self.pids.items() if not is_alive(pid)]
-
-    def remove(self, path: Path | None = None) -> bool:
-        """Delete the file if it still describes this stack (not a newer one); True when deleted."""
-        path = path or stack_file_path()
-        try:
-            if StackFile.read(path) != self:
-                return False
-            path.unlink()
-        except (StackNotFoundError, FileNotFoundError):
-            return False
-        return True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -15,6 +16,7 @@ import structlog
 
 from services.launch.cluster import ClusterConfig, LocalCluster
 from services.launch.session import StackSession
+from services.launch.stacks import StackClaim, check_name
 from services.topology import parse_gpus
 from services.worker.pacing import DEFAULT_STAGING_DUTY, check_duty
 
@@ -26,6 +28,7 @@ class UpConfig:
     """The stack's settings: defaults < TOML file (--config) < flags."""
 
     model: str = "smollm2-135m"  # a real chat model; fetched and converted on first use (`reconfig models`)
+    name: str = ""               # the stack's name (reconfigctl --stack); "": its HTTP port
     workers: int = 4
     topology: str = "tp1pp4"  # 9 heads / 3 KV heads allow tp 1 or 3 only; PP4 keeps all 4 workers busy
     device: str = "cpu"
@@ -69,6 +72,8 @@ class UpConfig:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, not {self.workers}")
+        if self.name:
+            check_name(self.name)
         for name in ("http_port", "grpc_port", "controller_port", "controller_metrics_port", "front_grpc_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be a port number, not {getattr(self, name)}")
@@ -108,6 +113,18 @@ class UpConfig:
                                  start_after_s=self.scale_up_after_s, stop_after_s=self.standby_stop_s)
 
     @property
+    def stack_name(self) -> str:
+        """--name, else the HTTP port ("8000"), else (any free port) the launcher's pid."""
+        return self.name or (str(self.http_port) if self.http_port else f"pid{os.getpid()}")
+
+    def listen_ports(self) -> dict[str, int]:
+        """The ports the stack's services will listen on, by flag (0: any free port, nothing to claim)."""
+        if self.fronted:  # the instances' routers and controllers take free ports
+            return {"http": self.http_port, "front_grpc": self.front_grpc_port}
+        return {"http": self.http_port, "grpc": self.grpc_port, "controller": self.controller_port,
+                "controller_metrics": self.controller_metrics_port}
+
+    @property
     def fronted(self) -> bool:
         """Instances behind a front router (several, or one the front may add to)."""
         return self.instances > 1 or self.max_instances > 0
@@ -133,6 +150,8 @@ def _metrics_address(config: UpConfig) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="TOML file with any of the settings below")
+    parser.add_argument("--name", help="the stack's name, for `reconfigctl --stack NAME` when several run [its HTTP "
+                                       "port, e.g. 8000]")
     parser.add_argument("--model", help="preset name (`reconfig models list`) or checkpoint dir [smollm2-135m]")
     parser.add_argument("--workers", type=int, help="worker processes [4]")
     parser.add_argument("--topology", help="initial layout [tp1pp4]")
@@ -222,35 +241,33 @@ def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
 def up(config: UpConfig) -> int:
     """Start the stack and supervise it. 0 after Ctrl-C/SIGTERM; 1 if the weightstore or the router died (named on
     stderr). A lost worker does not stop it: the controller recovers, and a replacement is started in join mode; a
-    dead controller is started again."""
-    from services.launch.stackfile import run_dir
+    dead controller is started again. Refused (StackConflict) before anything loads when a running stack has its
+    name or one of its ports, or another program holds one of its ports."""
     from services.model.converted import ConsoleProgress
     from services.model.presets import resolve_model
 
-    if config.fronted:
-        from services.launch.instances import up_instances
+    with StackClaim.take(config.stack_name, config.host, config.listen_ports()) as claim:
+        if config.fronted:
+            from services.launch.instances import up_instances
 
-        return up_instances(config)
-    resolve_model(config.model, progress=ConsoleProgress())  # a preset's first use: fetch and convert, with progress
-    session = StackSession()
-    cluster = LocalCluster(ClusterConfig(  # checks the layout and the GPU placement before anything is written
-        model=config.model, num_workers=config.workers, topology=config.topology, device=config.device,
-        gpus=parse_gpus(config.gpus), gpu_sharing=config.gpu_sharing, enforce_eager=config.enforce_eager,
-        kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size, host=config.host,
-        token=session.token, num_redundant_experts=config.num_redundant_experts, eplb_window=config.eplb_window,
-    ))
-
-    def stop() -> None:
-        cluster.stop(timeout_s=config.shutdown_grace_s + 10.0)  # the router drains before the workers stop
-        (run_dir() / "controller-state.json").unlink(missing_ok=True)
-
-    return session.run(lambda: _serve(config, cluster, session), stop)
+            return up_instances(config, claim)
+        resolve_model(config.model, progress=ConsoleProgress())  # a preset's first use: fetch and convert
+        session = StackSession(claim)
+        cluster = LocalCluster(ClusterConfig(  # checks the layout and the GPU placement before anything starts
+            model=config.model, num_workers=config.workers, topology=config.topology, device=config.device,
+            gpus=parse_gpus(config.gpus), gpu_sharing=config.gpu_sharing, enforce_eager=config.enforce_eager,
+            kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size, host=config.host,
+            token=session.token, num_redundant_experts=config.num_redundant_experts,
+            eplb_window=config.eplb_window,
+        ))
+        stop = functools.partial(cluster.stop, timeout_s=config.shutdown_grace_s + 10.0)  # the router drains first
+        return session.run(lambda: _serve(config, cluster, session), stop)
 
 
 def _serve(config: UpConfig, cluster: LocalCluster, session: StackSession) -> int:
     """Start the stack's processes and supervise them (see up)."""
     from services.controller.server import ControllerConfig, run_controller
-    from services.launch.stackfile import StackFile, run_dir
+    from services.launch.stackfile import StackFile
     from services.router.main import RouterConfig, run_router
 
     token, token_file = session.token, session.token_file
@@ -271,7 +288,7 @@ def _serve(config: UpConfig, cluster: LocalCluster, session: StackSession) -> in
         host=config.host, port=config.controller_port, token=token,
         worker_addresses=tuple(cluster.worker_addresses), router_grpc_address=router_grpc,
         topology=config.topology, model=config.model, model_dir=str(cluster.model_dir),
-        state_file=str(run_dir() / "controller-state.json"), staging_budget_mb=config.staging_budget_mb,
+        state_file=str(session.claim.state_file()), staging_budget_mb=config.staging_budget_mb,
         staging_duty=config.staging_duty,
         autopilot=config.autopilot, intents_file=config.intents, metrics_port=config.controller_metrics_port,
         autopilot_policy=config.autopilot_policy, profile_file=config.profile,
@@ -282,11 +299,14 @@ def _serve(config: UpConfig, cluster: LocalCluster, session: StackSession) -> in
         controller_address=f"{config.host}:{controller['port']}", router_http_address=http,
         router_grpc_address=router_grpc, token_file=str(token_file), pids={"launcher": os.getpid(),
                                                                              **cluster.pids},
-        model=config.model, topology=config.topology, started_at=time.time(),
+        model=config.model, topology=config.topology, started_at=time.time(), name=session.name,
     ))
-    print(f"reconfig is up in {time.perf_counter() - started:.1f}s: {config.model} on {config.workers} "
-          f"{config.device} workers in {config.topology}\n"
+    context = f"{router['max_model_len']} tokens a request" + (
+        f" ({router['context_note']})" if router["context_note"] else "")
+    print(f"reconfig is up in {time.perf_counter() - started:.1f}s: stack {session.name!r}, {config.model} on "
+          f"{config.workers} {config.device} workers in {config.topology}\n"
           f"  OpenAI API   {http}/v1   (health {http}/health, ready {http}/ready, metrics {http}/metrics)\n"
+          f"  context      {context}\n"
           f"  router gRPC  {router_grpc}\n"
           f"  controller   {config.host}:{controller['port']}   (reconfigctl status; autopilot {config.autopilot}: "
           f"reconfigctl autopilot status; metrics {_metrics_address(config)})\n"

@@ -12,8 +12,6 @@ import structlog
 from services.launch.driver import WorkerUnreachable
 from services.router.api.limits import encode_text
 from services.router.contracts import EngineProtocol, SwitchReport
-from services.rpc.auth import TokenAuthInterceptor, generate_token, is_authorized, protect_methods
-from services.rpc.errors import ErrorInterceptor
 from services.router.expert_balance import ExpertBalanceAborted, ExpertBalanceError
 from services.router.migration import MigrationRefused, RouterFrozen
 from services.router.wire import (
@@ -25,7 +23,10 @@ from services.router.wire import (
     stats_to_pb,
     switch_report_from_pb,
 )
+from services.rpc.auth import TokenAuthInterceptor, generate_token, is_authorized, protect_methods
+from services.rpc.errors import ErrorInterceptor
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc
+from services.rpc.server import listen, new_server
 
 log = structlog.get_logger(__name__)
 
@@ -256,11 +257,8 @@ async def start_router_grpc(engine: AdminEngine, host: str, port: int,
     if not token:
         log.warning("router.grpc_admin_disabled", reason="no control-plane token")
         token = generate_token()
-    server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token, protect_methods(*ADMIN_METHODS)),
-                                           ErrorInterceptor()])
+    server = new_server([TokenAuthInterceptor(token, protect_methods(*ADMIN_METHODS)), ErrorInterceptor()])
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(engine, token), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"cannot bind the router gRPC server to {host}:{port}")
+    bound = listen(server, host, port, "router gRPC server")
     await server.start()
     return server, bound

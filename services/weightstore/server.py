@@ -15,6 +15,7 @@ import grpc
 import structlog
 
 from services.rpc.reconfig.v1 import weightstore_pb2, weightstore_pb2_grpc
+from services.rpc.server import listen, new_server
 from services.weightstore.shm import cleanup_stale_segments
 from services.weightstore.store import LoadCancelled, WeightStore
 
@@ -64,9 +65,9 @@ async def serve(
     restore_signals = _install_signal_handlers(stop, cancel_load)
     try:
         servicer = WeightStoreServicer()
-        server = grpc.aio.server()
+        server = new_server()
         weightstore_pb2_grpc.add_WeightStoreServicer_to_server(servicer, server)
-        bound_port = server.add_insecure_port(f"{host}:{port}")  # RuntimeError if it cannot bind
+        bound_port = listen(server, host, port, "weight store")
         await server.start()
         store: WeightStore | None = None
         try:

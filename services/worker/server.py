@@ -9,16 +9,17 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import structlog
 
-from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
 from services.rpc.auth import TokenAuthInterceptor, protect_all
 from services.rpc.errors import ErrorInterceptor
-from services.worker.faults import FAULTS
+from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
+from services.rpc.server import listen, new_server
 from services.worker.expert_balance import ExpertMapError
+from services.worker.faults import FAULTS
 from services.worker.kv_import import ImportRefused
 from services.worker.model_runner import PendingTokenMissing
 from services.worker.shard import WorkerShard
-from services.worker.switch import SwitchFailed
 from services.worker.step import StepBatch, StepOutput
+from services.worker.switch import SwitchFailed
 
 log = structlog.get_logger(__name__)
 _SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name  # "reconfig.v1.Worker"
@@ -200,11 +201,9 @@ async def start_server(servicer: WorkerServicer, host: str, port: int,
     # and only the router, with the token, speaks it.
     errors = ErrorInterceptor(exclude=(f"/{_SERVICE}/Execute",))
     interceptors = [*([TokenAuthInterceptor(token, protect_all)] if token else []), errors]
-    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20)])
+    server = new_server(interceptors, options=[("grpc.max_receive_message_length", 64 << 20),
+                                               ("grpc.max_send_message_length", 64 << 20)])
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"cannot bind worker gRPC server to {host}:{port}")
+    bound = listen(server, host, port, "worker")
     await server.start()
     return server, bound

@@ -41,9 +41,10 @@ def test_gpu_flags_need_cuda():
 
 
 def test_reconfig_up_without_a_visible_gpu_exits_2_before_starting(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "services.cli", "up", "--device", "cuda", "--gpus", "1"],
+    any_ports = ("--http-port", "0", "--grpc-port", "0", "--controller-port", "0", "--controller-metrics-port", "0")
+    result = subprocess.run([sys.executable, "-m", "services.cli", "up", "--device", "cuda", "--gpus", "1", *any_ports],
                             capture_output=True, text=True, timeout=120,
                             env={"PATH": "", "CUDA_VISIBLE_DEVICES": "", "RECONFIG_RUN_DIR": str(tmp_path)})
     assert result.returncode == 2, result.stderr
     assert "no GPU is visible" in result.stderr and "reconfig is up" not in result.stdout
-    assert not (tmp_path / "token").exists()  # refused before the stack wrote anything
+    assert not list(tmp_path.glob("stacks/*/*"))  # refused before the stack wrote anything it leaves

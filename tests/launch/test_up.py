@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,23 +15,40 @@ import pytest
 from services.launch.up import UpConfig
 from services.weightstore.shm import list_segments
 from services.worker.kv_cache import KV_SEGMENT_PREFIX
-from tests.conftest import make_checkpoint, process_running
+from tests.conftest import make_checkpoint, process_running, wait_for_stack_file
+
+
+ANY_PORTS = ("--http-port", "0", "--grpc-port", "0", "--controller-port", "0", "--controller-metrics-port", "0")
+
+
+def _launch(tmp_path, *flags: str) -> subprocess.Popen:
+    """`reconfig up FLAGS` on a small checkpoint, with tmp_path/run as its run directory."""
+    model = tmp_path / "llama-up"
+    if not model.exists():
+        make_checkpoint(model, "llama", seed=2)
+    return subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", str(model), "--kv-cache-mb", "2",
+                             *flags], env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _env(tmp_path) -> dict[str, str]:
+    return {**os.environ, "RECONFIG_RUN_DIR": str(tmp_path / "run")}
 
 
 def _start_up(tmp_path, *flags: str):
-    """`reconfig up` on a small checkpoint; returns the process, its environment and the stack file's content."""
-    model = make_checkpoint(tmp_path / "llama-up", "llama", seed=2)
-    env = {**os.environ, "RECONFIG_RUN_DIR": str(tmp_path / "run")}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--http-port", "0", "--grpc-port", "0",
-         "--controller-port", "0", "--controller-metrics-port", "0", "--kv-cache-mb", "2", *flags],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stack_file = tmp_path / "run" / "stack.json"
-    deadline = time.monotonic() + 120
-    while not stack_file.exists():
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-2000:]
-        time.sleep(0.2)
-    return process, env, stack_file
+    """`reconfig up` on a small checkpoint, on any free ports; returns the process, its environment and the stack
+    file's content."""
+    process = _launch(tmp_path, *ANY_PORTS, *flags)
+    return process, _env(tmp_path), wait_for_stack_file(process, tmp_path / "run")
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for probe in sockets:
+        probe.bind(("127.0.0.1", 0))
+    ports = [probe.getsockname()[1] for probe in sockets]
+    for probe in sockets:
+        probe.close()
+    return ports
 
 
 def _reconfigctl(env, *args: str) -> subprocess.CompletedProcess:
@@ -107,6 +125,58 @@ def test_a_killed_service_stops_the_stack_and_is_named(tmp_path):
     alive = [pid for name, pid in pids.items() if name != "launcher" and process_running(pid)]
     assert not alive, f"left running: {alive}"
     assert not stack_file.exists()
+
+
+@pytest.mark.multiprocess
+def test_a_second_stack_is_refused_on_the_first_ones_ports_and_stacks_on_other_ports_each_keep_their_control(
+        tmp_path):
+    """The bug of issue 42: a second `reconfig up` on a running stack's ports started workers, failed on the router
+    port and deleted the first stack's token on its way out. Now it is refused before it loads anything (its model
+    does not even exist), the first stack keeps its control plane, and stacks on other ports are each reached by
+    name or port."""
+    http, grpc_port, controller, metrics = _free_ports(4)
+    ports = ("--http-port", str(http), "--grpc-port", str(grpc_port), "--controller-port", str(controller),
+             "--controller-metrics-port", str(metrics))
+    first = _launch(tmp_path, *ports, "--name", "first", "--workers", "2", "--topology", "tp1pp2")
+    second = None
+    try:
+        first_file = wait_for_stack_file(first, tmp_path / "run", name="first")
+        token_file = json.loads(first_file.read_text())["token_file"]
+        env = _env(tmp_path)
+        for flags in (ports, ("--name", "first", *ANY_PORTS)):
+            refused = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", "/nonexistent/model",
+                                      *flags], env=env, capture_output=True, text=True, timeout=120)
+            assert refused.returncode == 2, refused.stderr
+            assert f"a stack is running: launcher pid {first.pid}, http :{http} (stack 'first'" in refused.stderr
+            assert "stop it or choose other ports" in refused.stderr
+            assert "nonexistent" not in refused.stderr  # refused before it looked for its model
+        assert sorted(p.name for p in (tmp_path / "run" / "stacks").iterdir() if p.is_dir()) == ["first"]
+        assert os.path.exists(token_file)
+        status = _reconfigctl(env, "status")
+        assert status.returncode == 0 and status.stdout.startswith("stack 'first', controller"), status.stderr
+        assert "layouts this model allows on 2 workers: tp1pp1, tp1pp2, tp2pp1" in status.stdout
+        switched = _reconfigctl(env, "reconfigure", "tp2pp1")
+        assert switched.returncode == 0 and "SUCCEEDED" in switched.stdout, switched.stderr
+
+        second = _launch(tmp_path, *ANY_PORTS, "--name", "second", "--workers", "1", "--topology", "tp1pp1")
+        wait_for_stack_file(second, tmp_path / "run", name="second")
+        ambiguous = _reconfigctl(env, "status")
+        assert ambiguous.returncode == 1 and "2 stacks are running: first (" in ambiguous.stderr
+        assert "choose one with --stack NAME|PORT" in ambiguous.stderr
+        for selector, topology in (("first", "tp2pp1"), (str(http), "tp2pp1"), ("second", "tp1pp1")):
+            chosen = _reconfigctl(env, "--stack", selector, "status", "--json")
+            assert chosen.returncode == 0, chosen.stderr
+            assert json.loads(chosen.stdout)["topology"] == topology
+        assert _reconfigctl({**env, "RECONFIG_STACK": "second"}, "reconfigure", "tp1pp1").returncode == 0
+        listed = json.loads(_reconfigctl(env, "stacks", "--json").stdout)
+        assert [(s["name"], s["launcher_pid"], s["state"]) for s in listed] == [("first", first.pid, "up"),
+                                                                                ("second", second.pid, "up")]
+    finally:
+        for process in filter(None, (second, first)):
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(60) == 0
+    assert "reconfig up: stack 'first' stopped" in first.stderr.read()
+    assert not [p for p in (tmp_path / "run" / "stacks").iterdir() if p.is_dir()]
 
 
 def test_config_file_and_flags(tmp_path):

@@ -128,7 +128,11 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
     # every response and SSE event waits ~40 ms for a delayed ACK.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"the HTTP server cannot listen on {host}:{port}: {exc.strerror}") from None
     return sock
 
 
@@ -153,7 +157,8 @@ async def serve_until_signal(engine, grpc_server, grpc_port: int, *, host: str, 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    ready = {"http_port": http_socket.getsockname()[1], "grpc_port": grpc_port}
+    ready = {"http_port": http_socket.getsockname()[1], "grpc_port": grpc_port,
+             "max_model_len": engine.max_model_len, "context_note": engine.context_note}
     log.info(f"{service}.ready", **ready, model=engine.model_name, **fields)
     if on_ready is not None:
         on_ready(ready)
