@@ -31,9 +31,14 @@ from services.controller.progress import PhaseDisplay, format_bytes, operation_l
 from services.controller.status import OperationState, OperationStatus, StackStatus, WorkerState, WorkerStatus
 from services.front import cli as front_cli
 from services.rpc.reconfig.v1 import controller_pb2, router_pb2
-from services.topology import Topology, TopologyError
 
 DEFAULT_TIMEOUT_S = 10.0   # status and plan; reconfigure waits for the operation (the controller has a deadline)
+STACK_HELP = ("the stack to talk to, by name or by one of its ports, when several run (before or after the command; "
+              "default: $RECONFIG_STACK, else the only one; `reconfigctl stacks` lists them)")
+LAYOUT_HELP = """layouts: tpXppY (X-way tensor parallel in each of Y pipeline stages), epXppY for a mixture-of-experts model;
+case-insensitive, a missing degree is 1 (tp3 = tp3pp1, pp4 = tp1pp4). Which ones a model allows depends on its heads
+and layers and on the workers: `reconfigctl status` lists the running stack's. The default model (smollm2-135m: 9
+heads, 3 KV heads, 30 layers) on 4 workers allows tp1pp1, tp1pp2, tp1pp3, tp1pp4 and tp3pp1."""
 
 
 def _layer_partition(text: str) -> tuple[int, ...]:
@@ -53,11 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="controller address host:port (default: $RECONFIG_CONTROLLER, else the stack file)")
     common.add_argument("--token-file", type=Path, default=os.environ.get("RECONFIG_TOKEN_FILE"),
                         help="control-plane token file (default: $RECONFIG_TOKEN_FILE, else the stack file)")
+    common.add_argument("--stack", default=argparse.SUPPRESS, metavar="NAME|PORT", help=STACK_HELP)
     common.add_argument("--timeout", type=float, default=None,
                         help=f"seconds to wait for the controller (default: {DEFAULT_TIMEOUT_S:g}; reconfigure and "
                              "eplb rebalance: until the operation ends)")
-    parser = argparse.ArgumentParser(prog="reconfigctl", description="Inspect and steer a running reconfig stack.")
+    parser = argparse.ArgumentParser(prog="reconfigctl", description="Inspect and steer a running reconfig stack.",
+                                     epilog=LAYOUT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stack", default=os.environ.get("RECONFIG_STACK"), metavar="NAME|PORT", help=STACK_HELP)
     commands = parser.add_subparsers(dest="command", required=True)
+    stacks = commands.add_parser("stacks", help="the stacks running on this machine (this user's): name, launcher, "
+                                                "addresses, model, layout")
+    stacks.add_argument("--json", action="store_true", help="print them as JSON")
     status = commands.add_parser("status", parents=[common],
                                  help="topology, workers, requests and the last operation")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
@@ -65,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     reconfigure = commands.add_parser("reconfigure", parents=[common],
                                       help="switch the live layout to TOPOLOGY (exit 0 done, 1 failed, 2 refused)")
     for command in (plan, reconfigure):
-        command.add_argument("topology", metavar="TOPOLOGY", help="target layout, e.g. tp4pp1")
+        command.epilog = LAYOUT_HELP
+        command.formatter_class = argparse.RawDescriptionHelpFormatter
+        command.add_argument("topology", metavar="TOPOLOGY", help="target layout, e.g. tp3pp1 (see below)")
         command.add_argument("--layer-partition", type=_layer_partition, default=(), metavar="N,N,...",
                              help="layers per pipeline stage of the target (default: even split)")
         command.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -80,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     add = commands.add_parser("add-worker", parents=[common],
                               help="bring a worker started in join mode (a replacement) into the stack")
     add.add_argument("address", metavar="ADDRESS", help="the joining worker's host:port")
-    add.add_argument("--topology", default="", help="switch into this layout once it has joined (e.g. tp2pp2)")
+    add.add_argument("--topology", default="", help="switch into this layout once it has joined (e.g. tp1pp4)")
     add.add_argument("--operation-id", default="", help="idempotency key (default: a new one)")
     add.add_argument("--json", action="store_true", help="print the result as JSON")
     eplb = commands.add_parser("eplb", help="MoE expert load balancing (EP layouts): its status, or a rebalance now")
@@ -146,6 +159,8 @@ def format_table(status: StackStatus, experts_line: str = "") -> str:
     lines = [f"topology: {status.topology}    state: {status.state.name}    model: {status.model or '-'}"]
     if status.reason:
         lines.append(f"reason: {status.reason}")
+    if status.layouts:
+        lines.append(f"layouts this model allows on {len(status.workers)} workers: {', '.join(status.layouts)}")
     header = ("RANK", "PID", "STATE", "DEVICE", "STAGE", "TP", "LAYERS", "KV HEADS", "KV BLOCKS", "PARAMS",
               "ADDRESS")
     rows = [header]
@@ -226,10 +241,7 @@ def plan_to_json(plan: controller_pb2.PlanResponse) -> dict:
 
 
 def _is_expert_parallel(topology: str) -> bool:
-    try:
-        return Topology.parse(topology).is_expert_parallel
-    except TopologyError:
-        return False
+    return topology.startswith("ep")  # the controller's canonical form (str(Topology)): epXppY for an EP layout
 
 
 def _status_command(args: argparse.Namespace, target: Target) -> int:
@@ -245,8 +257,10 @@ def _status_command(args: argparse.Namespace, target: Target) -> int:
         out = status.to_json()
         if experts is not None:
             out["experts"] = {"error": experts} if isinstance(experts, str) else message_to_json(experts)
-        print(json.dumps(out, indent=2))
+        print(json.dumps({"stack": target.stack, **out}, indent=2))
     else:
+        if target.stack:  # found through its stack file: say which one
+            print(f"stack {target.stack!r}, controller {target.controller_address}")
         print(format_table(status, _experts_line(experts)))
     return EXIT_OK
 
@@ -316,15 +330,37 @@ _COMMANDS = {"status": _status_command, "plan": _plan_command, "reconfigure": _r
              "autopilot": autopilot_cli.autopilot_command, "calibrate": autopilot_cli.calibrate_command}
 
 
+def _stacks_command(args: argparse.Namespace) -> int:
+    from services.launch.stacks import list_stacks
+
+    stacks = list_stacks()
+    rows = [{"name": s.name, "launcher_pid": s.claim.pid, "state": "up" if s.stack else "starting",
+             "http": s.stack.router_http_address if s.stack else "", "controller":
+             s.stack.controller_address if s.stack else "", "model": s.stack.model if s.stack else "",
+             "topology": s.stack.topology if s.stack else ""} for s in stacks]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif not rows:
+        print("no stack is running (start one with `reconfig up`)")
+    else:
+        header = {key: key.upper().replace("_", " ") for key in rows[0]}
+        widths = {key: max(len(str(row[key])) for row in [header, *rows]) for key in header}
+        for row in [header, *rows]:
+            print("  ".join(str(row[key]).ljust(widths[key]) for key in header).rstrip())
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry of the `reconfigctl` console script: 0 ok; 1 unreachable or failed; 2 usage, or a refused request."""
     args = build_parser().parse_args(argv)  # exits 2 on a usage error
     if args.command == "intent":  # needs no controller
         return intent_command(args)
+    if args.command == "stacks":
+        return _stacks_command(args)
     if args.command == "instances":  # the front router's
         return front_cli.instances_command(args)
     try:
-        return _COMMANDS[args.command](args, resolve_target(args.controller, args.token_file))
+        return _COMMANDS[args.command](args, resolve_target(args.controller, args.token_file, args.stack))
     except CommandFailed as exc:
         name = " ".join(filter(None, (args.command, getattr(args, "eplb_command", None),
                                       getattr(args, "autopilot_command", None))))

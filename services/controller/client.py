@@ -11,6 +11,7 @@ import grpc
 from services.controller.progress import PhaseDisplay
 from services.controller.status import OperationStatus, StackStatus
 from services.launch.stackfile import StackFile, StackNotFoundError
+from services.launch.stacks import select_stack
 from services.rpc.auth import auth_metadata, read_token_file
 from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc, router_pb2
 
@@ -34,23 +35,37 @@ class Unreachable(CommandFailed):
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """Where the controller is and the token it wants."""
+    """Where the controller is, the token it wants, and the stack it belongs to (when found by its stack file)."""
 
     controller_address: str
     token: str
+    stack: str = ""
 
 
-def resolve_target(controller: str | None, token_file: Path | None) -> Target:
-    """Flags first; what they leave open comes from the stack file written by `reconfig up`."""
-    if controller is None or token_file is None:
-        try:
-            stack = StackFile.load()
-        except StackNotFoundError as exc:
-            raise Unreachable(f"{exc} (or pass --controller and --token-file)") from None
-        controller = controller or stack.controller_address
-        token_file = token_file or Path(stack.token_file)
+def find_stack(selector: str | None) -> StackFile:
+    """The stack file of the stack `selector` names (a name or a port; None: the only one running); Unreachable
+    with the running stacks listed when there is no such stack, or several and no selector."""
     try:
-        return Target(controller, read_token_file(token_file))
+        running = select_stack(selector)
+    except StackNotFoundError as exc:
+        raise Unreachable(str(exc)) from None
+    if running.stack is None:
+        raise Unreachable(f"stack {running.name!r} ({running.describe()}) is starting; try again when `reconfig up` "
+                          "says it is up")
+    return running.stack
+
+
+def resolve_target(controller: str | None, token_file: Path | None, stack: str | None = None) -> Target:
+    """Flags first; what they leave open comes from the stack file written by `reconfig up` (the stack `stack`
+    names, or the only one running)."""
+    name = ""
+    if controller is None or token_file is None:
+        found = find_stack(stack)
+        controller = controller or found.controller_address
+        token_file = token_file or Path(found.token_file)
+        name = found.name
+    try:
+        return Target(controller, read_token_file(token_file), name)
     except (OSError, ValueError) as exc:
         raise Unreachable(f"cannot read the control-plane token: {exc}") from None
 

@@ -7,9 +7,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TextIO
 
+from services.contracts.phases import PHASES, SERVING_PHASES
 from services.controller.status import OperationState, OperationStatus
-from services.controller.transaction import PHASES
-from services.router.contracts import SERVING_PHASES
 
 BAR_WIDTH = 20
 _SPINNER = "|/-\\"

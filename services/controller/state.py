@@ -13,13 +13,21 @@ from dataclasses import dataclass, replace
 import grpc
 import structlog
 
-from services.controller.status import OperationState, OperationStatus, StackState, StackStatus, WorkerState, WorkerStatus
+from services.controller.status import (
+    OperationState,
+    OperationStatus,
+    StackState,
+    StackStatus,
+    WorkerState,
+    WorkerStatus,
+)
 from services.router.contracts import EngineStats
 from services.router.wire import stats_from_pb
 from services.rpc.auth import auth_metadata
 from services.rpc.errors import describe_error
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.topology import Topology
+from services.model.spec import ModelSpec
+from services.topology import Topology, candidate_topologies
 from services.worker.pacing import DEFAULT_STAGING_DUTY
 
 log = structlog.get_logger(__name__)
@@ -80,6 +88,7 @@ class ControllerState:
         self._worker_channels: dict[str, grpc.aio.Channel] = {}
         self._channels: list[grpc.aio.Channel] = []
         self._router_stub: router_pb2_grpc.RouterStub | None = None
+        self._shape = ModelSpec.from_dir(config.model_dir).shape if config.model_dir else None
         self._status = StackStatus(topology=str(self.topology), state=StackState.STARTING, model=config.model,
                                    reason="waiting for the first refresh", router_address=self._router_address)
         self._version = 0
@@ -307,9 +316,11 @@ class ControllerState:
             state, reason = StackState.FROZEN, "the router is frozen: no step is scheduled"
         else:
             state, reason = StackState.SERVING, ""
+        layouts = () if self._shape is None else tuple(
+            str(t) for t in candidate_topologies(self._shape, len(self.worker_addresses)))
         status = StackStatus(topology=live, state=state, model=self.config.model, reason=reason,
                              workers=tuple(workers), router_address=self._router_address, router=router,
-                             updated_at=time.time(), lost_workers=tuple(self.lost_workers))
+                             updated_at=time.time(), lost_workers=tuple(self.lost_workers), layouts=layouts)
         return self._with_operation(status)
 
     def _membership_reasons(self) -> list[str]:

@@ -7,9 +7,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.router.contracts import PREPARING_PHASES, SERVING_PHASES, EngineStats
-from services.router.wire import stats_from_pb, stats_to_pb
+from services.contracts.phases import PREPARING_PHASES, SERVING_PHASES
+from services.router.contracts import EngineStats
 from services.router.load_window import LoadSnapshot
+from services.router.wire import stats_from_pb, stats_to_pb
 from services.rpc.reconfig.v1 import controller_pb2
 
 
@@ -144,6 +145,7 @@ class StackStatus:
     last_operation: OperationStatus | None = None
     updated_at: float = 0.0            # unix seconds of the refresh behind this snapshot
     lost_workers: tuple[str, ...] = ()  # lost and not replaced yet: DEGRADED until as many have joined
+    layouts: tuple[str, ...] = ()      # the layouts the model allows on the workers (what a switch accepts)
 
     def same_as(self, other: StackStatus | None) -> bool:
         """Equal apart from the refresh time and the router's load window (what WatchStatus calls a change): the
@@ -159,7 +161,7 @@ class StackStatus:
         pb = controller_pb2.StackStatus(
             topology=self.topology, state=self.state.value, reason=self.reason, model=self.model,
             workers=[w.to_pb() for w in self.workers], router_address=self.router_address,
-            updated_at=self.updated_at, lost_workers=self.lost_workers,
+            updated_at=self.updated_at, lost_workers=self.lost_workers, layouts=self.layouts,
         )
         if self.router is not None:
             pb.router.CopyFrom(stats_to_pb(self.router))
@@ -175,7 +177,7 @@ class StackStatus:
             workers=tuple(WorkerStatus.from_pb(w) for w in pb.workers), router_address=pb.router_address,
             router=stats_from_pb(pb.router) if pb.HasField("router") else None,
             last_operation=OperationStatus.from_pb(pb.last_operation) if pb.HasField("last_operation") else None,
-            updated_at=pb.updated_at, lost_workers=tuple(pb.lost_workers),
+            updated_at=pb.updated_at, lost_workers=tuple(pb.lost_workers), layouts=tuple(pb.layouts),
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -17,12 +17,7 @@ import uuid
 import grpc
 import structlog
 
-from services.controller.status import OperationState, OperationStatus
-from services.model.spec import ModelSpec
-from services.rpc.auth import auth_metadata
-from services.rpc.errors import describe_error
-from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.router.contracts import DRAINING_PHASE, PRECOPY_PHASE, STAGING_PHASE
+from services.contracts.phases import DRAINING_PHASE, PRECOPY_PHASE, STAGING_PHASE
 from services.controller.staging import (
     Precopy,
     SwitchTarget,
@@ -36,6 +31,11 @@ from services.controller.staging import (
     staging_needs,
     staging_verdict,
 )
+from services.controller.status import OperationState, OperationStatus
+from services.model.spec import ModelSpec
+from services.rpc.auth import auth_metadata
+from services.rpc.errors import describe_error
+from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.topology import Topology, TopologyError, validate
 from services.worker.pacing import DEFAULT_STAGING_DUTY
 
@@ -43,8 +43,6 @@ log = structlog.get_logger(__name__)
 # In order; STAGING and PRECOPY run while the router serves (strategy "staged"), the others inside the freeze.
 # The freeze's wait is DRAINING until a request first waits for it (the router says when; serving, no downtime), then
 # QUIESCING until the last step in flight is back.
-PHASES = ("STAGING", "PRECOPY", "DRAINING", "QUIESCING", "PREPARING_WORKERS", "APPLYING_TOPOLOGY", "MIGRATING",
-          "REBINDING")
 FREEZE_LEASE_S = 15.0  # the router waits this long for a renewal before it stops trusting a frozen operation
 
 

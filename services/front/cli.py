@@ -12,8 +12,7 @@ from pathlib import Path
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from services.controller.client import EXIT_OK, EXIT_REFUSED, CommandFailed, Unreachable
-from services.launch.stackfile import StackFile, StackNotFoundError
+from services.controller.client import EXIT_OK, EXIT_REFUSED, CommandFailed, Unreachable, find_stack
 from services.rpc.auth import auth_metadata, read_token_file
 from services.rpc.reconfig.v1 import front_pb2, front_pb2_grpc
 
@@ -27,6 +26,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="the front router's gRPC host:port (default: $RECONFIG_FRONT, else the stack file)")
     common.add_argument("--token-file", type=Path, default=os.environ.get("RECONFIG_TOKEN_FILE"),
                         help="control-plane token file (default: $RECONFIG_TOKEN_FILE, else the stack file)")
+    common.add_argument("--stack", default=argparse.SUPPRESS, metavar="NAME|PORT",
+                        help="the stack, by name or port, when several run (default: $RECONFIG_STACK)")
     common.add_argument("--timeout", type=float, default=60.0, help="seconds to wait [60]")
     common.add_argument("--json", action="store_true", help="print the reply as JSON")
     instances = commands.add_parser("instances", parents=[common],
@@ -50,12 +51,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def _target(args: argparse.Namespace) -> tuple[str, str]:
     front, token_file = args.front, args.token_file
     if front is None or token_file is None:
-        try:
-            stack = StackFile.load()
-        except StackNotFoundError as exc:
-            raise Unreachable(f"{exc} (or pass --front and --token-file)") from None
+        stack = find_stack(args.stack)
         if not stack.front_grpc_address and front is None:
-            raise Unreachable("the running stack has one instance and no front router (start it with "
+            raise Unreachable(f"stack {stack.name!r} has one instance and no front router (start one with "
                               "`reconfig up --instances N`)")
         front, token_file = front or stack.front_grpc_address, token_file or Path(stack.token_file)
     try:

@@ -22,6 +22,7 @@ from services.controller import (
 )
 from services.controller.cli import format_table, main
 from services.launch.stackfile import StackFile
+from services.launch.stacks import StackClaim
 from services.router.contracts import EngineStats
 from services.rpc.auth import write_token_file
 from tests.controller.conftest import MODEL, NUM_WORKERS, TOPOLOGY, closed_port, frozen_router
@@ -86,22 +87,28 @@ async def test_json_is_the_same_status(stack, capsys):
 
 @pytest.mark.multiprocess
 async def test_finds_the_stack_by_itself(stack, capsys):
-    StackFile(controller_address=stack.controller_address, router_http_address="http://127.0.0.1:1",
-              router_grpc_address=stack.router_address, token_file=stack.token_file,
-              pids={"launcher": os.getpid()}).write()
-    assert await _reconfigctl("status", "--json") == 0
-    assert json.loads(capsys.readouterr().out)["state"] == "SERVING"
+    with StackClaim.take("test", "127.0.0.1", {}) as claim:  # as `reconfig up` holds its stack
+        StackFile(controller_address=stack.controller_address, router_http_address="http://127.0.0.1:1",
+                  router_grpc_address=stack.router_address, token_file=stack.token_file,
+                  pids={"launcher": os.getpid()}, name="test").write(claim.stack_file)
+        assert await _reconfigctl("status", "--json") == 0
+        status = json.loads(capsys.readouterr().out)
+        assert (status["stack"], status["state"]) == ("test", "SERVING")
+        assert await _reconfigctl("status") == 0
+        table = capsys.readouterr().out
+        assert table.startswith(f"stack 'test', controller {stack.controller_address}\ntopology: {TOPOLOGY}")
+    assert await _reconfigctl("status") == 1  # its launcher let go: no stack
 
 
 @pytest.mark.multiprocess
 def test_the_module_runs_as_a_command(stack, tmp_path):
     """`python -m services.controller.cli status --json`, finding the stack through $RECONFIG_RUN_DIR."""
-    StackFile(controller_address=stack.controller_address, router_http_address="", token_file=stack.token_file,
-              router_grpc_address=stack.router_address, pids={"test": os.getpid()}, model=MODEL,
-              topology=TOPOLOGY, started_at=time.time()).write(tmp_path / "stack.json")
-    result = subprocess.run([sys.executable, "-m", "services.controller.cli", "status", "--json"],
-                            capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "RECONFIG_RUN_DIR": str(tmp_path)})  # `isolated` cleared the rest
+    with StackClaim.take("test", "127.0.0.1", {}) as claim:
+        StackFile(controller_address=stack.controller_address, router_http_address="", token_file=stack.token_file,
+                  router_grpc_address=stack.router_address, pids={"test": os.getpid()}, model=MODEL,
+                  topology=TOPOLOGY, started_at=time.time()).write(claim.stack_file)
+        result = subprocess.run([sys.executable, "-m", "services.controller.cli", "status", "--json"],
+                                capture_output=True, text=True, timeout=60, env=dict(os.environ))
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
     assert (status["topology"], status["state"]) == (TOPOLOGY, "SERVING")
@@ -128,7 +135,7 @@ async def test_unreachable_controller_exits_1(tmp_path, capsys):
 def test_no_stack_exits_1(tmp_path, capsys):
     assert main(["status"]) == 1
     err = capsys.readouterr().err
-    assert f"no running reconfig stack found (looked in {tmp_path / 'run' / 'stack.json'})" in err
+    assert f"no running reconfig stack found (looked in {tmp_path / 'run' / 'stacks'})" in err
     assert "start one with `reconfig up`" in err
 
 
@@ -208,3 +215,12 @@ def test_a_plan_to_an_ep_layout_shows_where_the_running_requests_kv_goes():
     dense = controller_pb2.PlanResponse(from_topology="tp2pp2", to_topology="tp2pp1",
                                         pools=[controller_pb2.PoolPlan(pool=0, num_requests=2, num_blocks=5)])
     assert "KV after" not in format_plan(dense)  # one pool on both sides: nothing to say
+
+
+def test_reconfigctl_imports_no_torch():
+    """Every call of the CLI pays its imports: torch alone took 2 s of each `reconfigctl status` and `--help`."""
+    code = ("import sys; from services.controller.cli import build_parser, main; build_parser(); "
+            "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'scipy', 'statsmodels', 'pydantic', "
+            "'transformers', 'fastapi'}); print(heavy)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", (result.stdout, result.stderr)

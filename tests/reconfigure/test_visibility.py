@@ -19,7 +19,7 @@ from services.controller.cli import main
 from services.controller.progress import PhaseDisplay, format_bytes
 from services.controller.status import OperationState, OperationStatus
 from services.controller.plan import plan_switch
-from services.controller.transaction import PHASES
+from services.contracts.phases import PHASES
 from services.router.api import create_app
 from services.router.contracts import GenerationRequest
 from services.rpc.auth import auth_metadata
@@ -298,9 +298,12 @@ async def test_metrics_after_switches_with_preemption_and_rollback(live_stack, m
             if phase != "REBINDING":  # the report is sent on the Resume, inside REBINDING
                 assert seconds == pytest.approx(shrink.phase_seconds[phase])
         assert 0 < report.phase_seconds["REBINDING"] <= shrink.phase_seconds["REBINDING"]
-        downtime = _value(after, "reconfig:switch_seconds_sum")
-        assert _value(after, "reconfig:switch_seconds_count") == 1
+        downtime = _value(after, "reconfig:switch_cutover_seconds_sum")
+        assert _value(after, "reconfig:switch_cutover_seconds_count") == 1
         assert downtime == pytest.approx(report.downtime_seconds) and 0 < downtime <= shrink.downtime_seconds
+        assert _value(after, "reconfig:switch_seconds_count") == 1  # the whole switch: staging and pre-copy too
+        assert _value(after, "reconfig:switch_seconds_sum") == pytest.approx(sum(report.phase_seconds.values()))
+        assert _value(after, "reconfig:switch_seconds_sum") > downtime
         assert _value(after, "reconfig:last_switch_seconds") == pytest.approx(downtime)
         # The KV moved in the freeze (the pre-copy's delta): none when every request holding an id past the new
         # capacity was preempted

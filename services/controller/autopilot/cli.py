@@ -5,15 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
-import grpc
-from google.protobuf.json_format import MessageToDict
+from services.controller.autopilot import MODES
 
-from services.controller.autopilot.loop import MODES
-from services.controller.autopilot.view import format_profile, format_status, plot_profile
-from services.controller.client import EXIT_OK, CommandFailed, Target, rpc_failure
-from services.rpc.auth import auth_metadata
-from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc
+if TYPE_CHECKING:  # the commands import what they call: `reconfigctl --help` stays quick
+    from services.controller.client import Target
+    from services.rpc.reconfig.v1 import controller_pb2
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -50,11 +48,12 @@ def add_parsers(commands: argparse._SubParsersAction, common: argparse.ArgumentP
     calibrate.add_argument("--plot", metavar="FILE.png", help="also plot the profile (needs matplotlib)")
 
 
-def _stub(channel: grpc.Channel) -> controller_pb2_grpc.ControllerStub:
-    return controller_pb2_grpc.ControllerStub(channel)
-
-
 def _print(pb: controller_pb2.AutopilotStatus, args: argparse.Namespace, text: str) -> None:
+    from google.protobuf.json_format import MessageToDict
+
+    from services.controller.autopilot.view import plot_profile
+    from services.controller.client import CommandFailed
+
     print(json.dumps(MessageToDict(pb, preserving_proto_field_name=True), indent=2) if args.json else text)
     if getattr(args, "plot", None):
         if not pb.layouts:
@@ -67,13 +66,21 @@ def _print(pb: controller_pb2.AutopilotStatus, args: argparse.Namespace, text: s
 
 
 def autopilot_command(args: argparse.Namespace, target: Target) -> int:
+    import grpc
+
+    from services.controller.autopilot.view import format_status
+    from services.controller.client import EXIT_OK, rpc_failure
+    from services.rpc.auth import auth_metadata
+    from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc
+
     with grpc.insecure_channel(target.controller_address) as channel:
+        stub = controller_pb2_grpc.ControllerStub(channel)
         try:
             if args.autopilot_command == "set":
-                pb = _stub(channel).SetAutopilot(controller_pb2.SetAutopilotRequest(mode=args.mode),
+                pb = stub.SetAutopilot(controller_pb2.SetAutopilotRequest(mode=args.mode),
                                                  timeout=args.timeout or 10.0, metadata=auth_metadata(target.token))
             else:
-                pb = _stub(channel).GetAutopilot(controller_pb2.GetAutopilotRequest(),
+                pb = stub.GetAutopilot(controller_pb2.GetAutopilotRequest(),
                                                  timeout=args.timeout or 10.0, metadata=auth_metadata(target.token))
         except grpc.RpcError as exc:
             raise rpc_failure(exc, target) from None
@@ -82,13 +89,20 @@ def autopilot_command(args: argparse.Namespace, target: Target) -> int:
 
 
 def calibrate_command(args: argparse.Namespace, target: Target) -> int:
+    import grpc
+
+    from services.controller.autopilot.view import format_profile
+    from services.controller.client import EXIT_OK, CommandFailed, rpc_failure
+    from services.rpc.auth import auth_metadata
+    from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc
+
     request = controller_pb2.CalibrateRequest(
         layouts=[t.strip() for t in args.layouts.split(",") if t.strip()], batch_sizes=args.batch_sizes,
         prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens)
     final = None
     with grpc.insecure_channel(target.controller_address) as channel:
         try:
-            for progress in _stub(channel).Calibrate(request, timeout=args.timeout,
+            for progress in controller_pb2_grpc.ControllerStub(channel).Calibrate(request, timeout=args.timeout,
                                                      metadata=auth_metadata(target.token)):
                 if progress.HasField("status"):
                     final = progress.status

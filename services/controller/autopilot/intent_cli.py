@@ -16,17 +16,10 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from services.controller.autopilot.intents import (
-    DAYS,
-    DEFAULT_WINDOW,
-    IntentError,
-    Intents,
-    Selection,
-    Window,
-    load_intents,
-    parse_intents,
-)
+if TYPE_CHECKING:  # loaded by the commands that use them: `reconfigctl --help` need not import pydantic
+    from services.controller.autopilot.intents import Intents, Selection, Window
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:8000/v1"
 DEFAULT_TIMEOUT_S = 60.0
@@ -55,6 +48,8 @@ class DraftError(Exception):
 
 def system_prompt() -> str:
     """What the model is told: the schema of `Intents` and one worked example."""
+    from services.controller.autopilot.intents import Intents
+
     return SYSTEM_PROMPT.format(schema=json.dumps(Intents.model_json_schema()), example_request=EXAMPLE_REQUEST,
                                 example=json.dumps(EXAMPLE_INTENTS))
 
@@ -85,6 +80,8 @@ def intent_command(args: argparse.Namespace) -> int:
 
 # ---- check -----------------------------------------------------------------------------------------------------------
 def _check(args: argparse.Namespace) -> int:
+    from services.controller.autopilot.intents import IntentError, load_intents
+
     try:
         intents = load_intents(args.file)
     except IntentError as exc:
@@ -95,6 +92,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _days(days: tuple[str, ...]) -> str:
+    from services.controller.autopilot.intents import DAYS
+
     index = sorted(DAYS.index(day) for day in days)
     if len(index) == len(DAYS):
         return "every day"
@@ -120,6 +119,8 @@ def format_intents(intents: Intents) -> str:
         wraps = window.end != "24:00" and window.end < window.start
         time = f"{window.start}-{window.end}{'+1' if wraps else ''}"
         lines.append(f"{window.name:<16}{_days(window.days):<18}{time:<15}{_targets(window):<44}{window.priority}")
+    from services.controller.autopilot.intents import DEFAULT_WINDOW
+
     default = DEFAULT_WINDOW
     lines.append(f"{default.name:<16}{'other times':<18}{'-':<15}{_targets(default):<44}{default.priority}")
     return "\n".join(lines)
@@ -213,6 +214,8 @@ def first_json_object(text: str) -> object:
 
 
 def _draft(args: argparse.Namespace) -> int:
+    from services.controller.autopilot.intents import IntentError, parse_intents
+
     if args.output is not None and args.output.suffix not in (".toml", ".json"):
         print(f"reconfigctl intent draft: -o {args.output}: use a .toml or a .json file", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import structlog
 
+from services.controller.autopilot import MODES
 from services.controller.autopilot.arrivals import ArrivalHistory
 from services.controller.autopilot.calibrate import CalibrationPlan, Progress, calibrate, router_stats
 from services.controller.autopilot.intents import Demand, select_layouts
@@ -40,7 +41,6 @@ from services.router.load_window import LoadSnapshot
 from services.topology import Topology, candidate_topologies
 
 log = structlog.get_logger(__name__)
-MODES = ("off", "advise", "auto")
 
 
 @dataclass(frozen=True, slots=True)

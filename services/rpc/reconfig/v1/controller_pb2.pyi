@@ -428,7 +428,7 @@ class OperationStatus(_message.Message):
     def __init__(self, operation_id: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[_Union[OperationState, str]] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., error: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., from_topology: _Optional[str] = ..., to_topology: _Optional[str] = ..., phase: _Optional[str] = ..., kv_bytes_moved: _Optional[int] = ..., weight_bytes_loaded: _Optional[int] = ..., num_requests_preempted: _Optional[int] = ..., built_groups: _Optional[bool] = ..., lost_workers: _Optional[_Iterable[str]] = ..., kv_dropped: _Optional[bool] = ..., weight_bytes_resharded: _Optional[int] = ..., staging: _Optional[str] = ..., precopy: _Optional[str] = ..., kv_bytes_precopied: _Optional[int] = ...) -> None: ...
 
 class StackStatus(_message.Message):
-    __slots__ = ("topology", "state", "reason", "model", "workers", "router_address", "router", "last_operation", "updated_at", "lost_workers")
+    __slots__ = ("topology", "state", "reason", "model", "workers", "router_address", "router", "last_operation", "updated_at", "lost_workers", "layouts")
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -439,6 +439,7 @@ class StackStatus(_message.Message):
     LAST_OPERATION_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     LOST_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
     topology: str
     state: StackState
     reason: str
@@ -449,4 +450,5 @@ class StackStatus(_message.Message):
     last_operation: OperationStatus
     updated_at: float
     lost_workers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, topology: _Optional[str] = ..., state: _Optional[_Union[StackState, str]] = ..., reason: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., router_address: _Optional[str] = ..., router: _Optional[_Union[_router_pb2.RouterStats, _Mapping]] = ..., last_operation: _Optional[_Union[OperationStatus, _Mapping]] = ..., updated_at: _Optional[float] = ..., lost_workers: _Optional[_Iterable[str]] = ...) -> None: ...
+    layouts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, topology: _Optional[str] = ..., state: _Optional[_Union[StackState, str]] = ..., reason: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., router_address: _Optional[str] = ..., router: _Optional[_Union[_router_pb2.RouterStats, _Mapping]] = ..., last_operation: _Optional[_Union[OperationStatus, _Mapping]] = ..., updated_at: _Optional[float] = ..., lost_workers: _Optional[_Iterable[str]] = ..., layouts: _Optional[_Iterable[str]] = ...) -> None: ...
