@@ -86,6 +86,7 @@ class FrontEngine:
         self.model_name = model_name
         self.settings = settings
         self.max_model_len = 0
+        self.context_note = ""  # the API's context-length error adds it (a router's says what limits its KV)
         self.policy = None
         self.totals = FrontTotals()
         self.is_draining = False

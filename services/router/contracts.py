@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from services.contracts.phases import PREPARING_PHASES, SERVING_PHASES, STAGING_PHASE
 from services.model.tokenizer import Tokenizer
 from services.router.load_window import LoadSnapshot
 from services.worker.step import GREEDY, SamplingParams, TokenLogprob, WorkerTime
@@ -58,14 +59,6 @@ class GenerationDelta:
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
-# The phases of a switch that run while the router serves: the target's shards built beside the steps, then the
-# KV pre-copied in rounds, then the start of the freeze until a request first waits for it (the steps in flight
-# run on and deliver their tokens); every other phase runs frozen, and their sum is the downtime (the cutover).
-STAGING_PHASE = "STAGING"
-PRECOPY_PHASE = "PRECOPY"
-DRAINING_PHASE = "DRAINING"
-SERVING_PHASES = (STAGING_PHASE, PRECOPY_PHASE, DRAINING_PHASE)
-PREPARING_PHASES = (STAGING_PHASE, PRECOPY_PHASE)  # the staging time: built and copied ahead of the freeze
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +159,7 @@ class EngineProtocol(Protocol):
 
     model_name: str          # served model id (/v1/models)
     max_model_len: int       # prompt + max_tokens limit
+    context_note: str        # why max_model_len is below the model's own limit ("": it is not), for its error
     tokenizer: Tokenizer
 
     @property

@@ -48,6 +48,10 @@ class _InFlight:
     expert_commit: asyncio.Future | None = None  # resolved when this step (carrying an EPLB commit) returns
 
 
+# Why a request still running when the engine stops ends: its client may retry elsewhere.
+SHUTDOWN_ABORT = "the server is shutting down and this request did not finish within its grace period; retry it"
+
+
 class Engine:
     """Owns the scheduler and the driver; front ends call generate() and read deltas."""
 
@@ -60,6 +64,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.context_note = ""  # why max_model_len is below the model's own limit (the KV cache), for errors
         self.topology = Topology.parse(driver.infos[0].topology)
         config = scheduler_config or SchedulerConfig(max_model_len=max_model_len)
         # EP layouts: one KV pool per data-parallel attention rank; a rebind keeps the DP size.
@@ -122,7 +127,7 @@ class Engine:
             except asyncio.CancelledError:
                 pass
         for stream in list(self._streams.values()):
-            stream.finish("abort")
+            stream.finish("abort", SHUTDOWN_ABORT)
         await self.driver.close()
         if self._closing:  # replaced drivers still ending their streams
             await asyncio.gather(*self._closing, return_exceptions=True)

@@ -56,7 +56,8 @@ async def build_engine(config: RouterConfig) -> Engine:
     driver = Driver(list(config.worker_addresses), token=config.token)
     await driver.connect()
     # A request must fit the model's positions and the KV cache (as vLLM caps max_model_len).
-    max_model_len = min(spec.max_position_embeddings, driver.num_kv_blocks * driver.block_size)
+    kv_tokens = driver.num_kv_blocks * driver.block_size
+    max_model_len = min(spec.max_position_embeddings, kv_tokens)
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting,
@@ -66,6 +67,9 @@ async def build_engine(config: RouterConfig) -> Engine:
                     max_model_len, scheduler_config, vocab_size=spec.vocab_size,
                     recovery_timeout_s=config.recovery_timeout_s,
                     eplb=EplbSettings(enabled=config.eplb, step_interval=config.eplb_step_interval))
+    if kv_tokens < spec.max_position_embeddings:
+        engine.context_note = (f"the model allows {spec.max_position_embeddings} tokens; the KV cache holds "
+                               f"{kv_tokens}: a larger --kv-cache-mb allows longer requests")
     await engine.start()
     return engine
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.topology.topology import ModelShape, Topology, TopologyError, partition_errors, validate
+from services.topology.topology import ModelShape, Topology, TopologyError, partition_errors, topology_errors
 
 VOCAB_PADDING = 64  # every TP rank's vocabulary slice is a multiple of this many rows
 
@@ -139,7 +139,9 @@ def place(topology: Topology, shape: ModelShape, layer_partition: Sequence[int] 
           num_redundant_experts: int = 0) -> Placement:
     """Validate (num_workers = topology.num_workers) and compute the placement. num_redundant_experts: extra expert
     slots of an EP layout (ignored by TP layouts, where every rank holds a slice of every expert)."""
-    validate(topology, shape, topology.num_workers, layer_partition, num_redundant_experts)
+    # Not validate(): its list of the layouts that do run is for a person choosing one, on the stack's workers.
+    if errors := topology_errors(topology, shape, topology.num_workers, layer_partition, num_redundant_experts):
+        raise TopologyError("; ".join(errors))
     if topology.is_expert_parallel:
         return _expert_parallel_placement(topology, shape, layer_partition, num_redundant_experts)
     return _compute_placement(topology, shape, layer_partition)

@@ -154,8 +154,18 @@ def validate(
     layer_partition: Sequence[int] | None = None,
     num_redundant_experts: int = 0,
 ) -> None:
-    """Raise TopologyError listing every reason the topology cannot run this model on num_workers workers.
-    num_redundant_experts: extra physical expert slots of an EP layout (EPLB replicas)."""
+    """Raise TopologyError listing every reason the topology cannot run this model on num_workers workers, and the
+    layouts that can. num_redundant_experts: extra physical expert slots of an EP layout (EPLB replicas)."""
+    errors = topology_errors(topology, shape, num_workers, layer_partition, num_redundant_experts)
+    if errors:
+        valid = candidate_topologies(shape, num_workers, num_redundant_experts)
+        allowed = ", ".join(map(str, valid)) if valid else "none"
+        raise TopologyError(f"{'; '.join(errors)} (this model allows on {num_workers} workers: {allowed})")
+
+
+def topology_errors(topology: Topology, shape: ModelShape, num_workers: int,
+                    layer_partition: Sequence[int] | None = None, num_redundant_experts: int = 0) -> list[str]:
+    """Every reason the topology cannot run this model on num_workers workers ([]: it can)."""
     tp, pp, ep = topology.tp, topology.pp, topology.ep
     errors = []
     if shape.num_heads % tp:
@@ -180,8 +190,7 @@ def validate(
                       "workers")
     if layer_partition is not None:
         errors.extend(partition_errors(layer_partition, pp, shape.num_layers))
-    if errors:
-        raise TopologyError("; ".join(errors))
+    return errors
 
 
 def candidate_topologies(shape: ModelShape, num_workers: int, num_redundant_experts: int = 0) -> list[Topology]:
@@ -191,12 +200,7 @@ def candidate_topologies(shape: ModelShape, num_workers: int, num_redundant_expe
     for width in range(1, num_workers + 1):
         for pp in range(1, num_workers // width + 1):
             layouts = [Topology(tp=width, pp=pp)] + ([Topology(ep=width, pp=pp)] if width > 1 else [])
-            for topology in layouts:
-                try:
-                    validate(topology, shape, num_workers, num_redundant_experts=num_redundant_experts)
-                except TopologyError:
-                    continue
-                candidates.append(topology)
+            candidates += [t for t in layouts if not topology_errors(t, shape, num_workers, None, num_redundant_experts)]
     return sorted(candidates, key=lambda t: (t.num_workers, t.tp, t.ep))
 
 

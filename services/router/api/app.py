@@ -157,8 +157,9 @@ class OpenAIServing:
         max_tokens = body.requested_max_tokens
         if room < (0 if max_tokens == 0 else 1) or (max_tokens is not None and max_tokens > room):
             wanted = f"; {max_tokens} for the completion" if max_tokens is not None else ""
+            note = f" ({self.engine.context_note})" if self.engine.context_note else ""
             raise ApiError(
-                400, f"this model's maximum context length is {max_model_len} tokens, however you requested "
+                400, f"this model's maximum context length is {max_model_len} tokens{note}, however you requested "
                 f"{num_prompt_tokens} tokens in the prompt{wanted}; reduce the prompt or the completion length",
                 param=body.prompt_param if room < 1 else body.max_tokens_param, code="context_length_exceeded",
             )

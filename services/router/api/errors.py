@@ -100,7 +100,18 @@ async def _handle_engine_error(request: Request, exc: Exception) -> JSONResponse
 
 
 async def _handle_validation_error(request: Request, exc: Exception) -> JSONResponse:
+    content_type = request.headers.get("content-type", "")
+    if request.method == "POST" and not _is_json(content_type):  # e.g. curl -d without -H: a form, not JSON
+        return error_response(ApiError(
+            400, f"the request body must be JSON, sent with the header `Content-Type: application/json` (this one "
+                 f"came as {content_type or 'no content type'}; with curl: -H 'content-type: application/json')",
+            code="invalid_content_type"))
     return error_response(_validation_error(exc))  # type: ignore[arg-type]
+
+
+def _is_json(content_type: str) -> bool:
+    media_type = content_type.partition(";")[0].strip().lower()
+    return media_type == "application/json" or media_type.endswith("+json")
 
 
 async def _handle_http_exception(request: Request, exc: Exception) -> JSONResponse:

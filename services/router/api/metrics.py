@@ -79,14 +79,14 @@ def switch_metrics(switches: SwitchTotals, model_name: str) -> Iterator[Metric]:
     for phase in sorted(switches.phase_seconds):
         phases.add_metric([model_name, phase], switches.phase_counts[phase], switches.phase_seconds[phase])
     yield phases
-    downtime = SummaryMetricFamily(PREFIX + "switch_seconds",
-                                   "Downtime of layout switches: from the first request the freeze held back (the "
-                                   "steps in flight ran on until then) to the resume.",
-                                   labels=LABELS)
-    downtime.add_metric(labels, switches.num_total, switches.downtime_seconds)
-    yield downtime
+    total = SummaryMetricFamily(PREFIX + "switch_seconds",
+                                "Layout switches from start to end, every phase: staging and KV pre-copy while "
+                                "serving, then the freeze.", labels=LABELS)
+    total.add_metric(labels, switches.num_total, sum(switches.phase_seconds.values()))
+    yield total
     cutover = SummaryMetricFamily(PREFIX + "switch_cutover_seconds",
-                                  "The only freeze of layout switches (the same as switch_seconds).", labels=LABELS)
+                                  "Downtime of layout switches: from the first request the freeze held back (the "
+                                  "steps in flight ran on until then) to the resume.", labels=LABELS)
     cutover.add_metric(labels, switches.num_total, switches.downtime_seconds)
     yield cutover
     staging = SummaryMetricFamily(PREFIX + "switch_staging_seconds",

@@ -94,9 +94,9 @@ class GenerationRun:
                 if delta.prompt_logprobs is not None:
                     self.prompt_logprobs = delta.prompt_logprobs
                 self.finish_reason = delta.finish_reason
-                if delta.finish_reason == "abort":  # e.g. the engine is stopping: the client may retry
-                    raise ApiError(503, "the request was aborted by the engine", "server_error",
-                                   code="request_aborted")
+                if delta.finish_reason == "abort":  # e.g. the engine is stopping (delta.error says so): retry
+                    raise ApiError(503, delta.error or "the request was aborted by the engine", "server_error",
+                                   code="shutting_down" if delta.error else "request_aborted")
                 if delta.finish_reason == "error":
                     raise ApiError(500, f"generation failed: {delta.error or 'unknown error'}", "server_error",
                                    code="generation_failed")

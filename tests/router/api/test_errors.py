@@ -47,6 +47,18 @@ async def test_malformed_json_is_400(client):
     assert_error(response, 400, code="invalid_json")
 
 
+async def test_a_body_not_sent_as_json_names_the_content_type(client):
+    """curl -d without -H sends a form: the error says what to send instead."""
+    body = json.dumps({"model": MODEL, "prompt": "hi"}).encode()
+    for headers in ({"content-type": "application/x-www-form-urlencoded"}, {}):
+        error = assert_error(await client.post("/v1/completions", content=body, headers=headers), 400,
+                             code="invalid_content_type")
+        assert "Content-Type: application/json" in error["message"], error
+    ok = await client.post("/v1/completions", content=body,
+                           headers={"content-type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200, ok.text
+
+
 @pytest.mark.parametrize(
     ("body", "param", "code"),
     [
@@ -130,6 +142,11 @@ async def test_prompt_longer_than_the_context_is_400(client, serving_engine):
     response = await client.post("/v1/completions", json={"model": MODEL, "prompt": too_long})
     error = assert_error(response, 400, param="prompt", code="context_length_exceeded")
     assert str(max_model_len) in error["message"]
+    serving_engine.context_note = "the KV cache holds 64: a larger --kv-cache-mb allows longer requests"
+    response = await client.post("/v1/completions", json={"model": MODEL, "prompt": too_long})
+    error = assert_error(response, 400, param="prompt", code="context_length_exceeded")
+    assert f"is {max_model_len} tokens (the KV cache holds 64: a larger --kv-cache-mb" in error["message"]
+    serving_engine.context_note = ""
     response = await client.post("/v1/chat/completions",
                                  json={"model": MODEL, "messages": [{"role": "user", "content": too_long}]})
     assert_error(response, 400, param="messages", code="context_length_exceeded")
@@ -241,10 +258,11 @@ async def test_engine_stopping_mid_request_is_an_explicit_error(client, serving_
         assert asyncio.get_running_loop().time() < deadline
         await asyncio.sleep(0.005)
     await serving_engine.stop()
-    assert_error(await plain, 503, code="request_aborted")
+    assert "the server is shutting down" in assert_error(await plain, 503, code="shutting_down")["message"]
     response = await streamed
     assert response.status_code == 200  # the stream had started
     events = parse_sse(response.text)
     assert events[-1] == "[DONE]"
-    assert events[-2]["error"]["code"] == "request_aborted" and events[-2]["error"]["type"] == "server_error"
+    assert events[-2]["error"]["code"] == "shutting_down" and events[-2]["error"]["type"] == "server_error"
+    assert "the server is shutting down" in events[-2]["error"]["message"]
     assert all("choices" in event for event in events[:-2])
