@@ -8,11 +8,15 @@ STAMP := $(VENV)/.installed
 .PHONY: install run test protos check-protos bench clean
 
 $(STAMP): pyproject.toml
+	@echo "make: creating $(VENV) and installing reconfig[dev] (about 2 minutes on a fresh machine)"
 	$(PYTHON) -m venv $(VENV)
 	# torch is pinned (pyproject) to the CPU wheel; install it first so nothing pulls a CUDA build.
+	@echo "make: [1/2] torch 2.13.0 (CPU build)"
 	$(PY) -m pip install -q torch==2.13.0
+	@echo "make: [2/2] reconfig and its dependencies"
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
+	@echo "make: $(VENV) is ready; activate it with 'source $(VENV)/bin/activate' to run reconfig and reconfigctl"
 
 install: $(STAMP)
 
