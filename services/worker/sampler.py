@@ -18,7 +18,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
     for i, p in enumerate(params):
         if p.is_greedy:
             continue
-        row = logits[i] / p.temperature
+        # Options that overflow float32 (a tiny temperature after a tiny repetition penalty: +inf; -inf times a
+        # penalty that underflowed to 0: NaN) must not reach the softmax: an infinite logit is the largest finite
+        # one, a NaN one is masked, and a row with nothing left keeps the argmax.
+        row = (logits[i] / p.temperature).nan_to_num(nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+        if not torch.isfinite(row).any():
+            continue
         if p.top_k > 0 and p.top_k < row.numel():
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))

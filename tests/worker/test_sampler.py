@@ -51,6 +51,20 @@ def test_a_tiny_temperature_samples_greedily_instead_of_nan():
     assert sample(logits, [tiny, tiny], [0, 0]) == logits.argmax(-1).tolist()
 
 
+def test_options_that_overflow_float32_still_draw_a_token():
+    """Found by the HTTP fuzzer: a repetition penalty of 5e-300 (> 0, so valid) is 0 in float32, and dividing by it
+    gave inf logits; a tiny temperature overflows finite ones. The step failed with a NaN softmax."""
+    logits = torch.randn(1, 40, generator=torch.Generator().manual_seed(9))
+    step = SequenceStep("r", (1,), 5, (0,), SamplingParams(temperature=1e-5, repetition_penalty=5e-300, seed=3),
+                        output_token_counts=((4, 2), (7, 1)), distinct_prompt_token_ids=(1, 2),
+                        suppressed_token_ids=(0,))
+    processed = process_logits(logits, [step])
+    [token] = sample(processed, [step.sampling], [0])
+    assert 0 < token < 40
+    everything_masked = torch.full((1, 40), float("-inf"))
+    assert 0 <= sample(everything_masked, [SamplingParams(temperature=1.0, seed=1)], [0])[0] < 40
+
+
 # ---- logits processing: bias, min_tokens suppression, penalties -------------------------------------------------
 
 def _reference_processed(row: list[float], step: SequenceStep) -> list[float]:
