@@ -58,8 +58,9 @@ class Stack:
                 except OSError:
                     pass
             time.sleep(0.2)
+        tail = self.log_tail()
         self.close()
-        raise RuntimeError(f"reconfig up did not become ready:\n{self.log_tail()}")
+        raise RuntimeError(f"reconfig up did not become ready:\n{tail}")
 
     def log_tail(self, num_chars: int = 3000) -> str:
         self._log.flush()

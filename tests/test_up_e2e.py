@@ -166,3 +166,51 @@ def test_sigterm_stops_everything(stack):
         assert time.monotonic() < deadline, f"orphans left behind: {alive}"
         time.sleep(0.05)
 
+
+
+def test_two_api_servers_serve_what_one_does_and_one_lost_is_replaced(checkpoint, tmp_path):
+    """`--api-servers 2`: the kernel spreads the connections over both; 16 concurrent greedy streams equal
+    transformers; /metrics counts every server's requests; an API server killed with -9 is started again while the
+    other serves on, and the stack stops cleanly."""
+    import openai
+
+    process, info, _ = launch_up(
+        ["--model", str(checkpoint), "--workers", "1", "--topology", "tp1pp1", "--http-port", "0", "--grpc-port",
+         "0", "--controller-port", "0", "--controller-metrics-port", "0", "--kv-cache-mb", "4", "--block-size", "4",
+         "--api-servers", "2"], tmp_path / "run")
+    try:
+        assert {"api-0", "api-1", "router"} <= set(info["pids"])
+        rng = random.Random(1)
+        prompts = [[rng.randrange(3, 160) for _ in range(rng.randrange(1, 30))] for _ in range(16)]
+        expected, _ = hf_greedy(checkpoint, prompts, NUM_TOKENS)
+        tokenizer = _tokenizer(checkpoint)
+        model = _client(info).models.list().data[0].id
+
+        async def one(prompt):
+            async with _client(info, openai.AsyncOpenAI) as client:  # a connection of its own: spread by the kernel
+                stream = await client.completions.create(model=model, prompt=prompt, max_tokens=NUM_TOKENS,
+                                                         temperature=0, stream=True, extra_body={"ignore_eos": True})
+                return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+        async def all_of(batch):
+            return await asyncio.gather(*(one(p) for p in batch))
+
+        assert asyncio.run(all_of(prompts)) == [tokenizer.decode(e) for e in expected]
+        os.kill(info["pids"]["api-1"], signal.SIGKILL)
+        assert asyncio.run(all_of(prompts[:4])) == [tokenizer.decode(e) for e in expected[:4]]
+
+        def finished() -> float:
+            with urllib.request.urlopen(f"{info['router_http_address']}/metrics", timeout=10) as response:
+                lines = response.read().decode().splitlines()
+            return sum(float(line.rpartition(" ")[2]) for line in lines
+                       if line.startswith("reconfig:request_success_total"))
+
+        deadline = time.monotonic() + 30  # each server reports its latencies within a second
+        while finished() < 4:  # the killed server's report may be lost with it; the survivor's and the new one's
+            assert time.monotonic() < deadline, finished()
+            time.sleep(0.2)
+    finally:
+        stop_up(process)
+    assert process.returncode == 0
+    stderr = process.stderr.read()
+    assert "api.server_lost" in stderr or "api.server_lost" in process.stdout.read()

@@ -10,7 +10,8 @@ import grpc
 from services.rpc.auth import auth_metadata
 from services.rpc.errors import describe_error
 from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
-from services.worker.step import StepBatch, StepOutput, WorkerTime
+from services.worker.step import StepOutput, WorkerTime
+from services.worker.step_rows import RowEncoder
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
@@ -98,6 +99,7 @@ class Driver:
         self._streams: list[_WorkerStream] = []
         self._step_ids = itertools.count(1)
         self._work: dict[int, WorkerTime] = {}  # by rank: how long each worker's part of the steps took
+        self.rows = RowEncoder()  # what the workers hold of each request: steps go in the delta form
 
     async def __aenter__(self) -> Driver:
         await self.connect()
@@ -168,17 +170,19 @@ class Driver:
         """Send a step to every active worker now; the returned future resolves with the sampled outputs.
         Several steps may be in flight (pipeline parallelism keeps every stage busy). commit_expert_map: the EPLB
         epoch whose staged expert map every worker installs before this step (0: none)."""
-        batch = StepBatch(next(self._step_ids), tuple(sequences), commit_expert_map)
-        request = batch.to_pb()
-        futures = [stream.expect(batch.step_id) for stream in self._streams]
+        step_id = next(self._step_ids)
+        request = self.rows.encode(step_id, sequences, commit_expert_map)
+        futures = [stream.expect(step_id) for stream in self._streams]
         # All or nothing: a step written to some workers but not others would leave a PP send/recv or a TP
         # collective unmatched. Shielded, the writes finish even if the caller is cancelled meanwhile.
         await asyncio.shield(asyncio.gather(*(stream.call.write(request) for stream in self._streams)))
-        return asyncio.ensure_future(self._gather(batch.step_id, futures))
+        return asyncio.ensure_future(self._gather(step_id, futures))
 
     async def step(self, sequences) -> StepOutput:
-        """Run one step and wait for it."""
-        return await (await self.submit(sequences))
+        """Run one step and wait for it; its outputs hold every row's token (the engine reads the packed tokens of
+        submit's result instead: StepOutput.sampled)."""
+        sequences = list(sequences)
+        return (await (await self.submit(sequences))).expanded([s.request_id for s in sequences])
 
     async def _gather(self, step_id: int, futures: list[asyncio.Future[StepOutput]]) -> StepOutput:
         try:
@@ -193,9 +197,14 @@ class Driver:
                 was = self._work.get(o.rank) or WorkerTime(o.rank)
                 self._work[o.rank] = WorkerTime(o.rank, was.forward_seconds + o.forward_seconds,
                                                 was.head_seconds + o.head_seconds, was.steps + 1)
-        # The last stage's TP rank 0 carries the tokens; in an EP layout every last-stage rank carries its own.
+        # The last stage's TP rank 0 carries the tokens; in an EP layout every last-stage rank carries its own (each
+        # rank's packed tokens are -1 where it sampled nothing).
+        tokens: tuple[int, ...] = ()
+        for o in outputs:
+            if o.tokens:
+                tokens = o.tokens if not tokens else tuple(map(max, tokens, o.tokens))
         return StepOutput(step_id, outputs[0].rank, tuple(o for output in outputs for o in output.outputs),
-                          compute_seconds=max(o.compute_seconds for o in outputs))
+                          compute_seconds=max(o.compute_seconds for o in outputs), tokens=tokens)
 
     def layer_partition(self) -> list[int]:
         """Layers per pipeline stage of the live layout, as the active workers hold them."""

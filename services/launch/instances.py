@@ -69,7 +69,8 @@ class InstanceSet:
                 model_name=config.model if not os.path.isdir(config.model) else cluster.model_dir.name,
                 host=host, http_port=0, grpc_port=0, token=self.token, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting,
-                spread_decodes=config.spread_decodes, async_scheduling=config.async_scheduling))
+                spread_decodes=config.spread_decodes, async_scheduling=config.async_scheduling,
+                api_servers=0))  # clients reach an instance through the front router's gRPC, not its HTTP
             router_grpc = f"{host}:{router['grpc_port']}"
             controller = cluster.spawn_service("controller", run_controller, ControllerConfig(
                 host=host, port=0, token=self.token, worker_addresses=tuple(cluster.worker_addresses),

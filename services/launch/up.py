@@ -50,6 +50,7 @@ class UpConfig:
     shutdown_grace_s: float = 5.0       # on stop, admitted requests get this long to finish
     replace_lost_workers: bool = True   # start a joining worker for each one lost (`reconfigctl add-worker` adds it)
     async_scheduling: bool = True       # single-stage layouts: each decode's next step goes out before it returns
+    api_servers: int = 1                # HTTP, tokenization and streaming in N processes apart from the engine
     num_redundant_experts: int = 0      # MoE, EP layouts: extra physical expert slots per layer (EPLB replicas)
     eplb: bool = False                  # MoE, EP layouts: the router rebalances the experts every eplb_step_interval
     eplb_window: int = 1000             # steps of per-expert load each worker keeps (EPLB's sliding window)
@@ -86,6 +87,8 @@ class UpConfig:
         parse_policy(self.autopilot_policy)  # a bad setting or intents file fails here, before anything starts
         if self.intents:
             load_intents(self.intents)
+        if self.api_servers < 0:
+            raise ValueError(f"api_servers must be >= 0, not {self.api_servers}")
         if self.instances < 1:
             raise ValueError(f"instances must be >= 1, not {self.instances}")
         if self.fronted:
@@ -193,6 +196,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "stage works on its share at once (for stages on devices of their own; "
                              "bench/pipeline.py) [off: one micro-batch of every decode]")
     parser.add_argument("--api-key", help="require this bearer key on /v1/* (default: none)")
+    parser.add_argument("--api-servers", type=int, metavar="N",
+                        help="processes serving the HTTP API (tokenization, detokenization, SSE), apart from the "
+                             "engine's step loop; 0: the engine's process serves HTTP itself [1]")
     parser.add_argument("--http-keep-alive-s", type=float,
                         help="idle HTTP connections are kept this long; keep it above your clients' pool expiry [120]")
     parser.add_argument("--shutdown-grace-s", type=float,
@@ -281,9 +287,13 @@ def _serve(config: UpConfig, cluster: LocalCluster, session: StackSession) -> in
         max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting,
         http_keep_alive_s=config.http_keep_alive_s, shutdown_grace_s=config.shutdown_grace_s,
         eplb=config.eplb, eplb_step_interval=config.eplb_step_interval, spread_decodes=config.spread_decodes,
-        async_scheduling=config.async_scheduling,
+        async_scheduling=config.async_scheduling, api_servers=config.api_servers,
     ))
     router_grpc = f"{config.host}:{router['grpc_port']}"
+
+    def pids() -> dict[str, int]:  # the stack file's: every process of the stack (the API servers' the router's)
+        return {"launcher": os.getpid(), **cluster.pids, **router.get("pids", {})}
+
     controller_config = ControllerConfig(
         host=config.host, port=config.controller_port, token=token,
         worker_addresses=tuple(cluster.worker_addresses), router_grpc_address=router_grpc,
@@ -297,8 +307,7 @@ def _serve(config: UpConfig, cluster: LocalCluster, session: StackSession) -> in
     http = f"http://{config.host}:{router['http_port']}"
     stack_file = session.publish(StackFile(
         controller_address=f"{config.host}:{controller['port']}", router_http_address=http,
-        router_grpc_address=router_grpc, token_file=str(token_file), pids={"launcher": os.getpid(),
-                                                                             **cluster.pids},
+        router_grpc_address=router_grpc, token_file=str(token_file), pids=pids(),
         model=config.model, topology=config.topology, started_at=time.time(), name=session.name,
     ))
     context = f"{router['max_model_len']} tokens a request" + (
@@ -318,7 +327,7 @@ def _serve(config: UpConfig, cluster: LocalCluster, session: StackSession) -> in
             if config.replace_lost_workers:
                 address = cluster.start_joiner()
                 stack_file = session.publish(dataclasses.replace(
-                    stack_file, pids={"launcher": os.getpid(), **cluster.pids},
+                    stack_file, pids=pids(),
                     replacements=[*stack_file.replacements, address]))
                 print(f"reconfig up: a replacement worker is ready at {address}; bring it in with "
                       f"`reconfigctl add-worker {address} --topology {config.topology}`", file=sys.stderr,
@@ -330,7 +339,7 @@ def _serve(config: UpConfig, cluster: LocalCluster, session: StackSession) -> in
             controller = cluster.spawn_service("controller", run_controller, controller_config)
             stack_file = session.publish(dataclasses.replace(
                 stack_file, controller_address=f"{config.host}:{controller['port']}",
-                pids={"launcher": os.getpid(), **cluster.pids}))
+                pids=pids()))
         dead = cluster.dead_processes()
         if dead:
             print(f"reconfig up: {', '.join(dead)} exited; stopping the stack", file=sys.stderr, flush=True)

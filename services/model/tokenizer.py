@@ -181,7 +181,11 @@ class Tokenizer:
 
 
 class IncrementalDecoder:
-    """Turns a stream of token ids into text deltas, holding back incomplete UTF-8 sequences."""
+    """Turns a stream of token ids into text deltas, holding back incomplete UTF-8 sequences.
+
+    Without context ids (every generated stream) the tokenizers library's DecodeStream does the work, one call per
+    token (~1 us, against two whole-window decodes here: ~5 us); the ids it holds back are kept too, so that flush()
+    can still show what an unfinished character ends with."""
 
     def __init__(
         self, tokenizer: Tokenizer, skip_special_tokens: bool = True, context_ids: Sequence[int] = ()
@@ -192,9 +196,21 @@ class IncrementalDecoder:
         self._ids: list[int] = list(context_ids[-4:])
         self._prefix_offset = 0  # ids[prefix_offset:read_offset] were emitted: decoding context
         self._read_offset = len(self._ids)  # ids[read_offset:] are not emitted yet
+        self._stream = None if context_ids else decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._held: list[int] = []  # DecodeStream: ids pushed since its last text
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (empty while a character is incomplete)."""
+        if self._stream is not None:
+            if not 0 <= token_id < self._tokenizer.vocab_size:
+                return ""  # as decode() skips it: a model padding row
+            text = self._stream.step(self._tokenizer.backend, token_id)
+            if text is None:
+                self._held.append(token_id)
+                return ""
+            self._ids = [*self._ids[-3:], *self._held, token_id][-4:]  # the context flush() decodes after
+            self._held.clear()
+            return text
         self._ids.append(token_id)
         prefix_text, new_text = self._decode_window()
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
@@ -204,6 +220,14 @@ class IncrementalDecoder:
 
     def flush(self) -> str:
         """Return whatever is still held back (end of stream), replacement characters included."""
+        if self._stream is not None:
+            if not self._held:
+                return ""
+            decode = self._tokenizer.decode
+            shown = decode(self._ids, self._skip_special_tokens)
+            text = decode(self._ids + self._held, self._skip_special_tokens)[len(shown):]
+            self._held.clear()
+            return text
         prefix_text, new_text = self._decode_window()
         self._advance()
         return new_text[len(prefix_text) :]

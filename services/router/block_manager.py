@@ -110,6 +110,7 @@ class BlockManager:
             del self._owner[block_id]
             heapq.heappush(self._free, block_id)
         del seq.block_ids[keep:]
+        seq.blocks_rewritten()  # the next blocks may take the same count with other ids
 
     def resize(self, num_blocks: int) -> list[int]:
         """Rebind to `num_blocks`: grow, or shrink when every id >= num_blocks is free.

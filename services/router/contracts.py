@@ -43,7 +43,7 @@ class GenerationRequest:
     prompt_logprobs: bool = False      # echo: the prompt tokens' logprobs (sampling.num_logprobs alternatives)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # made per token per request: not frozen, as the step path's records (services.worker.step)
 class GenerationDelta:
     """What a request produced since its previous delta; the last one carries finish_reason."""
 

@@ -114,6 +114,9 @@ class DataParallelBlocks:
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow seq.block_ids in its rank's pool (a sequence holding none is bound as allocate does); False (no
         change) if short."""
+        if (seq.block_ids and seq.num_computed_tokens + num_new_tokens <= len(seq.block_ids) * self.block_size
+                and seq.request_id in self._rank):
+            return True  # bound, and its blocks cover the step already (most decode steps): nothing to take
         rank = self._rank_for(seq, self.num_blocks_needed(seq, num_new_tokens))
         if rank is None:
             return False

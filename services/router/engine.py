@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import structlog
@@ -32,7 +32,7 @@ from services.router.dp import BlockMaps, DataParallelBlocks, plan_placements
 from services.router.expert_balance import EplbSettings, ExpertBalancer
 from services.router.load_window import LoadWindow, RequestTimer
 from services.router.migration import InstanceMigrations
-from services.router.output import RequestStream
+from services.router.output import OutputStream, RequestStream
 from services.router.precopy import KVPrecopy, PoolPrecopy, PrecopyRound
 from services.router.scheduler import ScheduledBatch, Scheduler
 from services.router.sequence import Sequence, SequenceStatus
@@ -71,7 +71,7 @@ class Engine:
         blocks = DataParallelBlocks(driver.dp_size, driver.num_kv_blocks, driver.block_size)
         self.scheduler = Scheduler(config, blocks)
         self.num_inflight_batches = max(config.num_inflight_batches, self.topology.pp)
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, OutputStream] = {}  # admitted requests, by id: where their tokens go
         self._inflight: list[_InFlight] = []
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()  # set when nothing is in flight (Freeze waits on it)
@@ -79,6 +79,7 @@ class Engine:
         self._no_streams = asyncio.Event()  # set when no admitted request is left (drain waits on it)
         self._no_streams.set()
         self.is_draining = False  # shutting down: admitted requests finish, new ones are refused
+        self.draining_listeners: list[Callable[[], None]] = []  # told when draining begins (the API servers)
         self._task: asyncio.Task | None = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -136,6 +137,8 @@ class Engine:
         """Refuse new requests (EngineDrainingError) and give the admitted ones up to `grace_s` to finish, so that a
         router going down answers what it accepted; returns how many were still unfinished (stop() aborts them)."""
         self.is_draining = True
+        for listener in self.draining_listeners:
+            listener()
         if self._streams:
             waiter = asyncio.ensure_future(self._no_streams.wait())
             await asyncio.wait([waiter], timeout=grace_s)  # not wait_for: it can swallow a cancellation on 3.11
@@ -149,12 +152,12 @@ class Engine:
         return self._task is not None and not self._task.done() and not self.is_draining
 
     # ---- front-end API ---------------------------------------------------------------------------------------
-    async def generate(self, request: GenerationRequest,
-                       migrated: tuple[list[int], int] | None = None) -> AsyncIterator[GenerationDelta]:
-        """Admit the request (QueueFullError / RequestError / EngineDrainingError raise here) and stream its deltas.
-        migrated: (tokens it generated, tokens cached) of a request moving in from another instance
-        (InstanceMigrations.admit): with its KV reserved and filled here it continues with no prefill, with 0 cached
-        it re-prefills what it had; a first delta with no tokens says it runs here."""
+    def open_stream(self, request: GenerationRequest, stream: OutputStream,
+                    migrated: tuple[list[int], int] | None = None) -> None:
+        """Admit the request (QueueFullError / RequestError / EngineDrainingError raise here); `stream` gets its
+        tokens from now on, until close_stream. migrated: (tokens it generated, tokens cached) of a request moving in
+        from another instance (InstanceMigrations.admit): with its KV reserved and filled here it continues with no
+        prefill, with 0 cached it re-prefills what it had; a first delta with no tokens says it runs here."""
         if self.is_draining:
             raise EngineDrainingError("the server is shutting down and takes no new requests; retry on another "
                                       "replica or after it restarts")
@@ -162,35 +165,47 @@ class Engine:
             bad = next((t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise RequestError(f"token id {bad} is outside the model's vocabulary [0, {self.vocab_size})")
-        stream = RequestStream(request, self.tokenizer)
         if migrated is None:
             self.scheduler.add(Sequence.from_request(request))
             self.num_prompt_tokens += len(request.prompt_token_ids)
         else:
             seq = self.migrations.admit(request, list(migrated[0]), migrated[1])
             stream.push((), seq)  # no tokens: the first delta says it runs here
+        stream.timer = RequestTimer(time.monotonic())
         self._streams[request.request_id] = stream
         self._no_streams.clear()
-        timer = RequestTimer(time.monotonic())
-        self.load.admitted(timer.start, len(request.prompt_token_ids))
+        self.load.admitted(stream.timer.start, len(request.prompt_token_ids))
         self._wakeup.set()
+
+    def close_stream(self, request_id: str, stream: OutputStream) -> None:
+        """`stream`'s consumer is done with it: its request finished, or the consumer went away (then the request is
+        aborted and its blocks freed)."""
+        timer = stream.timer
+        self.load.finished(time.monotonic(), timer.ttft_s, timer.tpot_s, timer.tokens)
+        if not stream.finished:
+            self.scheduler.abort(request_id)
+            stream.finish("abort")
+            self._wakeup.set()
+        if self._streams.get(request_id) is stream:  # not a later stream of the same id (moved back)
+            del self._streams[request_id]
+            self.driver.rows.forget(request_id)  # the workers drop its row with the next step
+        if not self._streams:
+            self._no_streams.set()
+
+    async def generate(self, request: GenerationRequest,
+                       migrated: tuple[list[int], int] | None = None) -> AsyncIterator[GenerationDelta]:
+        """Admit the request (open_stream) and stream its deltas, detokenized here (the gRPC Generate, the
+        in-process API, tests and benches; API server processes detokenize their own: services.router.gateway)."""
+        stream = RequestStream(request, self.tokenizer)
+        self.open_stream(request, stream, migrated)
         try:
             while True:
                 delta = await stream.get()
-                timer.tokens_out(time.monotonic(), len(delta.token_ids))
                 yield delta
                 if delta.finish_reason is not None:
                     return
         finally:
-            self.load.finished(time.monotonic(), timer.ttft_s, timer.tpot_s, timer.tokens)
-            if not stream.finished:  # the consumer went away (client disconnect): free the request's blocks
-                self.scheduler.abort(request.request_id)
-                stream.finish("abort")
-                self._wakeup.set()
-            if self._streams.get(request.request_id) is stream:  # not a later stream of the same id (moved back)
-                del self._streams[request.request_id]
-            if not self._streams:
-                self._no_streams.set()
+            self.close_stream(request.request_id, stream)
 
     def stats(self) -> EngineStats:
         blocks = self.scheduler.block_manager
@@ -380,6 +395,7 @@ class Engine:
         """End the controller's freeze and any stall (the controller recovered the workers): schedule again."""
         self._cancel_lease()
         self._is_held = False
+        self.driver.rows.reset()  # a switch, a rollback or a recovery may have left the workers any rows
         if self.stalled:
             log.info("engine.recovered", error=self.stalled, stalled_s=round(time.monotonic() - self._stalled_at, 3))
             self._clear_stall()
@@ -489,13 +505,15 @@ class Engine:
             inflight.expert_commit.set_result(None)
         if inflight.batch is None:
             return
-        sampled = {o.request_id: o.token_id for o in output.outputs if o.token_id >= 0}
+        sampled = output.sampled([item.seq.request_id for item in inflight.batch.items])
         with_logprobs = {o.request_id: o for o in output.outputs if o.logprob is not None or o.prompt_logprobs}
+        now = time.monotonic()
         for update in self.scheduler.on_batch_done(inflight.batch, sampled, with_logprobs):
             self.num_generation_tokens += len(update.new_token_ids)
             stream = self._streams.get(update.seq.request_id)
             if stream is None:
                 continue
+            stream.timer.tokens_out(now, len(update.new_token_ids))
             stopped = stream.push(update.new_token_ids, update.seq, update.logprobs)
             if stopped and not update.finished:  # a stop string: the scheduler has not finished it yet
                 self.scheduler.finish(update.seq.request_id, SequenceStatus.FINISHED_STOPPED)
@@ -505,6 +523,7 @@ class Engine:
         """A step failed (a worker died or errored): stall until the controller recovers the workers, or, with no
         recovery timeout, end the batch's requests with an error at once."""
         self.num_step_errors += 1
+        self.driver.rows.reset()  # the steps after it may have reached some workers and not others
         log.warning("engine.step_failed", error=error, requests=len(batch.items))
         if self.recovery_timeout_s <= 0:
             self._fail_batch(batch, error)

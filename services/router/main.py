@@ -41,12 +41,15 @@ class RouterConfig:
     eplb_step_interval: int = 3000
     spread_decodes: bool = False         # PP: decodes spread over the micro-batches in flight (SchedulerConfig)
     async_scheduling: bool = True        # single-stage layouts: decodes go a step ahead (SchedulerConfig)
+    api_servers: int = 1                 # HTTP in that many processes of their own; 0: in this process
 
     def __post_init__(self) -> None:
         if self.http_keep_alive_s <= 0:
             raise ValueError("http_keep_alive_s must be > 0")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must be >= 0")
+        if self.api_servers < 0:
+            raise ValueError("api_servers must be >= 0")
 
 
 async def build_engine(config: RouterConfig) -> Engine:
@@ -75,15 +78,30 @@ async def build_engine(config: RouterConfig) -> Engine:
 
 
 async def serve_router(config: RouterConfig, on_ready: Callable[[dict], None] | None = None) -> None:
-    """Serve HTTP + gRPC until SIGTERM/SIGINT; then drain (services.router.api.server), and stop the engine."""
+    """Serve HTTP + gRPC until SIGTERM/SIGINT; then drain (services.router.api.server), and stop the engine. HTTP is
+    served by config.api_servers processes of their own (services.router.api_servers), or by this one with 0."""
     from services.router.grpc_server import start_router_grpc
 
     engine = await build_engine(config)
     grpc_server, grpc_port = await start_router_grpc(engine, config.host, config.grpc_port, config.token)
-    await serve_until_signal(engine, grpc_server, grpc_port, host=config.host, http_port=config.http_port,
-                             api_key=config.api_key, keep_alive_s=config.http_keep_alive_s,
-                             shutdown_grace_s=config.shutdown_grace_s, service="router", on_ready=on_ready,
-                             topology=str(engine.topology))
+    if config.api_servers == 0:
+        await serve_until_signal(engine, grpc_server, grpc_port, host=config.host, http_port=config.http_port,
+                                 api_key=config.api_key, keep_alive_s=config.http_keep_alive_s,
+                                 shutdown_grace_s=config.shutdown_grace_s, service="router", on_ready=on_ready,
+                                 topology=str(engine.topology))
+        return
+    from services.router.api.metrics import render_engine_metrics
+    from services.router.api.process import ApiServerConfig
+    from services.router.api_servers import serve_with_api_servers
+    from services.router.ipc import EngineInfo
+
+    info = EngineInfo(model_name=engine.model_name, model_dir=config.model_dir, max_model_len=engine.max_model_len,
+                      context_note=engine.context_note, vocab_size=engine.vocab_size)
+    await serve_with_api_servers(
+        engine, grpc_server, grpc_port, host=config.host, http_port=config.http_port, num_servers=config.api_servers,
+        config=ApiServerConfig(index=0, api_key=config.api_key, keep_alive_s=config.http_keep_alive_s), info=info,
+        render_engine_metrics=lambda: render_engine_metrics(engine, engine.model_name),
+        shutdown_grace_s=config.shutdown_grace_s, on_ready=on_ready)
 
 
 def run_router(config: RouterConfig, ready=None) -> None:

@@ -49,8 +49,10 @@ from services.router.dp import BlockMaps, DataParallelBlocks, Reserved, repartit
 from services.router.sequence import Sequence, SequenceStatus
 from services.worker.step import PENDING_TOKEN, SequenceOutput, SequenceStep, TokenLogprob
 
+_PENDING = (PENDING_TOKEN,)
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(slots=True)  # not frozen, as the step path's records (services.worker.step)
 class ScheduledItem:
     """One sequence's share of a micro-batch: the sequence and the step sent to the workers for it."""
 
@@ -74,7 +76,7 @@ class ScheduledBatch:
         return sum(len(item.step.token_ids) for item in self.items)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen, as the step path's records (services.worker.step)
 class SequenceUpdate:
     """What a finished step did to one sequence: its new tokens, and whether it is done (seq.status says why)."""
 
@@ -243,31 +245,34 @@ class Scheduler:
     def _ahead_item(self, seq: Sequence, random: bool) -> ScheduledItem | None:
         """The decode after `seq`'s one step in flight (the newest), its input PENDING_TOKEN, where that step
         samples and the token is all the next one needs; None otherwise, or when the blocks for it are not free (no
-        preemption for a step ahead: the sequence waits for its step as without one)."""
-        inflight = self._inflight_items.get(id(seq), [])
-        if (len(inflight) != 1 or not inflight[0].step.sample
-                or seq.request_id in self._parking or seq.status is not SequenceStatus.RUNNING
-                or len(seq.output_token_ids) + 2 > seq.max_tokens or len(seq.output_token_ids) + 1 < seq.min_tokens
-                or seq.sampling.has_output_penalties or seq.sampling.num_logprobs is not None
-                or not (random or seq.sampling.draws_alike)):
+        preemption for a step ahead: the sequence waits for its step as without one). The scheduler's hottest path
+        in a steady decode (one call per request per step): cheap tests first."""
+        inflight = self._inflight_items.get(id(seq))
+        if inflight is None or len(inflight) != 1:
             return None
         previous = inflight[0].step
+        num_generated = len(seq.output_token_ids)
+        if (not previous.sample or not seq.decodes_plainly or num_generated + 2 > seq.max_tokens
+                or num_generated + 1 < seq.min_tokens or seq.status is not SequenceStatus.RUNNING
+                or not (random or seq.sampling.draws_alike) or seq.request_id in self._parking):
+            return None
         start = previous.start_position + len(previous.token_ids)  # the position of the token it samples
         if not self.block_manager.append_slots(seq, start + 1 - seq.num_computed_tokens):
             return None
         self.num_ahead_items += 1
-        step = SequenceStep(request_id=seq.request_id, token_ids=(PENDING_TOKEN,), start_position=start,
-                            block_table=tuple(seq.block_ids), sampling=seq.sampling, sample=True,
-                            num_generated=len(seq.output_token_ids) + 1, dp_rank=previous.dp_rank)
-        return ScheduledItem(seq, step)
+        return ScheduledItem(seq, SequenceStep(seq.request_id, _PENDING, start, seq.block_table(), seq.sampling,
+                                               True, False, num_generated + 1, dp_rank=previous.dp_rank))
 
     def _returned(self, item: ScheduledItem) -> list[ScheduledItem]:
         """`item`'s step returned (or failed); the request's items still in flight, oldest first."""
         key = id(item.seq)
         items = self._inflight_items[key]
-        if len(items) == 1 and items[0] is item:  # most steps: the sequence's only one
-            del self._inflight_items[key]
-            return []
+        if items[0] is item:  # steps return in order: the oldest (with steps ahead, one follows it)
+            if len(items) == 1:
+                del self._inflight_items[key]
+                return []
+            del items[0]
+            return items
         left = self._inflight_items[key] = [other for other in items if other is not item]
         return left
 
@@ -286,7 +291,7 @@ class Scheduler:
         for item in batch.items:
             seq, step = item.seq, item.step
             still_inflight = self._returned(item)
-            if seq.is_finished:
+            if seq.status.is_finished:
                 if not still_inflight:
                     self.block_manager.free(seq)
                 continue
@@ -297,7 +302,7 @@ class Scheduler:
                     self.block_manager.truncate(seq, seq.num_computed_tokens)
                 continue
             seq.num_computed_tokens += len(step.token_ids)
-            output = outputs.get(seq.request_id)
+            output = outputs.get(seq.request_id) if outputs else None
             if step.prompt_logprob_token_ids and output is not None:
                 # Slice assignment: a chunk re-run after a preemption or a failed step rewrites its own positions.
                 end = step.start_position + len(output.prompt_logprobs)
@@ -465,7 +470,9 @@ class Scheduler:
         self._old_partition = (old, {rid: ids for rid, ids in tables.items() if rid in plan.block_tables})
         self.block_manager = plan.blocks
         for request_id, ids in plan.block_tables.items():
-            self._sequences[request_id].block_ids[:] = ids
+            seq = self._sequences[request_id]
+            seq.block_ids[:] = ids
+            seq.blocks_rewritten()
         return plan.block_maps, preempted
 
     def restore_partition(self) -> bool:
@@ -480,6 +487,7 @@ class Scheduler:
             seq = self._sequences.get(request_id)
             if seq is not None and seq.block_ids:
                 seq.block_ids[:] = ids
+                seq.blocks_rewritten()
             else:  # it ended (aborted) while the switch ran: its old blocks go back to its old pool
                 old.release(request_id, ids)
         return True
@@ -636,9 +644,9 @@ class Scheduler:
         sample = start + num_new_tokens == seq.num_tokens and seq.max_tokens > 0
         step = SequenceStep(
             request_id=seq.request_id,
-            token_ids=tuple(seq.all_token_ids[start:start + num_new_tokens]),
+            token_ids=tuple(seq.token_ids_at(start, num_new_tokens)),
             start_position=start,
-            block_table=tuple(seq.block_ids),
+            block_table=seq.block_table(),
             sampling=seq.sampling,
             sample=sample,
             num_generated=len(seq.output_token_ids),

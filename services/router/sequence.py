@@ -21,18 +21,15 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        return self._value_ in _FINISH_REASONS  # by value: an Enum member hashes in Python, its str value in C
 
     @property
     def finish_reason(self) -> str | None:
         """The OpenAI finish_reason ("stop" | "length" | "abort"), None while unfinished."""
-        return _FINISH_REASONS.get(self)
+        return _FINISH_REASONS.get(self._value_)
 
 
-_FINISHED = frozenset({SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
-                       SequenceStatus.FINISHED_ABORTED})
-_FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
-                   SequenceStatus.FINISHED_ABORTED: "abort"}
+_FINISH_REASONS = {"stopped": "stop", "length": "length", "aborted": "abort"}  # by SequenceStatus value
 
 
 @dataclass(slots=True)
@@ -57,6 +54,12 @@ class Sequence:
     min_tokens: int = 0                  # stop tokens are suppressed until this many tokens were generated
     wants_prompt_logprobs: bool = False  # echo with logprobs
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1, 2, ... so far
+    # Derived once from `sampling` (it never changes): what the scheduler asks of every decode step.
+    decodes_plainly: bool = field(init=False, repr=False, compare=False)  # a decode needs only its input token
+    _table: tuple[int, ...] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.decodes_plainly = not self.sampling.has_output_penalties and self.sampling.num_logprobs is None
 
     @classmethod
     def from_request(cls, request: GenerationRequest, arrival_time: float | None = None) -> Sequence:
@@ -75,6 +78,25 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_at(self, start: int, count: int) -> list[int]:
+        """Tokens start .. start + count - 1 of prompt + outputs, without joining the two (O(count), not O(context):
+        a decode reads one token)."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:start - num_prompt + count]
+        return (self.prompt_token_ids + self.output_token_ids)[start:start + count]
+
+    def block_table(self) -> tuple[int, ...]:
+        """block_ids as a tuple (what a step carries), rebuilt only when they changed: most decode steps add no
+        block, so this is not O(context) per step. Whoever rewrites block_ids other than by appending or truncating
+        (a repartition) calls blocks_rewritten()."""
+        if self._table is None or len(self._table) != len(self.block_ids):
+            self._table = tuple(self.block_ids)
+        return self._table
+
+    def blocks_rewritten(self) -> None:
+        self._table = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -19,6 +19,7 @@ from services.worker.kv_import import ImportRefused
 from services.worker.model_runner import PendingTokenMissing
 from services.worker.shard import WorkerShard
 from services.worker.step import StepBatch, StepOutput
+from services.worker.step_rows import RowTable, UnknownRow, rows_result
 from services.worker.switch import SwitchFailed
 
 log = structlog.get_logger(__name__)
@@ -43,6 +44,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # Staging builds the target's shard beside the steps (not on the model thread), at a low OS priority.
         self.stage_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
         self.stopped = asyncio.Event()
+        self.rows = RowTable()  # the requests' rows of the delta form (a cache of the router's, by slot)
 
     @property
     def rank(self) -> int:
@@ -71,22 +73,34 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return StepOutput(batch.step_id, self.rank, error=f"{type(exc).__name__}: {exc}")
 
     async def Execute(self, request_iterator, context):  # noqa: N802 (gRPC naming)
-        """Steps in, results out, in order; the next step is queued while the previous one computes."""
+        """Steps in, results out, in order; the next step is queued while the previous one computes. Steps in the
+        delta form are read into full steps here, in arrival order, over the rows this worker holds."""
         loop = asyncio.get_running_loop()
-        pending: asyncio.Queue[asyncio.Future | None] = asyncio.Queue()
+        pending: asyncio.Queue[tuple[asyncio.Future, tuple | None] | None] = asyncio.Queue()
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
-                    batch = StepBatch.from_pb(request)
-                    await pending.put(loop.run_in_executor(self.model_thread, self._run_step, batch))
+                    rows = request.HasField("rows")
+                    try:
+                        batch = StepBatch(request.step_id, self.rows.steps(request), request.commit_expert_map)
+                    except UnknownRow as exc:  # refused before any collective: every rank reads the same rows
+                        log.warning("worker.step_refused", step_id=request.step_id, error=str(exc))
+                        refused = loop.create_future()
+                        refused.set_result(StepOutput(request.step_id, self.rank, error=str(exc)))
+                        await pending.put((refused, None))
+                        continue
+                    future = loop.run_in_executor(self.model_thread, self._run_step, batch)
+                    await pending.put((future, batch.sequences if rows else None))
             finally:
                 await pending.put(None)
 
         reader = asyncio.create_task(read())
         try:
-            while (future := await pending.get()) is not None:
-                yield (await future).to_pb()
+            while (entry := await pending.get()) is not None:
+                future, rows = entry
+                output = await future
+                yield output.to_pb() if rows is None else rows_result(output, rows)
         finally:
             reader.cancel()
 

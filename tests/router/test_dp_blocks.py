@@ -24,6 +24,7 @@ from services.router.dp import DataParallelBlocks, assign_requests
 from services.router.engine import Engine
 from services.router.scheduler import ScheduledBatch, Scheduler
 from services.router.sequence import Sequence, SequenceStatus
+from services.worker.step_rows import RowEncoder
 from tests.router.test_scheduler import expected_output, next_token, prompt_of, seq_of
 
 
@@ -178,7 +179,7 @@ def test_used_block_ids_refuses_several_pools_in_use():
 def test_engine_stats_and_metrics_report_each_rank():
     info = SimpleNamespace(topology="ep2pp1", num_kv_blocks=8)
     driver = SimpleNamespace(infos=[info, info], num_kv_blocks=8, block_size=2, dp_size=2,
-                             worker_times=lambda: ())
+                             worker_times=lambda: (), rows=RowEncoder())
     engine = Engine(driver, tokenizer=None, model_name="m", max_model_len=64)
     scheduler = engine.scheduler
     scheduler.add(seq_of("a", prompt_of(0, 5), 2))

@@ -15,6 +15,7 @@ import pytest
 from services.router.config import SchedulerConfig
 from services.router.engine import Engine
 from services.worker.step import SequenceOutput, StepOutput
+from services.worker.step_rows import RowEncoder
 from tests.router.test_scheduler import prompt_of, seq_of
 
 
@@ -25,6 +26,7 @@ class HeldSteps:
         self.infos = [SimpleNamespace(topology=topology, num_kv_blocks=num_blocks)]
         self.num_kv_blocks, self.block_size, self.dp_size = num_blocks, block_size, 1
         self.steps: list[tuple[list, asyncio.Future]] = []
+        self.rows = RowEncoder()  # what the engine tells the wire (nothing is encoded here)
 
     async def submit(self, sequences, commit_expert_map: int = 0) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()

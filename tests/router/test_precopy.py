@@ -24,6 +24,7 @@ from services.router.config import SchedulerConfig
 from services.router.engine import Engine
 from services.router.precopy import KVPrecopy, full_blocks
 from services.router.sequence import Sequence, SequenceStatus
+from services.worker.step_rows import RowEncoder
 from tests.router.test_scheduler import PagedWorkers, check_every_request_done, prompt_of, seq_of
 
 
@@ -144,7 +145,7 @@ def engine_over_fake_workers(num_blocks: int, block_size: int, dp_size: int = 1,
     """An Engine whose driver is a stand-in (nothing is sent to workers; the tests drive its scheduler)."""
     info = SimpleNamespace(topology="tp1pp1" if dp_size == 1 else f"ep{dp_size}pp1", num_kv_blocks=num_blocks)
     driver = SimpleNamespace(infos=[info] * dp_size, num_kv_blocks=num_blocks, block_size=block_size,
-                             dp_size=dp_size)
+                             dp_size=dp_size, rows=RowEncoder())
     max_model_len = config.pop("max_model_len", 64)
     return Engine(driver, tokenizer=None, model_name="m", max_model_len=max_model_len,
                   scheduler_config=SchedulerConfig(max_model_len=max_model_len, **config))

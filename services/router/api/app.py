@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -17,13 +17,25 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from services.router.api.chat import chat_prompt
 from services.router.api.choices import ChatFormat, CompletionFormat, Prompt
 from services.router.api.errors import ApiError, error_response, install_error_handlers
-from services.router.api.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware, encode_text
-from services.router.api.metrics import ApiMetrics
 from services.router.api.fanout import gather_all, merge_events, start_all, summed_usage, with_choice_seed
+from services.router.api.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware, encode_text
+from services.router.api.metrics import METRICS_CONTENT_TYPE, ApiMetrics
 from services.router.api.protocol import (
-    MAX_CHOICES, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionChunk,
-    CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
-    StreamOptions, TokenizeRequest, TokenizeResponse,
+    MAX_CHOICES,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    StreamOptions,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from services.router.api.streaming import GenerationRun, guarded_events, sse_event, unless_disconnected
 from services.router.contracts import EngineProtocol, GenerationRequest
@@ -209,20 +221,25 @@ class OpenAIServing:
         if body.stream:
             options = body.stream_options or StreamOptions()
             streams = [form.events(i, run, prompt_of[i], header, options) for i, run in enumerate(runs)]
-            return _event_stream(self._with_usage(merge_events(streams), runs, body.n, options.include_usage,
-                                                  CompletionChunk(**header, choices=[])))
+            return _event_stream(merge_events(streams), self._usage_event(runs, body.n, options.include_usage,
+                                                                          CompletionChunk(**header, choices=[])))
         results = await unless_disconnected(request, gather_all([run.collect() for run in runs]))
         choices = [form.choice(i, run, text, prompt_of[i]) for i, (run, (text, _, _)) in enumerate(zip(runs, results))]
         response = CompletionResponse(**header, choices=choices, usage=summed_usage(runs, body.n))
         return JSONResponse(response.model_dump())
 
-    async def _with_usage(self, events: AsyncIterator[str], runs: list[GenerationRun], num_choices: int,
-                          include_usage: bool, usage_chunk: CompletionChunk | ChatCompletionChunk) -> AsyncIterator[str]:
-        async for event in events:
-            yield event
-        if include_usage:
+    @staticmethod
+    def _usage_event(runs: list[GenerationRun], num_choices: int, include_usage: bool,
+                     usage_chunk: CompletionChunk | ChatCompletionChunk) -> Callable[[], str] | None:
+        """The stream's last chunk, with the usage, when the client asked for it (stream_options.include_usage)."""
+        if not include_usage:
+            return None
+
+        def event() -> str:
             usage_chunk.usage = summed_usage(runs, num_choices)
-            yield sse_event(usage_chunk, include_usage)
+            return sse_event(usage_chunk, include_usage)
+
+        return event
 
     async def chat_completion(self, body: ChatCompletionRequest, request: Request) -> Response:
         """POST /v1/chat/completions."""
@@ -238,8 +255,8 @@ class OpenAIServing:
         if body.stream:
             options = body.stream_options or StreamOptions()
             streams = [form.events(i, run, header, options) for i, run in enumerate(runs)]
-            return _event_stream(self._with_usage(merge_events(streams), runs, body.n, options.include_usage,
-                                                  ChatCompletionChunk(**header, choices=[])))
+            return _event_stream(merge_events(streams), self._usage_event(runs, body.n, options.include_usage,
+                                                                          ChatCompletionChunk(**header, choices=[])))
         results = await unless_disconnected(request, gather_all([run.collect() for run in runs]))
         choices = [form.choice(i, run, text) for i, (run, (text, _, _)) in enumerate(zip(runs, results))]
         response = ChatCompletionResponse(**header, choices=choices, usage=summed_usage(runs, body.n))
@@ -272,8 +289,8 @@ class OpenAIServing:
         ])
 
 
-def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(guarded_events(events), media_type="text/event-stream",
+def _event_stream(events: AsyncIterator[str], last: Callable[[], str] | None = None) -> StreamingResponse:
+    return StreamingResponse(guarded_events(events, last), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
@@ -283,6 +300,7 @@ def create_app(engine: EngineProtocol, config: ApiConfig = ApiConfig()) -> FastA
     metrics = ApiMetrics(engine, config.model_name or engine.model_name)
     serving = OpenAIServing(engine, config, metrics)
     app.state.serving = serving
+    app.state.metrics = metrics
     install_error_handlers(app)
     if config.api_key is not None:
         app.add_middleware(BearerAuthMiddleware, api_key=config.api_key)
@@ -316,7 +334,9 @@ def create_app(engine: EngineProtocol, config: ApiConfig = ApiConfig()) -> FastA
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus_metrics() -> Response:
-        content, content_type = metrics.render()
+        if (engine_metrics := getattr(engine, "render_metrics", None)) is not None:  # an API server process: the
+            return Response(await engine_metrics(metrics.samples()), media_type=METRICS_CONTENT_TYPE)  # engine
+        content, content_type = metrics.render()  # adds up every server's latencies; in process: all here
         return Response(content, media_type=content_type)
 
     app.openapi = lambda: _openapi_without_422(app)  # type: ignore[method-assign]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.model.tokenizer import Tokenizer
+from services.router.api.chunks import chat_content_event, chunk_prefix, completion_text_event, usage_part
 from services.router.api.logprobs import chat_logprobs, completion_logprobs
 from services.router.api.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatDelta, CompletionChoice,
@@ -60,6 +61,7 @@ class CompletionFormat:
                      options: StreamOptions) -> AsyncIterator[str]:
         """A choice's chunks: the echoed prompt first (once its logprobs are known, when asked), then the text."""
         is_echo_pending, text_offset = self.echo, 0
+        prefix = chunk_prefix("text_completion", header)
         async for delta in run.deltas():
             values: list[TokenLogprob | None] = list(delta.logprobs)
             text, token_ids = delta.text, list(delta.token_ids)
@@ -70,7 +72,9 @@ class CompletionFormat:
             logprobs = self.logprobs(token_ids, values, text_offset) if token_ids else None
             if logprobs is not None and logprobs.tokens:
                 text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-            if text or delta.finish_reason or logprobs is not None:
+            if logprobs is None and (text or delta.finish_reason):  # the per-token path: no model built
+                yield completion_text_event(prefix, index, text, delta.finish_reason, _end(run, options))
+            elif logprobs is not None:
                 choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
                                           finish_reason=delta.finish_reason)
                 usage = run.usage if options.is_continuous else None
@@ -95,13 +99,20 @@ class ChatFormat:
         """A choice's chunks: the role first (as OpenAI, before any text), the content, then the finish reason."""
 
         def chunk(delta: ChatDelta, finish_reason: str | None = None, logprobs: Any = None) -> str:
+            if logprobs is None:  # the per-token path: no model built
+                return chat_content_event(prefix, index, delta.content, finish_reason, _end(run, options), delta.role)
             choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
             usage = run.usage if options.is_continuous else None
             return sse_event(ChatCompletionChunk(**header, choices=[choice], usage=usage), options.include_usage)
 
+        prefix = chunk_prefix("chat.completion.chunk", header)
         yield chunk(ChatDelta(role="assistant", content=""))
         async for delta in run.deltas():
             logprobs = chat_logprobs(self.tokenizer, delta.logprobs) if self.with_logprobs and delta.logprobs else None
             if delta.text or logprobs is not None:
                 yield chunk(ChatDelta(content=delta.text), logprobs=logprobs)
         yield chunk(ChatDelta(), run.finish_reason)
+
+
+def _end(run: GenerationRun, options: StreamOptions) -> str:
+    return usage_part(options.include_usage, run.token_counts if options.is_continuous else None)

@@ -61,12 +61,13 @@ async def start_all(
         raise
 
 
-async def merge_events(streams: Sequence[AsyncIterator[str]]) -> AsyncIterator[str]:
-    """The events of several streams as they come; the first failure stops (and closes) every stream."""
-    if len(streams) == 1:
-        async for event in streams[0]:
-            yield event
-        return
+def merge_events(streams: Sequence[AsyncIterator[str]]) -> AsyncIterator[str]:
+    """The events of several streams as they come; the first failure stops (and closes) every stream. One stream
+    is its own events (no generator in between)."""
+    return streams[0] if len(streams) == 1 else _merged_events(streams)
+
+
+async def _merged_events(streams: Sequence[AsyncIterator[str]]) -> AsyncIterator[str]:
     queue: asyncio.Queue[tuple[str | None, BaseException | None]] = asyncio.Queue()
 
     async def pump(stream: AsyncIterator[str]) -> None:

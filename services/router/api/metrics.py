@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client import CollectorRegistry, Counter, disable_created_metrics
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.registry import Collector
 
 from services.router.contracts import EngineProtocol, SwitchTotals
+from services.router.metrics_merge import family_samples
 
 PREFIX = "reconfig:"
+METRICS_CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 LABELS = ("model_name",)
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -138,6 +148,28 @@ def expert_metrics(experts, model_name: str) -> Iterator[Metric]:
     yield epoch
 
 
+class Buckets(Collector):
+    """A Prometheus histogram of one series that takes a value many times in one call: the inter-token latency is
+    observed for every streamed token, and prometheus_client's Histogram takes a lock and a bisection per token.
+    Used from the event loop's thread only."""
+
+    def __init__(self, name: str, documentation: str, bounds: tuple[float, ...], model_name: str) -> None:
+        self.name, self.documentation, self.bounds, self.model_name = name, documentation, bounds, model_name
+        self.counts = [0] * (len(bounds) + 1)  # per bucket (value <= bound), the last for +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += times
+        self.sum += value * times
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=LABELS)
+        cumulative = list(itertools.accumulate(self.counts))
+        family.add_metric([self.model_name], [*((str(bound), count) for bound, count in zip(self.bounds, cumulative)),
+                                              ("+Inf", cumulative[-1])], self.sum)
+        yield family
+
+
 class RequestTimer:
     """Observes one request's time to first token, inter-token latencies and end-to-end latency."""
 
@@ -155,36 +187,39 @@ class RequestTimer:
             self._metrics.time_to_first_token.observe(now - self._start)
             num_new_tokens -= 1
         else:
-            gap = (now - self._last_token_time) / num_new_tokens
-            for _ in range(num_new_tokens):
-                self._metrics.inter_token_latency.observe(gap)
+            self._metrics.inter_token_latency.observe((now - self._last_token_time) / num_new_tokens, num_new_tokens)
             num_new_tokens = 0
-        for _ in range(num_new_tokens):  # tokens after the first in the first delta came with it
-            self._metrics.inter_token_latency.observe(0.0)
+        if num_new_tokens:  # tokens after the first in the first delta came with it
+            self._metrics.inter_token_latency.observe(0.0, num_new_tokens)
         self._last_token_time = now
 
     def finish(self, finish_reason: str) -> None:
         """Record the end of the request."""
         self._metrics.e2e_request_latency.observe(time.perf_counter() - self._start)
         self._metrics.request_finished.labels(self._metrics.model_name, finish_reason).inc()
+        self._metrics.num_observed += 1
 
 
 class ApiMetrics:
-    """The API's Prometheus registry (one per app, so several apps never share series)."""
+    """The API's Prometheus series: the engine's (read at scrape time) and this process's request latencies, each
+    in a registry of its own (one per app, so several apps never share series). An API server process reports its
+    latencies to the engine, which adds up every server's (services.router.metrics_merge)."""
 
     def __init__(self, engine: EngineProtocol, model_name: str) -> None:
         disable_created_metrics()  # process-wide: no `*_created` series (vLLM does the same)
         self.model_name = model_name
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(EngineStatsCollector(engine, model_name))
-
-        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
-            family = Histogram(PREFIX + name, documentation, LABELS, buckets=buckets, registry=self.registry)
-            return family.labels(self.model_name)
-
-        self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
-        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "End-to-end latency.", E2E_BUCKETS)
+        self.engine_registry = CollectorRegistry(auto_describe=False)
+        self.engine_registry.register(EngineStatsCollector(engine, model_name))
+        self.registry = CollectorRegistry(auto_describe=False)  # the requests this process served
+        self.num_observed = 0  # requests finished here (an API server reports its samples when it changed)
+        self.time_to_first_token = Buckets(PREFIX + "time_to_first_token_seconds", "Time to first token.",
+                                           TTFT_BUCKETS, model_name)
+        self.inter_token_latency = Buckets(PREFIX + "inter_token_latency_seconds", "Time between tokens.",
+                                           ITL_BUCKETS, model_name)
+        self.e2e_request_latency = Buckets(PREFIX + "e2e_request_latency_seconds", "End-to-end latency.",
+                                           E2E_BUCKETS, model_name)
+        for histogram in (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency):
+            self.registry.register(histogram)
         self.request_finished = Counter(
             PREFIX + "request_success", "Finished requests by finish reason.", (*LABELS, "finished_reason"),
             registry=self.registry,
@@ -194,6 +229,17 @@ class ApiMetrics:
         """A timer for one request, started now."""
         return RequestTimer(self)
 
+    def samples(self) -> list:
+        """This process's request series, as an API server reports them to the engine."""
+        return family_samples(self.registry)
+
     def render(self) -> tuple[bytes, str]:
         """The text exposition of every metric and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4
+        return generate_latest(self.engine_registry) + generate_latest(self.registry), METRICS_CONTENT_TYPE
+
+
+def render_engine_metrics(engine: EngineProtocol, model_name: str) -> bytes:
+    """The engine's series alone (the engine process adds its API servers' latencies to them)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineStatsCollector(engine, model_name))
+    return generate_latest(registry)

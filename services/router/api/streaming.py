@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import anyio
@@ -76,7 +76,7 @@ class GenerationRun:
         self._timer = timer
         self._is_closed = False
         self.finish_reason: str | None = None
-        self.usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=0, total_tokens=num_prompt_tokens)
+        self.token_counts = (num_prompt_tokens, 0)  # (prompt, completion) tokens so far: usage, without a model
         self.token_ids: list[int] = []              # every token generated so far (a stop token included)
         self.logprobs: list[TokenLogprob] = []      # theirs, when asked
         self.prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # prompt tokens 1.., once known (echo)
@@ -127,11 +127,16 @@ class GenerationRun:
             raise ApiError(503, "the engine ended the request without a finish reason", "server_error",
                            code="request_aborted") from None
 
+    @property
+    def usage(self) -> UsageInfo:
+        prompt_tokens, completion_tokens = self.token_counts
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens)
+
     def _record_usage(self, delta: GenerationDelta) -> None:
-        prompt_tokens = delta.num_prompt_tokens or self.usage.prompt_tokens
-        completion_tokens = max(delta.num_generated_tokens, self.usage.completion_tokens)
-        self.usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                               total_tokens=prompt_tokens + completion_tokens)
+        prompt_tokens, completion_tokens = self.token_counts
+        self.token_counts = (delta.num_prompt_tokens or prompt_tokens,
+                             max(delta.num_generated_tokens, completion_tokens))
 
 
 async def start_generation(
@@ -150,11 +155,15 @@ async def start_generation(
     return GenerationRun(iterator, first, timer, len(generation.prompt_token_ids))
 
 
-async def guarded_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """`events`, then `[DONE]`; an error mid-stream becomes an OpenAI error event (the status is already sent)."""
+async def guarded_events(events: AsyncIterator[str], last: Callable[[], str] | None = None) -> AsyncIterator[str]:
+    """`events`, the event `last` makes (the usage chunk, when asked), then `[DONE]`; an error mid-stream becomes an
+    OpenAI error event (the status is already sent). One generator for all three: every layer of async generators
+    costs each streamed token a hop."""
     try:
         async for event in events:
             yield event
+        if last is not None:
+            yield last()
     except Exception as exc:  # noqa: BLE001 - every failure must reach the client as an error event
         error = from_engine_error(exc)
         if error.status_code >= 500 and not isinstance(exc, ApiError):

@@ -15,10 +15,14 @@ import time
 import httpx
 import pytest
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from services.router.api.server import (
-    DEFAULT_KEEP_ALIVE_S, GracefulH11Protocol, HttpServer, bind_http_socket, unread_bytes,
+    DEFAULT_KEEP_ALIVE_S, GracefulH11Protocol, GracefulHttpToolsProtocol, HttpServer, bind_http_socket, unread_bytes,
 )
+
+GRACEFUL = pytest.mark.parametrize("graceful", [GracefulHttpToolsProtocol, GracefulH11Protocol],
+                                   ids=["httptools", "h11"])
 
 UVICORN_DEFAULT_KEEP_ALIVE_S = 5.0       # what the router used before: uvicorn's default
 CLIENT_POOL_EXPIRY_S = httpx.Limits().keepalive_expiry  # 5 s: httpx's pool, and so the openai client's
@@ -109,27 +113,29 @@ async def send_behind_the_loop(port: int, server: HttpServer, fire) -> tuple[byt
         return b"", reader, writer
 
 
-@pytest.mark.parametrize("fire", [H11Protocol.timeout_keep_alive_handler, H11Protocol.shutdown],
-                         ids=["idle-deadline", "shutdown"])
-async def test_stock_uvicorn_drops_a_request_waiting_in_the_socket(fire):
-    async with serving(protocol=H11Protocol) as (server, port):
-        answer, _, writer = await send_behind_the_loop(port, server, fire)
+@pytest.mark.parametrize("stock", [HttpToolsProtocol, H11Protocol], ids=["httptools", "h11"])
+@pytest.mark.parametrize("hook", ["timeout_keep_alive_handler", "shutdown"], ids=["idle-deadline", "shutdown"])
+async def test_stock_uvicorn_drops_a_request_waiting_in_the_socket(stock, hook):
+    async with serving(protocol=stock) as (server, port):
+        answer, _, writer = await send_behind_the_loop(port, server, getattr(stock, hook))
         writer.close()
         assert answer == b""
 
 
-async def test_a_request_waiting_when_the_idle_deadline_fires_is_answered():
-    async with serving() as (server, port):
-        answer, reader, writer = await send_behind_the_loop(port, server, GracefulH11Protocol.timeout_keep_alive_handler)
+@GRACEFUL
+async def test_a_request_waiting_when_the_idle_deadline_fires_is_answered(graceful):
+    async with serving(protocol=graceful) as (server, port):
+        answer, reader, writer = await send_behind_the_loop(port, server, graceful.timeout_keep_alive_handler)
         assert answer.startswith(b"HTTP/1.1 200")
         writer.write(REQUEST)  # and the connection lives on
         assert (await asyncio.wait_for(reader.readuntil(b"ok"), 10)).startswith(b"HTTP/1.1 200")
         writer.close()
 
 
-async def test_a_request_waiting_when_shutdown_starts_is_answered_then_the_connection_closes():
-    async with serving() as (server, port):
-        answer, reader, writer = await send_behind_the_loop(port, server, GracefulH11Protocol.shutdown)
+@GRACEFUL
+async def test_a_request_waiting_when_shutdown_starts_is_answered_then_the_connection_closes(graceful):
+    async with serving(protocol=graceful) as (server, port):
+        answer, reader, writer = await send_behind_the_loop(port, server, graceful.shutdown)
         assert answer.startswith(b"HTTP/1.1 200")
         assert await asyncio.wait_for(reader.read(), 10) == b""  # then closed by the server
         writer.close()
@@ -143,6 +149,10 @@ async def test_responses_announce_the_idle_timeout_and_close_while_draining():
         draining = True
         response = await client.get(f"http://127.0.0.1:{port}/")
         assert response.headers["connection"] == "close" and "keep-alive" not in response.headers
+
+
+def test_the_server_frames_with_httptools():
+    assert HttpServer(ok_app).config.http is GracefulHttpToolsProtocol
 
 
 def test_a_non_positive_idle_timeout_is_refused():

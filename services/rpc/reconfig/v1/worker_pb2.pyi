@@ -409,14 +409,34 @@ class SequenceStep(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., return_logits: _Optional[bool] = ..., num_generated: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., output_token_counts: _Optional[_Iterable[int]] = ..., distinct_prompt_token_ids: _Optional[_Iterable[int]] = ..., suppressed_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprob_token_ids: _Optional[_Iterable[int]] = ..., dp_rank: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "sequences", "commit_expert_map")
+    __slots__ = ("step_id", "sequences", "commit_expert_map", "rows")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     COMMIT_EXPERT_MAP_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceStep]
     commit_expert_map: int
-    def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceStep, _Mapping]]] = ..., commit_expert_map: _Optional[int] = ...) -> None: ...
+    rows: StepRows
+    def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceStep, _Mapping]]] = ..., commit_expert_map: _Optional[int] = ..., rows: _Optional[_Union[StepRows, _Mapping]] = ...) -> None: ...
+
+class StepRows(_message.Message):
+    __slots__ = ("epoch", "slots", "kinds", "positions", "tokens", "new_blocks", "freed")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREED_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    slots: bytes
+    kinds: bytes
+    positions: bytes
+    tokens: bytes
+    new_blocks: bytes
+    freed: bytes
+    def __init__(self, epoch: _Optional[int] = ..., slots: _Optional[bytes] = ..., kinds: _Optional[bytes] = ..., positions: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., new_blocks: _Optional[bytes] = ..., freed: _Optional[bytes] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
@@ -445,7 +465,7 @@ class SequenceResult(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logits: _Optional[bytes] = ..., sampled_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "rank", "results", "error", "compute_seconds", "forward_seconds", "head_seconds")
+    __slots__ = ("step_id", "rank", "results", "error", "compute_seconds", "forward_seconds", "head_seconds", "tokens")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
@@ -453,6 +473,7 @@ class StepResult(_message.Message):
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     rank: int
     results: _containers.RepeatedCompositeFieldContainer[SequenceResult]
@@ -460,7 +481,8 @@ class StepResult(_message.Message):
     compute_seconds: float
     forward_seconds: float
     head_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., rank: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., head_seconds: _Optional[float] = ...) -> None: ...
+    tokens: bytes
+    def __init__(self, step_id: _Optional[int] = ..., rank: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., head_seconds: _Optional[float] = ..., tokens: _Optional[bytes] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
