@@ -9,7 +9,9 @@ threads) over the window where all N requests decode (from the moment each has s
 first has streamed all but 8), divided by the decode steps in it (tokens streamed / N) for the engine and the
 workers, and by the tokens streamed for the API servers. Where one process does both (the router before the API
 servers had processes of their own) its CPU is reported both ways. Then the bytes of a decode step's messages to and
-from a worker at 128- and 4096-token contexts, built by the router's own wire code for a 64-request batch.
+from a worker at 128- and 4096-token contexts, built by the router's own wire code for a 64-request batch, and the
+host work of such a step alone, in this process (bench/wire_sizes.py step_work_us: the router's scheduling, encoding
+and result handling, the worker's row reading; a proxy that the machine's load moves less than the stack's counters).
 
 The client is a minimal HTTP/1.1 reader on raw asyncio streams in this process (its CPU is not counted): it only reads
 the token count each event's usage carries (`continuous_usage_stats`, which every configuration pays alike). Prints
@@ -150,7 +152,7 @@ def message_sizes(batch: int, contexts: tuple[int, ...]) -> list[dict]:
     return [dict(context=c, **decode_step_bytes(batch, c)) for c in contexts]
 
 
-def format_table(rows: list[dict], sizes: list[dict], batch: int) -> str:
+def format_table(rows: list[dict], sizes: list[dict], batch: int, work: dict) -> str:
     lines = ["| API servers | decode tok/s | engine CPU ms / step | API CPU us / token | worker CPU ms / step | "
              "processes |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -161,6 +163,9 @@ def format_table(rows: list[dict], sizes: list[dict], batch: int) -> str:
               "step result bytes: full form | delta form |", "|---|---|---|---|---|"]
     lines += [f"| {s['context']} | {s['request_bytes']:,} | {s['delta_request_bytes']:,} | {s['result_bytes']:,} | "
               f"{s['delta_result_bytes']:,} |" for s in sizes]
+    lines += ["", f"The same step's host work alone, in one process ({batch} decodes, steps ahead, no model; a proxy "
+              f"that machine load moves less): router {work['router_us_per_step']:.0f} us, worker "
+              f"{work['worker_us_per_step']:.0f} us per step."]
     return "\n".join(lines)
 
 
@@ -205,9 +210,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[serving-cpu] {args.model} {args.topology}, {args.batch} streams, --api-servers {count}", flush=True)
         rows.append(measure(args, count))
     sizes = message_sizes(args.batch, (128, 4096))
+    from wire_sizes import step_work_us
+
+    work = step_work_us(args.batch)
     title = (f"{args.model} {args.topology}: {args.batch} SSE streams, {args.new_tokens} new tokens; CPU of each "
              f"process over the steady decode ({os.cpu_count()} cores)")
-    write_report(args, title, format_table(rows, sizes, args.batch), rows, plot, message_sizes=sizes)
+    write_report(args, title, format_table(rows, sizes, args.batch, work), rows, plot, message_sizes=sizes,
+                 step_work=work)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,11 @@ import asyncio
 import itertools
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from services.rpc.auth import auth_metadata
 from services.rpc.errors import describe_error
+from services.rpc.frames import FrameProtocol
 from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.step import StepOutput, WorkerTime
 from services.worker.step_rows import RowEncoder
@@ -24,60 +26,108 @@ class WorkerUnreachable(ConnectionError):
     """A worker did not answer when the driver connected (UNAVAILABLE to a gRPC caller)."""
 
 
-class _WorkerStream:
-    """One worker's Execute stream; a reader task resolves the future of each step, in order."""
+class _StepClient(FrameProtocol):
+    """The router's end of one worker's step socket: frames out, and each StepResult frame in resolves the future
+    of its step (services.rpc.frames)."""
 
-    def __init__(self, address: str, metadata: tuple) -> None:
+    def __init__(self, address: str) -> None:
+        super().__init__()
+        self.address = address
+        self.greeting: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self.pending: dict[int, asyncio.Future[StepOutput]] = {}
+        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def frame_received(self, payload: bytes) -> None:
+        if not self.greeting.done():
+            self.greeting.set_result(payload)
+            return
+        try:
+            output = StepOutput.from_pb(worker_pb2.StepResult.FromString(payload))
+        except DecodeError as exc:
+            self.abort(StepError(f"worker {self.address} sent a step result that does not parse: {exc}"))
+            return
+        future = self.pending.pop(output.step_id, None)
+        if future is not None and not future.done():
+            future.set_result(output)
+
+    def closed(self, error: Exception | None) -> None:
+        if isinstance(error, StepError):
+            failure = error
+        elif error is None:
+            failure = StepError(f"worker {self.address} step stream failed: the worker closed it (stopped or died)")
+        else:
+            failure = StepError(f"worker {self.address} step stream failed: {type(error).__name__}: {error}")
+        if not self.greeting.done():
+            self.greeting.set_exception(failure)
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(failure)
+        self.pending.clear()
+        if not self.lost.done():
+            self.lost.set_result(None)
+
+
+class _WorkerStream:
+    """One worker: its gRPC channel (info, KV pools, imports) and its step socket, whose results resolve the
+    futures of the steps in flight."""
+
+    def __init__(self, address: str, metadata: tuple, token: str | None) -> None:
         self.address = address
         self.metadata = metadata
+        self.token = token
         self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
-        self.call = None
-        self.pending: dict[int, asyncio.Future[StepOutput]] = {}
-        self.reader: asyncio.Task | None = None
+        self.client: _StepClient | None = None
 
-    async def open(self) -> None:
-        self.call = self.stub.Execute(metadata=self.metadata)
-        self.reader = asyncio.create_task(self._read())
+    async def open(self, step_port: int, timeout_s: float = 10.0) -> None:
+        """Connect to the worker's step socket (on the host of its gRPC address) and greet it with the token."""
+        if step_port <= 0:
+            raise StepError(f"worker {self.address} reports no step socket (an older worker?)")
+        host = self.address.rpartition(":")[0].strip("[]")
+        loop = asyncio.get_running_loop()
+        client: _StepClient | None = None
+        try:
+            _, client = await asyncio.wait_for(
+                loop.create_connection(lambda: _StepClient(self.address), host, step_port), timeout_s)
+            client.send((self.token or "").encode())
+            refusal = await asyncio.wait_for(client.greeting, timeout_s)
+        except (OSError, asyncio.TimeoutError, StepError) as exc:
+            if client is not None and client.transport is not None:
+                client.transport.close()
+            raise WorkerUnreachable(f"worker {self.address}: cannot open its step socket {host}:{step_port}: "
+                                    f"{type(exc).__name__}: {exc}") from None
+        if refusal:
+            client.transport.close()
+            raise StepError(f"worker {self.address} refused the step stream: {refusal.decode(errors='replace')}")
+        self.client = client
 
     @property
     def is_open(self) -> bool:
-        """The step stream is open and its reader alive (it has not broken)."""
-        return self.reader is not None and not self.reader.done()
-
-    async def _read(self) -> None:
-        try:
-            while (result := await self.call.read()) is not grpc.aio.EOF:
-                output = StepOutput.from_pb(result)
-                future = self.pending.pop(output.step_id, None)
-                if future is not None and not future.done():
-                    future.set_result(output)
-            error: Exception = StepError(f"worker {self.address} closed its step stream")
-        except grpc.aio.AioRpcError as exc:
-            error = StepError(f"worker {self.address} stream failed: {describe_error(exc)}")
-        except asyncio.CancelledError:
-            error = StepError(f"worker {self.address} stream closed")
-        for future in self.pending.values():
-            if not future.done():
-                future.set_exception(error)
-        self.pending.clear()
+        """The step socket is open (it has not broken)."""
+        return self.client is not None and not self.client.is_closed
 
     def expect(self, step_id: int) -> asyncio.Future[StepOutput]:
+        """The future of a step's result; fails at once if the stream is gone."""
         future = asyncio.get_running_loop().create_future()
-        self.pending[step_id] = future
+        if self.client is None or self.client.is_closed:
+            future.set_exception(StepError(f"worker {self.address}'s step stream is closed"))
+        else:
+            self.client.pending[step_id] = future
         return future
 
+    def write(self, payload: bytes) -> None:
+        if self.client is not None:
+            self.client.send(payload)
+
     async def close(self) -> None:
-        if self.call is not None:
-            try:
-                await self.call.done_writing()
-            except grpc.aio.AioRpcError:
-                pass
-        if self.reader is not None:
-            try:
-                await asyncio.wait_for(self.reader, timeout=5)
-            except (asyncio.TimeoutError, asyncio.CancelledError):
-                self.reader.cancel()
+        """Wait (up to 5 s) for the steps in flight to answer, then close the socket and the channel."""
+        client = self.client
+        if client is not None:
+            if client.pending:
+                await asyncio.wait(list(client.pending.values()), timeout=5)
+            if client.transport is not None:
+                client.transport.close()
+            await asyncio.wait([client.lost], timeout=5)
         await self.channel.close()
 
 
@@ -120,7 +170,8 @@ class Driver:
         if infos is not None and len(infos) != len(self.addresses):
             raise ValueError(f"{len(infos)} worker infos for {len(self.addresses)} addresses")
         shared = {stream.address: stream for stream in previous._streams if stream.is_open} if previous else {}
-        streams = [shared.get(address) or _WorkerStream(address, self.metadata) for address in self.addresses]
+        streams = [shared.get(address) or _WorkerStream(address, self.metadata, self.token)
+                   for address in self.addresses]
         mine = [stream for stream in streams if stream not in shared.values()]
         try:
             if infos is None:
@@ -132,9 +183,12 @@ class Driver:
         self._streams = [stream for stream, info in zip(streams, infos) if info.num_kv_blocks > 0]
         await asyncio.gather(*(stream.channel.close() for stream, info in zip(streams, infos)
                                if info.num_kv_blocks == 0 and stream in mine))
-        for stream in self._streams:
-            if stream.call is None:
-                await stream.open()
+        try:
+            await asyncio.gather(*(stream.open(info.step_port) for stream, info in zip(streams, infos)
+                                   if info.num_kv_blocks > 0 and stream.client is None))
+        except BaseException:
+            await asyncio.gather(*(stream.close() for stream in mine), return_exceptions=True)
+            raise
         if previous is not None:
             self._step_ids = previous._step_ids
 
@@ -170,13 +224,17 @@ class Driver:
         """Send a step to every active worker now; the returned future resolves with the sampled outputs.
         Several steps may be in flight (pipeline parallelism keeps every stage busy). commit_expert_map: the EPLB
         epoch whose staged expert map every worker installs before this step (0: none)."""
+        if closed := [stream.address for stream in self._streams if not stream.is_open]:
+            raise StepError(f"the step stream of worker {', '.join(closed)} is closed")
         step_id = next(self._step_ids)
-        request = self.rows.encode(step_id, sequences, commit_expert_map)
+        payload = self.rows.encode(step_id, sequences, commit_expert_map).SerializeToString()
         futures = [stream.expect(step_id) for stream in self._streams]
         # All or nothing: a step written to some workers but not others would leave a PP send/recv or a TP
-        # collective unmatched. Shielded, the writes finish even if the caller is cancelled meanwhile.
-        await asyncio.shield(asyncio.gather(*(stream.call.write(request) for stream in self._streams)))
-        return asyncio.ensure_future(self._gather(step_id, futures))
+        # collective unmatched. The writes never suspend, so no cancellation can fall between them (a closed
+        # stream drops its write, and its future has already failed: the step fails as a whole).
+        for stream in self._streams:
+            stream.write(payload)
+        return self._gather(step_id, futures)
 
     async def step(self, sequences) -> StepOutput:
         """Run one step and wait for it; its outputs hold every row's token (the engine reads the packed tokens of
@@ -184,11 +242,49 @@ class Driver:
         sequences = list(sequences)
         return (await (await self.submit(sequences))).expanded([s.request_id for s in sequences])
 
-    async def _gather(self, step_id: int, futures: list[asyncio.Future[StepOutput]]) -> StepOutput:
-        try:
-            outputs = await asyncio.wait_for(asyncio.gather(*futures), self.step_timeout_s)
-        except asyncio.TimeoutError as exc:
-            raise StepError(f"step {step_id} timed out after {self.step_timeout_s:.0f}s") from exc
+    def _gather(self, step_id: int, futures: list[asyncio.Future[StepOutput]]) -> asyncio.Future[StepOutput]:
+        """One future for every worker's answer to a step: it fails with the first stream that fails, or after
+        step_timeout_s; callbacks, not a task per step."""
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[StepOutput] = loop.create_future()
+        remaining = len(futures)
+
+        def fail(error: BaseException) -> None:
+            timer.cancel()
+            result.set_exception(error)
+            for future in futures:
+                future.cancel()
+
+        def timed_out() -> None:
+            if not result.done():
+                fail(StepError(f"step {step_id} timed out after {self.step_timeout_s:.0f}s"))
+
+        def answered(future: asyncio.Future[StepOutput]) -> None:
+            nonlocal remaining
+            error = StepError(f"step {step_id} was cancelled") if future.cancelled() else future.exception()
+            if result.done():
+                return
+            if error is not None:
+                fail(error)
+                return
+            remaining -= 1
+            if remaining == 0:
+                timer.cancel()
+                try:
+                    result.set_result(self._combine(step_id, [f.result() for f in futures]))
+                except StepError as exc:
+                    result.set_exception(exc)
+
+        timer = loop.call_later(self.step_timeout_s, timed_out)
+        for future in futures:
+            future.add_done_callback(answered)
+        if not futures:
+            timer.cancel()
+            result.set_exception(StepError(f"step {step_id} has no active worker to run it"))
+        return result
+
+    def _combine(self, step_id: int, outputs: list[StepOutput]) -> StepOutput:
+        """The step's output from every worker's answer; StepError if any reported one."""
         errors = [f"rank {o.rank}: {o.error}" for o in outputs if o.error]
         if errors:
             raise StepError(f"step {step_id} failed: " + "; ".join(errors))

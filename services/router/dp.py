@@ -74,6 +74,11 @@ class DataParallelBlocks:
         return tuple(pool.num_used for pool in self._pools)
 
     # ---- which rank --------------------------------------------------------------------------------------------
+    def holds(self, request_id: str) -> bool:
+        """Whether a sequence of this id holds (or has reserved) blocks here: a finished one whose step is still in
+        flight does until the step returns."""
+        return request_id in self._rank
+
     def rank_of(self, seq: Sequence) -> int | None:
         """The DP rank holding seq's blocks; None while it holds none (it may go to any rank then)."""
         return self._rank.get(seq.request_id)

@@ -73,7 +73,7 @@ class Engine:
         self.num_inflight_batches = max(config.num_inflight_batches, self.topology.pp)
         self._streams: dict[str, OutputStream] = {}  # admitted requests, by id: where their tokens go
         self._inflight: list[_InFlight] = []
-        self._wakeup = asyncio.Event()
+        self._wakeup = _Doorbell()
         self._idle = asyncio.Event()  # set when nothing is in flight (Freeze waits on it)
         self._idle.set()
         self._no_streams = asyncio.Event()  # set when no admitted request is left (drain waits on it)
@@ -104,7 +104,7 @@ class Engine:
         self.precopy: KVPrecopy | PoolPrecopy | None = None  # the switch's KV pre-copy (precopy_blocks)
         self.load = LoadWindow()  # arrivals and latencies of the last minute (RouterStats.window: the autopilot)
         self.migrations = InstanceMigrations(self)  # requests moving to or from other instances (MELL)
-        self._step_done = asyncio.Event()  # set and replaced each time a step returns (wait_step)
+        self._step_waiters: list[asyncio.Future] = []  # wait_step's, resolved when the next step returns
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -408,9 +408,13 @@ class Engine:
 
     async def wait_step(self, timeout_s: float) -> None:
         """Until the next step returns, or timeout_s (no error)."""
-        waiter = asyncio.ensure_future(self._step_done.wait())
-        await asyncio.wait([waiter], timeout=timeout_s)
-        waiter.cancel()
+        waiter = asyncio.get_running_loop().create_future()
+        self._step_waiters.append(waiter)
+        try:
+            await asyncio.wait([waiter], timeout=timeout_s)
+        finally:
+            if not waiter.done():
+                self._step_waiters.remove(waiter)
 
     def end_stream(self, request_id: str, reason: str) -> None:
         """End a request's stream with `reason` and no tokens (the scheduler has let the request go)."""
@@ -437,14 +441,19 @@ class Engine:
                 await self._wakeup.wait()
                 continue
             self._wakeup.clear()
-            wakeup = asyncio.ensure_future(self._wakeup.wait())
-            await asyncio.wait([self._inflight[0].future, wakeup], return_when=asyncio.FIRST_COMPLETED)
-            wakeup.cancel()
+            await self._wakeup.wait(or_done=self._inflight[0].future)
             # Batches complete in submission order (every worker runs steps in order): drain the done prefix.
             while self._inflight and self._inflight[0].future.done():
-                self._complete(self._inflight.pop(0))
-                self._step_done.set()
-                self._step_done = asyncio.Event()
+                inflight = self._inflight.pop(0)
+                try:
+                    self._complete(inflight)
+                except Exception as exc:  # a defect: its requests end with an error, the loop and the others live on
+                    log.exception("engine.apply_failed", batch_id=inflight.batch.batch_id if inflight.batch else None)
+                    self._end_with_error(inflight.batch, f"internal error applying a step: {_describe(exc)}")
+                if self._step_waiters:
+                    waiters, self._step_waiters = self._step_waiters, []
+                    for waiter in waiters:
+                        waiter.set_result(None)
                 if self._is_held and self._held_at is None:  # frozen: this step's requests get no next one
                     self._held_at = time.monotonic()
 
@@ -479,7 +488,7 @@ class Engine:
             self._idle.clear()
             steps = [item.step for item in batch.items] if batch is not None else []
             if batch is not None:
-                self.num_full_prefills += sum(1 for item in batch.items if item.step.start_position == 0)
+                self.num_full_prefills += batch.num_full_prefills
             try:
                 future = await self.driver.submit(steps, commit_expert_map=epoch)
             except Exception as exc:  # noqa: BLE001 (a broken stream can fail the write: the loop lives on)
@@ -508,15 +517,18 @@ class Engine:
         sampled = output.sampled([item.seq.request_id for item in inflight.batch.items])
         with_logprobs = {o.request_id: o for o in output.outputs if o.logprob is not None or o.prompt_logprobs}
         now = time.monotonic()
-        for update in self.scheduler.on_batch_done(inflight.batch, sampled, with_logprobs):
-            self.num_generation_tokens += len(update.new_token_ids)
-            stream = self._streams.get(update.seq.request_id)
+        updates = self.scheduler.on_batch_done(inflight.batch, sampled, with_logprobs)
+        streams, num_tokens = self._streams, 0
+        for update in updates:
+            num_tokens += (count := len(update.new_token_ids))
+            stream = streams.get(update.seq.request_id)
             if stream is None:
                 continue
-            stream.timer.tokens_out(now, len(update.new_token_ids))
+            stream.timer.tokens_out(now, count)
             stopped = stream.push(update.new_token_ids, update.seq, update.logprobs)
             if stopped and not update.finished:  # a stop string: the scheduler has not finished it yet
                 self.scheduler.finish(update.seq.request_id, SequenceStatus.FINISHED_STOPPED)
+        self.num_generation_tokens += num_tokens
 
     # ---- failed steps ----------------------------------------------------------------------------------------
     def _on_step_failed(self, batch: ScheduledBatch, error: str) -> None:
@@ -557,6 +569,12 @@ class Engine:
             self._stall_timer.cancel()
             self._stall_timer = None
 
+    def _end_with_error(self, batch: ScheduledBatch | None, error: str) -> None:
+        for item in batch.items if batch is not None else ():
+            self.scheduler.abort(item.seq.request_id)
+            if (stream := self._streams.get(item.seq.request_id)) is not None:
+                stream.finish("error", error=error)
+
     def _fail_batch(self, batch: ScheduledBatch, error: str) -> None:
         """Without recovery: the batch's requests end with an explicit error instead of hanging."""
         for item in batch.items:
@@ -566,6 +584,46 @@ class Engine:
             stream = self._streams.get(item.seq.request_id)
             if stream is not None:
                 stream.finish("error", error=error)
+
+
+class _Doorbell:
+    """The step loop's wakeup: set() by whoever gives it work; the loop waits for it, or for it or a step, on one
+    plain future (an asyncio.Event waited beside a step costs a task per loop turn, and its cancellation a turn
+    more: tens of microseconds a step)."""
+
+    __slots__ = ("_set", "_waiter")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._waiter: asyncio.Future | None = None
+
+    def set(self) -> None:
+        self._set = True
+        self._ring()
+
+    def clear(self) -> None:
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    async def wait(self, or_done: asyncio.Future | None = None) -> None:
+        """Until set() is called, or `or_done` completes."""
+        if self._set or (or_done is not None and or_done.done()):
+            return
+        self._waiter = asyncio.get_running_loop().create_future()
+        if or_done is not None:
+            or_done.add_done_callback(self._ring)
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+            if or_done is not None:
+                or_done.remove_done_callback(self._ring)
+
+    def _ring(self, _: object = None) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
 
 def _describe(exc: BaseException) -> str:

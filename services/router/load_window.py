@@ -4,7 +4,6 @@ controller's autopilot (RouterStats.window) — what /metrics' histograms cannot
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -54,12 +53,19 @@ def dispersion(times: list[float], start: float, end: float, bin_s: float = DISP
         if 0 <= index < num_bins:
             counts[index] += 1
     mean = sum(counts) / num_bins
-    return statistics.pvariance(counts) / mean if mean > 0 else 1.0
+    return _pvariance(counts) / mean if mean > 0 else 1.0
+
+
+def _pvariance(values: list[float]) -> float:
+    """Population variance in floats, two passes (statistics.pvariance is exact, in fractions: milliseconds for a
+    window's samples, on the engine's loop)."""
+    mean = sum(values) / len(values)
+    return sum((v - mean) * (v - mean) for v in values) / len(values)
 
 
 def _std(values: list[float]) -> float:
     """Population standard deviation (0 for fewer than two values)."""
-    return statistics.pstdev(values) if len(values) > 1 else 0.0
+    return math.sqrt(_pvariance(values)) if len(values) > 1 else 0.0
 
 
 class LoadWindow:

@@ -80,10 +80,12 @@ async def build_engine(config: RouterConfig) -> Engine:
 async def serve_router(config: RouterConfig, on_ready: Callable[[dict], None] | None = None) -> None:
     """Serve HTTP + gRPC until SIGTERM/SIGINT; then drain (services.router.api.server), and stop the engine. HTTP is
     served by config.api_servers processes of their own (services.router.api_servers), or by this one with 0."""
+    from services.launch.process import settle_heap
     from services.router.grpc_server import start_router_grpc
 
     engine = await build_engine(config)
     grpc_server, grpc_port = await start_router_grpc(engine, config.host, config.grpc_port, config.token)
+    settle_heap()
     if config.api_servers == 0:
         await serve_until_signal(engine, grpc_server, grpc_port, host=config.host, http_port=config.http_port,
                                  api_key=config.api_key, keep_alive_s=config.http_keep_alive_s,

@@ -66,6 +66,7 @@ class ScheduledBatch:
 
     batch_id: int
     items: tuple[ScheduledItem, ...]
+    num_full_prefills: int = 0  # items feeding a request from position 0 (counted as it is built, not per step)
 
     @property
     def steps(self) -> tuple[SequenceStep, ...]:
@@ -178,6 +179,8 @@ class Scheduler:
         short_ranks: set[int | None] = set()  # DP ranks where a running sequence lacked blocks (None: it had none)
         # Decodes first (one token each), then the next chunks of running prefills; each pass oldest first.
         for decodes in (True, False):
+            if not decodes and len(decoded) == len(self.running):
+                break  # every running sequence went as a decode (a steady decode): no prefill chunk is left
             for seq in list(self.running):
                 if budget == 0:
                     break
@@ -216,6 +219,8 @@ class Scheduler:
         while (None not in short_ranks and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
+            if self.block_manager.holds(seq.request_id):
+                break  # an ended request of the same id holds blocks until its step returns (bound by id: one at a time)
             num_new_tokens = min(seq.num_uncomputed_tokens, budget)
             if not self.config.enable_chunked_prefill and num_new_tokens < seq.num_uncomputed_tokens:
                 break
@@ -233,10 +238,13 @@ class Scheduler:
             budget -= num_new_tokens
         if not items:
             return None
-        batch = ScheduledBatch(next(self._batch_counter), tuple(items.values()))
-        self._inflight[batch.batch_id] = batch
+        num_full_prefills = 0
         for item in items.values():
             self._inflight_items.setdefault(id(item.seq), []).append(item)
+            if item.step.start_position == 0:
+                num_full_prefills += 1
+        batch = ScheduledBatch(next(self._batch_counter), tuple(items.values()), num_full_prefills)
+        self._inflight[batch.batch_id] = batch
         return batch
 
     def _in_flight(self, seq: Sequence) -> bool:
@@ -288,10 +296,17 @@ class Scheduler:
         if self._inflight.pop(batch.batch_id, None) is None:
             raise ValueError(f"batch {batch.batch_id} is not in flight")
         now, updates = self.clock(), []
+        inflight_items, running = self._inflight_items, SequenceStatus.RUNNING
         for item in batch.items:
             seq, step = item.seq, item.step
-            still_inflight = self._returned(item)
-            if seq.status.is_finished:
+            key = id(seq)
+            items = inflight_items[key]
+            if len(items) == 1 and items[0] is item:  # its only step in flight (the most common case): inline
+                del inflight_items[key]
+                still_inflight = False
+            else:
+                still_inflight = bool(self._returned(item))
+            if seq.status is not running and seq.status.is_finished:
                 if not still_inflight:
                     self.block_manager.free(seq)
                 continue
@@ -313,19 +328,24 @@ class Scheduler:
                     self._finish(seq, SequenceStatus.FINISHED_LENGTH)
                 updates.append(SequenceUpdate(seq, (), is_done))
                 continue
-            if seq.request_id not in sampled:
+            token_id = sampled.get(seq.request_id)
+            if token_id is None:
                 raise ValueError(f"no sampled token for {seq.request_id} in batch {batch.batch_id}")
-            token_id = sampled[seq.request_id]
-            seq.output_token_ids.append(token_id)
+            generated = seq.output_token_ids
+            generated.append(token_id)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            finished = True
             if token_id in seq.stop_token_ids:
                 self._finish(seq, SequenceStatus.FINISHED_STOPPED)
-            elif len(seq.output_token_ids) >= seq.max_tokens:
+            elif len(generated) >= seq.max_tokens:
                 self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+            else:
+                finished = False
             logprobs = (output.logprob,) if output is not None and output.logprob is not None else ()
-            updates.append(SequenceUpdate(seq, (token_id,), seq.is_finished, logprobs))
-        self._park_requested(batch)
+            updates.append(SequenceUpdate(seq, (token_id,), finished, logprobs))
+        if self._parking:
+            self._park_requested(batch)
         return updates
 
     def on_batch_failed(self, batch: ScheduledBatch) -> None:

@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default: loopback)")
     parser.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    parser.add_argument("--step-port", type=int, default=0,
+                        help="TCP port of the step socket, on the same host (0: any free port; GetInfo reports it)")
     parser.add_argument("--port-file", type=Path, help="write the bound gRPC port here once ready")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch intra-op threads (default: usable cores // active workers, 1 on standby)")
@@ -72,7 +74,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         device=args.device, gpu=args.gpu, gpu_sharing=args.gpu_sharing,
         enforce_eager=args.enforce_eager, kv_cache_bytes=args.kv_cache_mb << 20,
         block_size=args.block_size,
-        host=args.host, port=args.port, collective_timeout_s=args.collective_timeout,
+        host=args.host, port=args.port, step_port=args.step_port, collective_timeout_s=args.collective_timeout,
         parent_pid=args.parent_pid, num_threads=args.num_threads,
         token=read_token_file(args.token_file) if args.token_file else None, join=args.join,
         num_redundant_experts=args.num_redundant_experts, eplb_window=args.eplb_window,

@@ -26,6 +26,7 @@ class WorkerConfig:
     block_size: int = 16               # tokens per KV block
     host: str = "127.0.0.1"            # gRPC bind address
     port: int = 0                      # 0: pick a free port and report it
+    step_port: int = 0                 # the step socket (steps from the router): 0 picks a free port
     collective_timeout_s: float = 60.0 # every collective / point-to-point op fails after this
     parent_pid: int | None = None      # exit when this process is gone (no orphans)
     num_threads: int | None = None     # torch intra-op threads; None: usable cores // active workers

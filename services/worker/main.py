@@ -24,6 +24,7 @@ from services.worker.shm_exchange import cleanup_stale_exchange_segments
 from services.worker.shard import WorkerShard, worker_device
 from services.worker.parallel import ParallelState, device_backend
 from services.worker.server import WorkerServicer, start_server
+from services.worker.step_server import start_step_server
 
 log = structlog.get_logger(__name__)
 
@@ -55,10 +56,11 @@ async def serve_worker(config: WorkerConfig, ready: Connection | None = None) ->
     servicer = WorkerServicer(shard)
     await asyncio.get_running_loop().run_in_executor(servicer.model_thread, shard.prepare_steps)
     server, port = await start_server(servicer, config.host, config.port, config.token)
+    step_server, shard.step_port = await start_step_server(servicer, config.host, config.step_port, config.token)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, servicer.stopped.set)
-    log.info("worker.ready", rank=config.rank, port=port, topology=str(topology), join=config.join,
+    log.info("worker.ready", rank=config.rank, port=port, step_port=shard.step_port, topology=str(topology), join=config.join,
              param_bytes=shard.info().param_bytes, kv_blocks=shard.info().num_kv_blocks,
              num_threads=shard.num_threads, seconds=round(time.perf_counter() - started, 3))
     if ready is not None:
@@ -66,6 +68,7 @@ async def serve_worker(config: WorkerConfig, ready: Connection | None = None) ->
     try:
         await servicer.stopped.wait()
     finally:
+        step_server.close()
         await server.stop(grace=1.0)
         servicer.model_thread.shutdown(wait=True, cancel_futures=True)
         shard.close()

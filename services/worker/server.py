@@ -19,11 +19,10 @@ from services.worker.kv_import import ImportRefused
 from services.worker.model_runner import PendingTokenMissing
 from services.worker.shard import WorkerShard
 from services.worker.step import StepBatch, StepOutput
-from services.worker.step_rows import RowTable, UnknownRow, rows_result
+from services.worker.step_rows import RowTable, UnknownRow
 from services.worker.switch import SwitchFailed
 
 log = structlog.get_logger(__name__)
-_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name  # "reconfig.v1.Worker"
 
 
 def rss_bytes() -> int:
@@ -72,37 +71,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.shard.leave_world(exc)  # peers may be blocked on this step's collectives: let them fail now
             return StepOutput(batch.step_id, self.rank, error=f"{type(exc).__name__}: {exc}")
 
-    async def Execute(self, request_iterator, context):  # noqa: N802 (gRPC naming)
-        """Steps in, results out, in order; the next step is queued while the previous one computes. Steps in the
+    def begin_step(self, request: worker_pb2.StepRequest) -> tuple[asyncio.Future[StepOutput], tuple | None]:
+        """Queue a step on the model thread (steps run in the order they arrive); its output's future and, for a
+        step in the delta form, the rows it ran (its result goes back packed over them: rows_result). Steps in the
         delta form are read into full steps here, in arrival order, over the rows this worker holds."""
         loop = asyncio.get_running_loop()
-        pending: asyncio.Queue[tuple[asyncio.Future, tuple | None] | None] = asyncio.Queue()
-
-        async def read() -> None:
-            try:
-                async for request in request_iterator:
-                    rows = request.HasField("rows")
-                    try:
-                        batch = StepBatch(request.step_id, self.rows.steps(request), request.commit_expert_map)
-                    except UnknownRow as exc:  # refused before any collective: every rank reads the same rows
-                        log.warning("worker.step_refused", step_id=request.step_id, error=str(exc))
-                        refused = loop.create_future()
-                        refused.set_result(StepOutput(request.step_id, self.rank, error=str(exc)))
-                        await pending.put((refused, None))
-                        continue
-                    future = loop.run_in_executor(self.model_thread, self._run_step, batch)
-                    await pending.put((future, batch.sequences if rows else None))
-            finally:
-                await pending.put(None)
-
-        reader = asyncio.create_task(read())
         try:
-            while (entry := await pending.get()) is not None:
-                future, rows = entry
-                output = await future
-                yield output.to_pb() if rows is None else rows_result(output, rows)
-        finally:
-            reader.cancel()
+            batch = StepBatch(request.step_id, self.rows.steps(request), request.commit_expert_map)
+        except UnknownRow as exc:  # refused before any collective: every rank reads the same rows
+            log.warning("worker.step_refused", step_id=request.step_id, error=str(exc))
+            refused = loop.create_future()
+            refused.set_result(StepOutput(request.step_id, self.rank, error=str(exc)))
+            return refused, None
+        future = loop.run_in_executor(self.model_thread, self._run_step, batch)
+        return future, batch.sequences if request.HasField("rows") else None
 
     async def GetInfo(self, request, context):  # noqa: N802
         info = self.shard.info()  # cheap, and answers during a switch (which holds the model thread)
@@ -211,10 +193,8 @@ async def start_server(servicer: WorkerServicer, host: str, port: int,
                        token: str | None = None) -> tuple[grpc.aio.Server, int]:
     """Start the gRPC server (every RPC needs `token` when set); returns it and the bound port."""
     # ErrorInterceptor: undecodable request bytes are INVALID_ARGUMENT, an unexpected exception INTERNAL with its
-    # message (gRPC's default for both is a bare UNKNOWN). Not on the step stream: ~50 us a step on the hot path,
-    # and only the router, with the token, speaks it.
-    errors = ErrorInterceptor(exclude=(f"/{_SERVICE}/Execute",))
-    interceptors = [*([TokenAuthInterceptor(token, protect_all)] if token else []), errors]
+    # message (gRPC's default for both is a bare UNKNOWN). Steps do not come this way: services.worker.step_server.
+    interceptors = [*([TokenAuthInterceptor(token, protect_all)] if token else []), ErrorInterceptor()]
     server = new_server(interceptors, options=[("grpc.max_receive_message_length", 64 << 20),
                                                ("grpc.max_send_message_length", 64 << 20)])
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)

@@ -59,6 +59,7 @@ class WorkerShard:
         self.spec = spec
         self.manifest = manifest
         self.parallel = parallel
+        self.step_port = 0  # the step socket's port, once it listens (WorkerInfo.step_port)
         self.device = worker_device(config)
         self.dtype = _compute_dtype(spec, self.device)
         self.topology = Topology.parse(config.topology)
@@ -294,6 +295,7 @@ class WorkerShard:
             rank=self.rank, world_size=self.world_size, pid=os.getpid(), topology=str(self.topology),
             device=str(self.device), candidate_topologies=[str(t) for t in self.parallel.candidates],
             state=self._state(), generation=self.parallel.generation, num_threads=self.num_threads,
+            step_port=self.step_port,
         )
         if self.runner is not None:
             wp, kv = self.runner.wp, self.runner.kv_cache

@@ -27,13 +27,6 @@ class UnknownRow(ValueError):
     any collective, and the router starts a new epoch."""
 
 
-def is_decode_row(step: SequenceStep) -> bool:
-    """Whether the step is a plain decode: one token, sampled, nothing but the row's sampling and table needed."""
-    return (len(step.token_ids) == 1 and step.sample and not step.return_logits and not step.output_token_counts
-            and not step.distinct_prompt_token_ids and not step.suppressed_token_ids
-            and not step.prompt_logprob_token_ids)
-
-
 @dataclass(slots=True)
 class _Sent:
     """What the workers hold of one request's row, as the router sent it."""
@@ -80,24 +73,31 @@ class RowEncoder:
         kinds = bytearray()
         full = []
         rows = self._rows
+        add_slot, add_kind, add_position, add_token, add_block = (
+            slots.append, kinds.append, positions.append, tokens.append, new_blocks.append)
         for step in steps:
             sent = rows.get(step.request_id)
             table = step.block_table
-            if (sent is not None and is_decode_row(step) and step.dp_rank == sent.dp_rank
+            # A plain decode (one token, sampled, nothing but the row's sampling and table needed) of a row the
+            # workers hold: tested inline, once per request per step.
+            if (sent is not None and len(step.token_ids) == 1 and step.sample and not step.return_logits
+                    and not step.output_token_counts and not step.distinct_prompt_token_ids
+                    and not step.suppressed_token_ids and not step.prompt_logprob_token_ids
+                    and step.dp_rank == sent.dp_rank
                     and (step.sampling is sent.sampling or step.sampling == sent.sampling)
                     and step.num_generated - step.start_position == sent.offset):
                 grown = len(table) - sent.num_blocks
                 if 0 <= grown <= 1 and (sent.num_blocks == 0 or table[sent.num_blocks - 1] == sent.last_block):
-                    slots.append(sent.slot)
-                    kinds.append(0)
-                    positions.append(step.start_position)
-                    tokens.append(step.token_ids[0])
+                    add_slot(sent.slot)
+                    add_kind(0)
+                    add_position(step.start_position)
+                    add_token(step.token_ids[0])
                     if grown:
-                        new_blocks.append(table[-1])
+                        add_block(table[-1])
                         sent.num_blocks += 1
                         sent.last_block = table[-1]
                     else:
-                        new_blocks.append(-1)
+                        add_block(-1)
                     continue
             if sent is None:
                 slot = self._free_slots.pop() if self._free_slots else self._new_slot()

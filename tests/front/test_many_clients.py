@@ -17,7 +17,7 @@ pytestmark = pytest.mark.asyncio
 
 NUM_CLIENTS = 200
 PROMPTS = [[(5 * k + 3 * i) % 89 + 2 for i in range(6 + 3 * k)] for k in range(8)]
-MAX_TOKENS = 48
+MAX_TOKENS = 96
 
 
 async def test_200_streaming_clients_while_requests_move(instances):

@@ -92,3 +92,23 @@ async def test_token_ids_outside_the_model_vocabulary_are_refused(serving_engine
     with pytest.raises(RequestError, match="token id 264 is outside the model's vocabulary"):
         await _collect(serving_engine, GenerationRequest("oov", (5, 264), 3))
     assert serving_engine.stats().num_waiting == 0
+
+
+async def test_a_defect_applying_a_step_ends_its_requests_with_an_error_and_the_engine_lives_on(
+        serving_engine, monkeypatch):
+    engine = serving_engine
+    original = engine.scheduler.on_batch_done
+    calls = []
+
+    def broken_once(batch, *args, **kwargs):
+        if not calls:
+            calls.append(batch.batch_id)
+            raise RuntimeError("a defect")
+        return original(batch, *args, **kwargs)
+
+    monkeypatch.setattr(engine.scheduler, "on_batch_done", broken_once)
+    _, _, last = await _collect(engine, GenerationRequest("victim", (5, 6, 7), 8))
+    assert last.finish_reason == "error" and "internal error applying a step: RuntimeError: a defect" in last.error
+    monkeypatch.setattr(engine.scheduler, "on_batch_done", original)
+    tokens, _, last = await _collect(engine, GenerationRequest("after", (5, 6, 7), 4))
+    assert last.finish_reason == "length" and len(tokens) == 4

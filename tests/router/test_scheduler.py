@@ -417,8 +417,9 @@ def test_a_step_ahead_that_fails_leaves_the_step_before_it_its_kv():
 
 
 def test_a_request_id_reused_while_the_step_ahead_of_its_last_owner_is_in_flight():
-    """A client may reuse the id of a request that ended (aborted here) while its steps were in flight: each
-    request's steps are its own, and both give their blocks back."""
+    """A client may reuse the id of a request that ended (aborted here) while its steps were in flight: the new
+    request waits until the old one's last step has returned its blocks (blocks are bound by request id, one holder
+    at a time), then runs as if alone; both give their blocks back."""
     prompt = prompt_of(11, 6)
     scheduler = make_scheduler(block_size=2)
     workers = PagedWorkers(scheduler.block_manager)
@@ -430,10 +431,11 @@ def test_a_request_id_reused_while_the_step_ahead_of_its_last_owner_is_in_flight
     scheduler.on_batch_done(prefill, workers.run(prefill))
     new = seq_of("a", prompt, 4)
     scheduler.add(new)
-    first = scheduler.schedule(ahead=True)  # the new request's prefill, behind the old one's step ahead
-    assert [item.seq for item in first.items] == [new]
+    assert scheduler.schedule(ahead=True) is None  # the old request's step ahead still holds its blocks
     scheduler.on_batch_done(ahead, workers.run(ahead))
-    assert scheduler.block_manager.num_used == len(new.block_ids)  # the old request's blocks are back
+    assert scheduler.block_manager.num_used == 0  # the old request's blocks are back
+    first = scheduler.schedule(ahead=True)  # now the new request's prefill
+    assert [item.seq for item in first.items] == [new]
     scheduler.on_batch_done(first, workers.run(first))
     drain(scheduler, workers)
     assert new.output_token_ids == expected_output(prompt, 4)

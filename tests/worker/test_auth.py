@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import struct
 
 import grpc
 import pytest
@@ -11,6 +12,7 @@ from services.launch.cluster import ClusterConfig, LocalCluster
 from services.launch.driver import Driver
 from services.launch.generate import generate
 from services.rpc.auth import auth_metadata
+from services.rpc.frames import frame
 from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
 from tests.conftest import hf_greedy, make_checkpoint
 
@@ -48,6 +50,13 @@ def test_worker_rpcs_need_the_token(tmp_path):
                             codes.append(exc.code())
                 info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5, metadata=auth_metadata(TOKEN))
                 assert info.state == "ACTIVE"
+            for greeting in (b"", b"wrong"):  # the step socket: a refusal in words, then the connection closes
+                reader, writer = await asyncio.open_connection(address.rpartition(":")[0], info.step_port)
+                writer.write(frame(greeting))
+                (length,) = struct.unpack("<I", await reader.readexactly(4))
+                assert b"token" in await reader.readexactly(length)
+                assert await reader.read() == b""
+                writer.close()
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 async with Driver([address]) as driver:  # no token: not even the step stream opens
                     await generate(driver, [[1, 2, 3]], 2)

@@ -52,6 +52,7 @@ async def serve_api(config: ApiServerConfig, listen_socket: socket.socket, engin
 
     from services.router.api.app import ApiConfig, create_app
     from services.router.api.engine_client import EngineClient
+    from services.launch.process import settle_heap
     from services.router.api.server import HttpServer
 
     log = structlog.get_logger("api")
@@ -59,6 +60,7 @@ async def serve_api(config: ApiServerConfig, listen_socket: socket.socket, engin
     app = create_app(client, ApiConfig(model_name=client.model_name, api_key=config.api_key))
     http = HttpServer(app, config.keep_alive_s, is_draining=lambda: client.is_draining)
     http_task = await http.start(listen_socket)
+    settle_heap()
     client.ready()
     log.info("api.ready", index=config.index, model=client.model_name)
     reporter = asyncio.ensure_future(_report_metrics(client, app.state.metrics))

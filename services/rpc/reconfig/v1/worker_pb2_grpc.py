@@ -36,11 +36,6 @@ class WorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Execute = channel.stream_stream(
-                '/reconfig.v1.Worker/Execute',
-                request_serializer=reconfig_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
-                response_deserializer=reconfig_dot_v1_dot_worker__pb2.StepResult.FromString,
-                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/reconfig.v1.Worker/GetInfo',
                 request_serializer=reconfig_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
@@ -103,16 +98,11 @@ class WorkerServicer:
     every step, in the same order, so their collectives line up.
     """
 
-    def Execute(self, request_iterator, context):
-        """The step stream: one StepRequest in, one StepResult out, in order. The last pipeline
-        stage's TP rank 0 carries the sampled tokens; other workers answer with an empty result.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def GetInfo(self, request, context):
-        """Placement, KV capacity and memory of this worker.
+        """Steps do not go over gRPC: a StepRequest in, a StepResult out, in order, as length-prefixed
+        frames on the worker's step socket (WorkerInfo.step_port; services/rpc/frames.py). The last
+        pipeline stage's TP rank 0 carries the sampled tokens; other workers answer with an empty result.
+        Placement, KV capacity and memory of this worker.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -215,11 +205,6 @@ class WorkerServicer:
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Execute': grpc.stream_stream_rpc_method_handler(
-                    servicer.Execute,
-                    request_deserializer=reconfig_dot_v1_dot_worker__pb2.StepRequest.FromString,
-                    response_serializer=reconfig_dot_v1_dot_worker__pb2.StepResult.SerializeToString,
-            ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
                     request_deserializer=reconfig_dot_v1_dot_worker__pb2.GetInfoRequest.FromString,
@@ -287,33 +272,6 @@ class Worker:
     """One worker process: a shard of the model and its KV cache. Every active worker receives
     every step, in the same order, so their collectives line up.
     """
-
-    @staticmethod
-    def Execute(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/reconfig.v1.Worker/Execute',
-            reconfig_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
-            reconfig_dot_v1_dot_worker__pb2.StepResult.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def GetInfo(request,
