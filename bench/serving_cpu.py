@@ -11,7 +11,8 @@ workers, and by the tokens streamed for the API servers. Where one process does 
 servers had processes of their own) its CPU is reported both ways. Then the bytes of a decode step's messages to and
 from a worker at 128- and 4096-token contexts, built by the router's own wire code for a 64-request batch, and the
 host work of such a step alone, in this process (bench/wire_sizes.py step_work_us: the router's scheduling, encoding
-and result handling, the worker's row reading; a proxy that the machine's load moves less than the stack's counters).
+and result handling, the worker's row reading, without the stack: on a shared machine it moves with the machine's
+speed too, so compare commits with runs interleaved).
 
 The client is a minimal HTTP/1.1 reader on raw asyncio streams in this process (its CPU is not counted): it only reads
 the token count each event's usage carries (`continuous_usage_stats`, which every configuration pays alike). Prints
@@ -163,8 +164,8 @@ def format_table(rows: list[dict], sizes: list[dict], batch: int, work: dict) ->
               "step result bytes: full form | delta form |", "|---|---|---|---|---|"]
     lines += [f"| {s['context']} | {s['request_bytes']:,} | {s['delta_request_bytes']:,} | {s['result_bytes']:,} | "
               f"{s['delta_result_bytes']:,} |" for s in sizes]
-    lines += ["", f"The same step's host work alone, in one process ({batch} decodes, steps ahead, no model; a proxy "
-              f"that machine load moves less): router {work['router_us_per_step']:.0f} us, worker "
+    lines += ["", f"The same step's host work alone, in one process ({batch} decodes, steps ahead, no model): router "
+              f"{work['router_us_per_step']:.0f} us, worker "
               f"{work['worker_us_per_step']:.0f} us per step."]
     return "\n".join(lines)
 

@@ -31,7 +31,8 @@ def decode_step_bytes(batch: int, context: int) -> dict:
 
 def step_work_us(batch: int, num_steps: int = 300, prompt_len: int = 64) -> dict:
     """The host work of one steady decode step, in one process and CPU time (a proxy measured the same way in every
-    session, on any machine): the router's part (schedule with steps ahead, encode, apply the result) and the
+    session, on any machine; on a shared one it moves with the machine's speed: compare interleaved runs): the
+    router's part (schedule with steps ahead, encode, apply the result) and the
     worker's (read the rows, pack the result), the model left out. Microseconds per step at `batch` requests."""
     import time
 
