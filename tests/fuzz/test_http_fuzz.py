@@ -27,6 +27,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from services.router.api.limits import INLINE_ENCODE_CHARS
+from tests.conftest import until
 from tests.fuzz.conftest import (
     FUZZ_CONTEXT,
     FUZZ_SETTINGS,
@@ -232,8 +233,8 @@ def test_engine_healthy_after_fuzzing(http_target, oracle_tokens):
     engine = http_target.engine
 
     async def drained() -> None:  # a dropped stream is aborted once the server notices the hang-up
-        while (stats := engine.stats()).num_running or stats.num_waiting or stats.num_kv_blocks_used:
-            await asyncio.sleep(0.01)
+        await until(lambda: not ((stats := engine.stats()).num_running or stats.num_waiting
+                                 or stats.num_kv_blocks_used), timeout_s=120, what="every request drained")
 
     http_target.loop.run(asyncio.wait_for(drained(), 10))
     response = http_target.session.post(f"{http_target.base_url}/v1/completions", timeout=30, json={

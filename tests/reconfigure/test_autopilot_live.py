@@ -23,7 +23,7 @@ from services.router.contracts import GenerationRequest
 from services.rpc.auth import auth_metadata, write_token_file
 from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc
 from services.launch.cluster import ClusterConfig, LocalCluster
-from tests.conftest import make_checkpoint
+from tests.conftest import make_checkpoint, until
 from tests.reconfigure.conftest import TOKEN, generated_tokens, open_live_stack
 from tests.reconfigure.test_visibility import _output
 
@@ -110,8 +110,7 @@ async def test_auto_switches_up_under_load_and_back_down_with_exact_outputs(live
     # Long requests in flight; a wave of tokens first so that they hold KV when the autopilot looks.
     requests = [dataclasses.replace(r, request_id=f"again{i}") for i, r in enumerate(requests)]
     running = [asyncio.ensure_future(generated_tokens(engine, r)) for r in requests]
-    while engine.stats().num_generation_tokens < 6 * 3:
-        await asyncio.sleep(0.01)
+    await until(lambda: engine.stats().num_generation_tokens >= 6 * 3, timeout_s=120, what="a wave of tokens")
     tick = await autopilot.tick()
     assert tick.decision.action == "switch" and tick.decision.target == "tp4pp1", tick.decision.reason
     assert tick.operation_id and tick.outcome == "SUCCEEDED", tick.outcome

@@ -17,7 +17,7 @@ from services.router.contracts import GenerationRequest
 from services.rpc.reconfig.v1 import worker_pb2
 from services.topology import Topology
 from services.weightstore.shm import ShmSegment
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, until
 from tests.reconfigure.conftest import generated_tokens
 
 pytestmark = pytest.mark.multiprocess
@@ -70,8 +70,8 @@ async def test_there_and_back_keeps_every_kv_byte(live_stack, switch_checkpoint,
     prompts = [[7 + i, 40, 3 * i + 5, 99, 12] * (i + 1) for i in range(6)]
     tasks = [asyncio.ensure_future(generated_tokens(engine, GenerationRequest(f"b{i}", tuple(p), 30)))
              for i, p in enumerate(prompts)]
-    while engine.stats().num_generation_tokens < 6 * 5:  # every request has KV of prompt + some output
-        await asyncio.sleep(0.01)
+    await until(lambda: engine.stats().num_generation_tokens >= 6 * 5,  # every request has KV of prompt + output
+                timeout_s=120, what="30 tokens generated")
     await engine.freeze()
     used = engine.used_block_ids()
     assert used

@@ -12,7 +12,7 @@ from services.launch.cluster import ClusterConfig, LocalCluster
 from services.model.spec import ModelSpec
 from services.router.contracts import GenerationRequest
 from services.topology import Topology, place, plan_kv_migration
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, until
 from tests.reconfigure.conftest import generated_tokens, open_live_stack
 from tests.reconfigure.test_kv_bytes import _equal, _snapshot
 
@@ -44,8 +44,7 @@ async def test_failed_switches_roll_back_with_kv_intact(faulty_cluster, switch_c
         prompts = [[11, 3 * i + 2, 70, 9, 250 - i] * 2 for i in range(6)]
         tasks = [asyncio.ensure_future(generated_tokens(engine, GenerationRequest(f"f{i}", tuple(p), 40)))
                  for i, p in enumerate(prompts)]
-        while engine.stats().num_generation_tokens < 12:
-            await asyncio.sleep(0.01)
+        await until(lambda: engine.stats().num_generation_tokens >= 12, timeout_s=120, what="12 tokens generated")
         for expected_error in ("refused before any KV moved", "rolled back (layers ["):
             await engine.freeze()  # hold the requests still to snapshot their KV
             used, filled = engine.used_block_ids(), _filled_slots(engine)
@@ -79,8 +78,7 @@ async def test_a_deadline_before_the_commit_point_restores_and_resumes(faulty_cl
     async with open_live_stack(faulty_cluster) as stack:
         engine = stack.engine
         task = asyncio.ensure_future(generated_tokens(engine, GenerationRequest("d", (5, 6, 7, 8), 30)))
-        while engine.stats().num_generation_tokens < 3:
-            await asyncio.sleep(0.01)
+        await until(lambda: engine.stats().num_generation_tokens >= 3, timeout_s=120, what="3 tokens generated")
         operation = await stack.reconfigurer.reconfigure("tp1pp2", deadline_s=1.0)  # rank 0 prepares for 3 s
         assert operation.state is OperationState.ROLLED_BACK
         assert operation.error.startswith("DEADLINE_EXCEEDED")

@@ -12,7 +12,7 @@ from services.router.contracts import GenerationRequest
 from services.router.main import RouterConfig, build_engine
 from services.rpc.reconfig.v1 import worker_pb2
 from services.topology import Topology
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, until
 from tests.reconfigure.conftest import generated_tokens, open_live_stack
 
 pytestmark = pytest.mark.multiprocess
@@ -46,8 +46,7 @@ async def test_non_candidate_target_builds_groups_and_keeps_requests_exact(narro
         prompts = [[5, 9, 14, 3 + i] * 3 for i in range(4)]
         tasks = [asyncio.ensure_future(generated_tokens(engine, GenerationRequest(f"s{i}", tuple(p), 24)))
                  for i, p in enumerate(prompts)]
-        while engine.stats().num_generation_tokens < 8:
-            await asyncio.sleep(0.01)
+        await until(lambda: engine.stats().num_generation_tokens >= 8, timeout_s=120, what="8 tokens generated")
         await engine.freeze()
         used = engine.used_block_ids()
         prepared, results = await _switch(stubs, "tp4pp1", used)

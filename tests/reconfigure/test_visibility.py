@@ -24,6 +24,7 @@ from services.router.api import create_app
 from services.router.contracts import GenerationRequest
 from services.rpc.auth import auth_metadata
 from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc
+from tests.conftest import until
 from tests.reconfigure.conftest import TOKEN
 
 live = pytest.mark.multiprocess
@@ -50,8 +51,8 @@ def _start(engine, num_requests: int, prompt_len: int, max_tokens: int, tag: str
 
 async def _in_flight(engine, num_tokens: int) -> None:
     """Until the requests hold KV of their prompt and some output."""
-    while engine.stats().num_generation_tokens < num_tokens:
-        await asyncio.sleep(0.01)
+    await until(lambda: engine.stats().num_generation_tokens >= num_tokens, timeout_s=120,
+                what=f"{num_tokens} tokens generated")
 
 
 def _prefix_length(op: controller_pb2.OperationStatus) -> int:
@@ -194,8 +195,8 @@ async def test_reconfigctl_refusals_busy_and_idempotent_retry(live_stack, contro
     monkeypatch.setattr(engine, "freeze", held_freeze)
     first = asyncio.ensure_future(_reconfigctl("reconfigure", "tp4pp1", "--wait", "--operation-id", "busy-1",
                                                *controller.flags()))
-    while not (live_stack.state.last_operation and live_stack.state.last_operation.operation_id == "busy-1"):
-        await asyncio.sleep(0.01)
+    await until(lambda: live_stack.state.last_operation is not None
+                and live_stack.state.last_operation.operation_id == "busy-1", timeout_s=120, what="busy-1 running")
     assert await _reconfigctl("reconfigure", "tp2pp1", "--operation-id", "busy-2", *controller.flags()) == 2
     refusal = capsys.readouterr()  # also what busy-1's --wait drew so far (STAGING, maybe PRECOPY)
     assert "refused (FAILED_PRECONDITION): operation 'busy-1' is running" in refusal.err
@@ -282,8 +283,8 @@ async def test_metrics_after_switches_with_preemption_and_rollback(live_stack, m
         num_requests = capacity // blocks_each + 2
         assert num_requests * math.ceil((prompt_len + max_tokens) / block_size) <= engine.stats().num_kv_blocks_total
         tasks = _start(engine, num_requests, prompt_len, max_tokens, "m")
-        while engine.stats().num_kv_blocks_used <= capacity:
-            await asyncio.sleep(0.01)
+        await until(lambda: engine.stats().num_kv_blocks_used > capacity, timeout_s=120,
+                    what="more KV used than the target holds")
         shrink = await reconfigurer.reconfigure("tp2pp1", operation_id="metrics-1")
         assert shrink.state is OperationState.SUCCEEDED and shrink.num_requests_preempted > 0
         after = await _scrape(client)

@@ -20,7 +20,7 @@ from services.controller.recovery import Recoverer
 from services.controller.status import OperationState, StackState
 from services.launch.cluster import ClusterConfig, LocalCluster
 from services.router.contracts import GenerationRequest
-from tests.conftest import hf_greedy, process_running
+from tests.conftest import hf_greedy, process_running, until
 from tests.reconfigure.conftest import generated_tokens, open_live_stack
 
 pytestmark = pytest.mark.multiprocess
@@ -121,8 +121,8 @@ async def test_killed_worker_stack_recovers_and_every_request_completes(case, sw
             tasks = [asyncio.ensure_future(generated_tokens(engine, GenerationRequest(f"r{i}", tuple(p), MAX_TOKENS)))
                      for i, p in enumerate(prompts)]
             async with background(state.run(), recoverer.watch()):
-                while engine.num_generation_tokens < NUM_REQUESTS * 3:  # every request is well under way
-                    await asyncio.sleep(0.01)
+                await until(lambda: engine.num_generation_tokens >= NUM_REQUESTS * 3,  # every request well under way
+                            timeout_s=120, what="every request under way")
                 prefills_before, switched = engine.num_full_prefills, None
                 if case.stage:
                     kill_at_stage(state, case.stage, cluster.worker_pids[case.victim])
@@ -200,8 +200,8 @@ async def test_kv_of_a_lost_worker_comes_byte_identical_from_its_replicas(switch
             engine, stubs = stack.engine, stack.state.worker_stubs
             tasks = [asyncio.ensure_future(generated_tokens(engine, GenerationRequest(f"b{i}", tuple(p), MAX_TOKENS)))
                      for i, p in enumerate(prompts)]
-            while engine.num_generation_tokens < NUM_REQUESTS * 3:
-                await asyncio.sleep(0.01)
+            await until(lambda: engine.num_generation_tokens >= NUM_REQUESTS * 3, timeout_s=120,
+                        what="every request under way")
             await engine.freeze()
             used, prefills = engine.used_block_ids(), engine.num_full_prefills
             before = await _snapshot(stubs, used, head_dim)

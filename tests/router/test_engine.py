@@ -8,7 +8,7 @@ import random
 import pytest
 
 from services.router.contracts import GenerationRequest, QueueFullError, RequestError
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, until
 
 pytestmark = pytest.mark.multiprocess
 
@@ -52,12 +52,8 @@ async def test_closing_the_stream_aborts_and_frees_blocks(serving_engine):
     stream = serving_engine.generate(GenerationRequest("gone", tuple(range(3, 40)), 200))
     await stream.__anext__()
     await stream.aclose()  # what a disconnecting client's handler does
-    for _ in range(100):
-        stats = serving_engine.stats()
-        if stats.num_running == 0 and stats.num_kv_blocks_used == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert stats.num_running == 0 and stats.num_kv_blocks_used == 0
+    await until(lambda: (stats := serving_engine.stats()).num_running == 0 and stats.num_kv_blocks_used == 0,
+                timeout_s=120, what="the aborted request's blocks freed")
 
 
 async def test_admission_errors(serving_engine):

@@ -16,7 +16,7 @@ from services.launch.cluster import ClusterConfig, LocalCluster
 from services.router.contracts import GenerationRequest
 from services.router.main import RouterConfig, build_engine
 from services.worker.step import SamplingParams
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, until
 
 pytestmark = pytest.mark.multiprocess
 
@@ -78,12 +78,9 @@ async def run_all(engine, batch: list[GenerationRequest]):
         await stream.aclose()
 
     *results, _ = await asyncio.gather(*(collect(r) for r in batch), abandoned())
-    for _ in range(200):  # the abandoned request's blocks come back once its steps in flight return
-        stats = engine.stats()
-        if stats.num_running == 0 and stats.num_kv_blocks_used == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert stats.num_running == 0 and stats.num_kv_blocks_used == 0
+    # The abandoned request's blocks come back once its steps in flight return.
+    await until(lambda: (stats := engine.stats()).num_running == 0 and stats.num_kv_blocks_used == 0,
+                timeout_s=120, what="the abandoned request's blocks freed")
     return dict(zip((r.request_id for r in batch), results))
 
 
