@@ -3,15 +3,19 @@ reports instead of stopping when async and waiting scheduling disagree)."""
 
 from __future__ import annotations
 
-import sys
+import importlib.util
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from divergence import divergence, first_token_margins  # noqa: E402
+from tests.conftest import hf_greedy, make_checkpoint
 
-from tests.conftest import hf_greedy, make_checkpoint  # noqa: E402
+# Loaded from its file: bench/ on sys.path would shadow packages named like its scripts (evaluate, load, ...).
+_SPEC = importlib.util.spec_from_file_location("bench_divergence",
+                                               Path(__file__).resolve().parents[2] / "bench" / "divergence.py")
+_divergence = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_divergence)
+divergence, first_token_margins = _divergence.divergence, _divergence.first_token_margins
 
 
 def test_divergence_counts_sequences_and_first_positions():
