@@ -1,4 +1,5 @@
-"""`reconfig` command line: up, generate (offline batch inference on N sharded workers), demo, models, simulate."""
+"""`reconfig` command line: up, generate (offline batch inference on N sharded workers), demo, models, certs,
+simulate."""
 
 from __future__ import annotations
 
@@ -55,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = commands.add_parser("models", help="list the preset models, or fetch and convert one (pull)")
     models_cli.add_arguments(models)
+    from services.rpc import certs
+
+    certs_parser = commands.add_parser("certs", help="write a development CA and a TLS certificate and key per host")
+    certs.add_arguments(certs_parser)
+    certs_parser.set_defaults(handler=certs.run)
     try:
         from services.simulator import cli as simulator_cli
     except ImportError:  # the simulator is optional at import time

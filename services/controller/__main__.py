@@ -12,6 +12,7 @@ from services.controller.server import serve_controller
 from services.controller.state import ControllerConfig
 from services.launch.process import run_service
 from services.rpc.auth import read_token_file
+from services.rpc.tls import add_tls_arguments, from_args
 
 
 def _addresses(text: str) -> tuple[str, ...]:
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", default="", help="layout profile file [cached per model and machine]")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve the controller's /metrics (the autopilot's) on this port (0: any free port)")
+    add_tls_arguments(parser)
     return parser
 
 
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             refresh_interval_s=args.interval, rpc_timeout_s=args.rpc_timeout, model_dir=args.model_dir,
             state_file=args.state_file, autopilot=args.autopilot, intents_file=args.intents,
             autopilot_policy=args.autopilot_policy, profile_file=args.profile, metrics_port=args.metrics_port,
+            tls=from_args(args),
         )
     except (OSError, ValueError) as exc:
         parser.error(str(exc))

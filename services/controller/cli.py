@@ -25,12 +25,14 @@ from services.controller.client import (
     run_add_worker,
     run_rebalance,
     run_reconfigure,
+    tls_from_args,
 )
 from services.controller.eplb_view import balance_line, format_expert_status, format_rebalance, message_to_json
 from services.controller.progress import PhaseDisplay, format_bytes, operation_lines, ordered_phases, outcome_line
 from services.controller.status import OperationState, OperationStatus, StackStatus, WorkerState, WorkerStatus
 from services.front import cli as front_cli
 from services.rpc.reconfig.v1 import controller_pb2, router_pb2
+from services.rpc.tls import add_tls_arguments
 
 DEFAULT_TIMEOUT_S = 10.0   # status and plan; reconfigure waits for the operation (the controller has a deadline)
 STACK_HELP = ("the stack to talk to, by name or by one of its ports, when several run (before or after the command; "
@@ -59,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--token-file", type=Path, default=os.environ.get("RECONFIG_TOKEN_FILE"),
                         help="control-plane token file (default: $RECONFIG_TOKEN_FILE, else the stack file)")
     common.add_argument("--stack", default=argparse.SUPPRESS, metavar="NAME|PORT", help=STACK_HELP)
+    add_tls_arguments(common, from_environment=True)
     common.add_argument("--timeout", type=float, default=None,
                         help=f"seconds to wait for the controller (default: {DEFAULT_TIMEOUT_S:g}; reconfigure and "
                              "eplb rebalance: until the operation ends)")
@@ -360,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "instances":  # the front router's
         return front_cli.instances_command(args)
     try:
-        return _COMMANDS[args.command](args, resolve_target(args.controller, args.token_file, args.stack))
+        target = resolve_target(args.controller, args.token_file, args.stack, tls_from_args(args))
+        return _COMMANDS[args.command](args, target)
     except CommandFailed as exc:
         name = " ".join(filter(None, (args.command, getattr(args, "eplb_command", None),
                                       getattr(args, "autopilot_command", None))))

@@ -12,8 +12,9 @@ from services.controller.progress import PhaseDisplay
 from services.controller.status import OperationStatus, StackStatus
 from services.launch.stackfile import StackFile, StackNotFoundError
 from services.launch.stacks import select_stack
-from services.rpc.auth import auth_metadata, read_token_file
+from services.rpc.auth import InsecureTokenError, auth_metadata, read_token_file
 from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc, router_pb2
+from services.rpc.tls import TLSConfig, TLSError, from_args, sync_channel
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2   # 2 is also argparse's usage error
 WATCH_INTERVAL_S = 0.1     # how often the progress display hears from the controller while a phase runs
@@ -40,6 +41,24 @@ class Target:
     controller_address: str
     token: str
     stack: str = ""
+    tls: TLSConfig | None = None  # mutual TLS to the controller (--tls-* or $RECONFIG_TLS_*); None: plaintext
+
+    def channel(self) -> grpc.Channel:
+        """A channel to the controller, every call on it bearing the token; CommandFailed when the token would go
+        in plaintext to another host."""
+        try:
+            return sync_channel(self.controller_address, self.tls, carries_token=True)
+        except InsecureTokenError as exc:
+            raise CommandFailed(str(exc), EXIT_REFUSED) from None
+
+
+def tls_from_args(args) -> TLSConfig | None:
+    """The --tls-* flags (their defaults: $RECONFIG_TLS_CERT/_KEY/_CA); CommandFailed (exit 2) when incomplete or a
+    file is missing."""
+    try:
+        return from_args(args)
+    except TLSError as exc:
+        raise CommandFailed(str(exc), EXIT_REFUSED) from None
 
 
 def find_stack(selector: str | None) -> StackFile:
@@ -55,7 +74,8 @@ def find_stack(selector: str | None) -> StackFile:
     return running.stack
 
 
-def resolve_target(controller: str | None, token_file: Path | None, stack: str | None = None) -> Target:
+def resolve_target(controller: str | None, token_file: Path | None, stack: str | None = None,
+                   tls: TLSConfig | None = None) -> Target:
     """Flags first; what they leave open comes from the stack file written by `reconfig up` (the stack `stack`
     names, or the only one running)."""
     name = ""
@@ -65,7 +85,7 @@ def resolve_target(controller: str | None, token_file: Path | None, stack: str |
         token_file = token_file or Path(found.token_file)
         name = found.name
     try:
-        return Target(controller, read_token_file(token_file), name)
+        return Target(controller, read_token_file(token_file), name, tls)
     except (OSError, ValueError) as exc:
         raise Unreachable(f"cannot read the control-plane token: {exc}") from None
 
@@ -86,7 +106,7 @@ def rpc_failure(exc: grpc.RpcError, target: Target) -> CommandFailed:
 
 def fetch_status(target: Target, timeout_s: float) -> StackStatus:
     """GetStatus from the controller; Unreachable with a readable reason on failure."""
-    with grpc.insecure_channel(target.controller_address) as channel:
+    with target.channel() as channel:
         stub = controller_pb2_grpc.ControllerStub(channel)
         try:
             pb = stub.GetStatus(controller_pb2.GetStatusRequest(), timeout=timeout_s,
@@ -99,7 +119,7 @@ def fetch_status(target: Target, timeout_s: float) -> StackStatus:
 def fetch_plan(target: Target, topology: str, layer_partition: tuple[int, ...],
                timeout_s: float) -> controller_pb2.PlanResponse:
     """Controller.Plan; CommandFailed (exit 2 for a target the controller refuses) on failure."""
-    with grpc.insecure_channel(target.controller_address) as channel:
+    with target.channel() as channel:
         stub = controller_pb2_grpc.ControllerStub(channel)
         try:
             return stub.Plan(controller_pb2.PlanRequest(topology=topology, layer_partition=layer_partition),
@@ -113,7 +133,7 @@ def run_reconfigure(target: Target, request: controller_pb2.ReconfigureRequest, 
     """Controller.Reconfigure; with a display, WatchStatus runs alongside and feeds it every status of this
     operation (subscribed before the operation starts, so no phase is missed)."""
     metadata = auth_metadata(target.token)
-    with grpc.insecure_channel(target.controller_address) as channel:
+    with target.channel() as channel:
         stub = controller_pb2_grpc.ControllerStub(channel)
         watch, follower = None, None
         try:
@@ -141,7 +161,7 @@ def run_reconfigure(target: Target, request: controller_pb2.ReconfigureRequest, 
 def run_add_worker(target: Target, request: controller_pb2.AddWorkerRequest,
                    timeout_s: float | None) -> OperationStatus:
     """Controller.AddWorker: returns once the worker has joined (and the optional switch has ended)."""
-    with grpc.insecure_channel(target.controller_address) as channel:
+    with target.channel() as channel:
         stub = controller_pb2_grpc.ControllerStub(channel)
         try:
             pb = stub.AddWorker(request, timeout=timeout_s, metadata=auth_metadata(target.token))
@@ -152,7 +172,7 @@ def run_add_worker(target: Target, request: controller_pb2.AddWorkerRequest,
 
 def fetch_expert_status(target: Target, timeout_s: float) -> router_pb2.ExpertStatusResponse:
     """Controller.ExpertStatus (the router's expert maps and balancedness)."""
-    with grpc.insecure_channel(target.controller_address) as channel:
+    with target.channel() as channel:
         stub = controller_pb2_grpc.ControllerStub(channel)
         try:
             return stub.ExpertStatus(router_pb2.ExpertStatusRequest(), timeout=timeout_s,
@@ -164,7 +184,7 @@ def fetch_expert_status(target: Target, timeout_s: float) -> router_pb2.ExpertSt
 def run_rebalance(target: Target, timeout_s: float | None) -> router_pb2.RebalanceExpertsResponse:
     """Controller.RebalanceExperts: returns once the new expert map is live (exit 2 when refused, 1 when a worker
     failed it and the old map stays)."""
-    with grpc.insecure_channel(target.controller_address) as channel:
+    with target.channel() as channel:
         stub = controller_pb2_grpc.ControllerStub(channel)
         try:
             return stub.RebalanceExperts(router_pb2.RebalanceExpertsRequest(), timeout=timeout_s,

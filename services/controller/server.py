@@ -91,7 +91,7 @@ async def start_controller_grpc(state: ControllerState, host: str, port: int, to
     server = new_server([TokenAuthInterceptor(token, protect_all), ErrorInterceptor()])
     servicer = servicer or ControllerServicer(state, make_reconfigurer(state))
     controller_pb2_grpc.add_ControllerServicer_to_server(servicer, server)
-    bound = listen(server, host, port, "controller")
+    bound = listen(server, host, port, "controller", state.config.tls)
     await server.start()
     return server, bound
 

@@ -26,6 +26,7 @@ from services.router.wire import stats_from_pb
 from services.rpc.auth import auth_metadata
 from services.rpc.errors import describe_error
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.rpc.tls import TLSConfig, aio_channel
 from services.model.spec import ModelSpec
 from services.topology import Topology, candidate_topologies
 from services.worker.pacing import DEFAULT_STAGING_DUTY
@@ -60,6 +61,7 @@ class ControllerConfig:
     profile_file: str = ""                     # the layout profile; "": cached per model and machine
     calibrate_at_start: bool = True            # advise/auto without a cached profile: measure one at start
     metrics_port: int | None = None            # the controller's /metrics (autopilot); None: not served, 0: any
+    tls: TLSConfig | None = None               # mutual TLS on its server and its channels (None: plaintext)
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -107,11 +109,15 @@ class ControllerState:
     async def open(self) -> None:
         """Open the channels to the workers and the router (they connect lazily)."""
         for address in self.worker_addresses:
-            self._worker_channels[address] = grpc.aio.insecure_channel(address)
+            self._worker_channels[address] = self._channel(address)
         if self.config.router_grpc_address:
-            channel = grpc.aio.insecure_channel(self.config.router_grpc_address)
+            channel = self._channel(self.config.router_grpc_address)
             self._channels.append(channel)
             self._router_stub = router_pb2_grpc.RouterStub(channel)
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        """A channel to a worker or the router: every call on it bears the token."""
+        return aio_channel(address, self.config.tls, carries_token=True)
 
     async def close(self) -> None:
         """Stop the refreshes in progress and close the channels."""
@@ -166,7 +172,7 @@ class ControllerState:
     def stub_for(self, address: str) -> worker_pb2_grpc.WorkerStub:
         """A stub for a member or a worker about to join (its channel is kept)."""
         if address not in self._worker_channels:
-            self._worker_channels[address] = grpc.aio.insecure_channel(address)
+            self._worker_channels[address] = self._channel(address)
         return worker_pb2_grpc.WorkerStub(self._worker_channels[address])
 
     async def set_members(self, addresses: list[str], generation: int, lost: list[str]) -> None:

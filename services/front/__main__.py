@@ -8,6 +8,7 @@ import argparse
 from services.front.server import FrontConfig, serve_front
 from services.launch.process import run_service
 from services.router.kv_scheduler import POLICY_NAMES
+from services.rpc.tls import TLSError, add_tls_arguments, from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--policy", choices=POLICY_NAMES, default="mell")
     parser.add_argument("--no-migrate", dest="migrate", action="store_false",
                         help="place requests only; never move one")
+    add_tls_arguments(parser)
     return parser
 
 
@@ -36,11 +38,16 @@ def config_from_args(args: argparse.Namespace) -> FrontConfig:
     return FrontConfig(
         instance_addresses=tuple(a for a in args.instances.split(",") if a), model_dir=args.model,
         model_name=args.model_name, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
-        token=token, api_key=args.api_key, policy=args.policy, migrate=args.migrate)
+        token=token, api_key=args.api_key, policy=args.policy, migrate=args.migrate, tls=from_args(args))
 
 
 def main() -> None:
-    run_service("front", serve_front(config_from_args(build_parser().parse_args())), None)
+    parser = build_parser()
+    try:
+        config = config_from_args(parser.parse_args())
+    except TLSError as exc:
+        parser.error(str(exc))
+    run_service("front", serve_front(config), None)
 
 
 if __name__ == "__main__":

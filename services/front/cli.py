@@ -12,9 +12,10 @@ from pathlib import Path
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from services.controller.client import EXIT_OK, EXIT_REFUSED, CommandFailed, Unreachable, find_stack
-from services.rpc.auth import auth_metadata, read_token_file
+from services.controller.client import EXIT_OK, EXIT_REFUSED, CommandFailed, Unreachable, find_stack, tls_from_args
+from services.rpc.auth import InsecureTokenError, auth_metadata, read_token_file
 from services.rpc.reconfig.v1 import front_pb2, front_pb2_grpc
+from services.rpc.tls import add_tls_arguments, sync_channel
 
 _REFUSED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
             grpc.StatusCode.UNIMPLEMENTED)
@@ -28,6 +29,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="control-plane token file (default: $RECONFIG_TOKEN_FILE, else the stack file)")
     common.add_argument("--stack", default=argparse.SUPPRESS, metavar="NAME|PORT",
                         help="the stack, by name or port, when several run (default: $RECONFIG_STACK)")
+    add_tls_arguments(common, from_environment=True)
     common.add_argument("--timeout", type=float, default=60.0, help="seconds to wait [60]")
     common.add_argument("--json", action="store_true", help="print the reply as JSON")
     instances = commands.add_parser("instances", parents=[common],
@@ -62,6 +64,13 @@ def _target(args: argparse.Namespace) -> tuple[str, str]:
         raise Unreachable(f"cannot read the control-plane token: {exc}") from None
 
 
+def _channel(address: str, tls) -> grpc.Channel:
+    try:
+        return sync_channel(address, tls, carries_token=True)
+    except InsecureTokenError as exc:
+        raise CommandFailed(str(exc), EXIT_REFUSED) from None
+
+
 def format_instances(reply: front_pb2.ListInstancesResponse) -> str:
     lines = [f"{'NAME':<6} {'STATE':<8} {'LAYOUT':<8} {'REQUESTS':>8} {'KV TOKENS':>16}  {'SLOT':<12} ROUTER"]
     for i in reply.instances:
@@ -82,7 +91,7 @@ def _status_line(reply: front_pb2.InstanceStatus) -> str:
 def instances_command(args: argparse.Namespace) -> int:
     try:
         address, token = _target(args)
-        with grpc.insecure_channel(address) as channel:
+        with _channel(address, tls_from_args(args)) as channel:
             stub = front_pb2_grpc.FrontStub(channel)
             metadata = auth_metadata(token)
             command = args.instances_command or "list"

@@ -290,7 +290,8 @@ class FrontEngine:
         if name in names:
             raise ValueError(f"an instance is named {name!r} already")
         name = name or free_name(names)
-        instance = Instance(name, address, self.instances[0].token, is_up=False)  # not up yet: fail fast
+        instance = Instance(name, address, self.instances[0].token, is_up=False,  # not up yet: fail fast
+                            tls=self.instances[0].tls)
         try:
             stats = await instance.connect(timeout_s=10.0)
             instance.is_up = True

@@ -14,6 +14,7 @@ import grpc
 from services.router.contracts import GenerationRequest
 from services.rpc.auth import auth_metadata
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc
+from services.rpc.tls import TLSConfig, aio_channel
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
@@ -37,6 +38,7 @@ class Instance:
     is_drained: bool = False          # an operator took it out of service (reconfigctl instances drain)
     channel: grpc.aio.Channel | None = field(default=None, repr=False)
     stub: router_pb2_grpc.RouterStub | None = field(default=None, repr=False)
+    tls: TLSConfig | None = field(default=None, repr=False)  # mutual TLS to its router (None: plaintext)
 
     @property
     def in_service(self) -> bool:
@@ -55,7 +57,7 @@ class Instance:
 
     def open(self) -> None:
         """Open the channel (nothing is sent yet)."""
-        self.channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+        self.channel = aio_channel(self.address, self.tls, _CHANNEL_OPTIONS, carries_token=bool(self.token))
         self.stub = router_pb2_grpc.RouterStub(self.channel)
 
     async def refresh(self, timeout_s: float = 10.0) -> router_pb2.RouterStats:

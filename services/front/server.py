@@ -23,6 +23,7 @@ from services.rpc.auth import TokenAuthInterceptor, generate_token, protect_all
 from services.rpc.errors import ErrorInterceptor
 from services.rpc.reconfig.v1 import front_pb2, front_pb2_grpc
 from services.rpc.server import listen, new_server
+from services.rpc.tls import TLSConfig
 
 log = structlog.get_logger(__name__)
 
@@ -46,6 +47,7 @@ class FrontConfig:
     http_keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
     shutdown_grace_s: float = 5.0
     autoscale: AutoscaleSettings = AutoscaleSettings()  # start/stop instances by itself (needs the launcher)
+    tls: TLSConfig | None = None         # mutual TLS on its gRPC server and its channels to the instances
 
     def __post_init__(self) -> None:
         if not self.instance_addresses:
@@ -131,16 +133,17 @@ class FrontServicer(front_pb2_grpc.FrontServicer):
 
 
 async def start_front_grpc(engine: FrontEngine, host: str, port: int, token: str | None,
-                           launches: Launches | None = None) -> tuple[grpc.aio.Server, int]:
+                           launches: Launches | None = None,
+                           tls: TLSConfig | None = None) -> tuple[grpc.aio.Server, int]:
     server = new_server([TokenAuthInterceptor(token or generate_token(), protect_all), ErrorInterceptor()])
     front_pb2_grpc.add_FrontServicer_to_server(FrontServicer(engine, launches), server)
-    bound = listen(server, host, port, "front gRPC server")
+    bound = listen(server, host, port, "front gRPC server", tls)
     await server.start()
     return server, bound
 
 
 def build_front(config: FrontConfig) -> FrontEngine:
-    instances = [Instance(f"i{index}", address, config.token)
+    instances = [Instance(f"i{index}", address, config.token, tls=config.tls)
                  for index, address in enumerate(config.instance_addresses)]
     settings = FrontSettings(policy=config.policy, interval_s=config.interval_s, migrate=config.migrate,
                              move=MoveSettings(max_rounds=config.max_precopy_rounds))
@@ -159,7 +162,8 @@ async def serve_front(config: FrontConfig, on_ready: Callable[[dict], None] | No
     if launches is not None and config.autoscale.enabled:
         autoscaler = engine.autoscaler = Autoscaler(engine, launches, config.autoscale)
         autoscaler.start()
-    grpc_server, grpc_port = await start_front_grpc(engine, config.host, config.grpc_port, config.token, launches)
+    grpc_server, grpc_port = await start_front_grpc(engine, config.host, config.grpc_port, config.token, launches,
+                                                    config.tls)
     try:
         await serve_until_signal(engine, grpc_server, grpc_port, host=config.host, http_port=config.http_port,
                                  api_key=config.api_key, keep_alive_s=config.http_keep_alive_s,

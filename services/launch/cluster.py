@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from services.model.presets import resolve_model
 from services.model.spec import ModelSpec
+from services.rpc.tls import TLSConfig
 from services.topology import Topology, assign_gpus, validate
 from services.weightstore.shm import cleanup_stale_segments
 from services.worker.config import WorkerConfig
@@ -49,9 +50,10 @@ class ClusterConfig:
     eplb_window: int = 1000              # MoE: steps of expert load each worker keeps (EPLB's sliding window)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the children
     weightstore_address: str = ""        # a running weight store to share (another instance's); "": start one
+    tls: TLSConfig | None = None         # mutual TLS on the weight store's and the workers' links (None: plaintext)
 
 
-def _run_weightstore(model_dir: str, host: str, ready: Connection) -> None:
+def _run_weightstore(model_dir: str, host: str, tls: TLSConfig | None, ready: Connection) -> None:
     """Process target of the weight store."""
     import asyncio
 
@@ -59,7 +61,7 @@ def _run_weightstore(model_dir: str, host: str, ready: Connection) -> None:
     from services.weightstore.server import serve
 
     configure_logging("weightstore")
-    asyncio.run(serve(Path(model_dir), host, 0, on_ready=lambda port: ready.send({"port": port})))
+    asyncio.run(serve(Path(model_dir), host, 0, on_ready=lambda port: ready.send({"port": port}), tls=tls))
 
 
 def _with_env(env: dict[str, str], target, *args) -> None:
@@ -140,7 +142,7 @@ class LocalCluster:
                 self.weightstore_address = cfg.weightstore_address
             else:
                 ws = self._spawn(ctx, "weightstore", _run_weightstore, str(self.model_dir), cfg.host,
-                                 tier=_TIER_STORE)
+                                 cfg.tls, tier=_TIER_STORE)
                 self.weightstore_address = f"{cfg.host}:{self._wait_ready([ws])[0]['port']}"
             self._store = dist.TCPStore(cfg.host, 0, cfg.num_workers, is_master=True, wait_for_workers=False)
             workers = [
@@ -179,7 +181,7 @@ class LocalCluster:
             enforce_eager=cfg.enforce_eager, block_size=cfg.block_size, host=cfg.host, collective_timeout_s=cfg.collective_timeout_s,
             parent_pid=os.getpid(), num_threads=cfg.num_threads, candidate_topologies=cfg.candidate_topologies,
             token=cfg.token, faults=cfg.faults, num_redundant_experts=cfg.num_redundant_experts,
-            eplb_window=cfg.eplb_window,
+            eplb_window=cfg.eplb_window, tls=cfg.tls,
         )
 
     def _spawn(self, ctx, name: str, target, *args, tier: int) -> tuple[str, Connection, mp.process.BaseProcess]:

@@ -12,6 +12,7 @@ from services.rpc.auth import auth_metadata
 from services.rpc.errors import describe_error
 from services.rpc.frames import FrameProtocol
 from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
+from services.rpc.tls import TLSConfig, aio_channel
 from services.worker.step import StepOutput, WorkerTime
 from services.worker.step_rows import RowEncoder
 
@@ -71,24 +72,28 @@ class _WorkerStream:
     """One worker: its gRPC channel (info, KV pools, imports) and its step socket, whose results resolve the
     futures of the steps in flight."""
 
-    def __init__(self, address: str, metadata: tuple, token: str | None) -> None:
+    def __init__(self, address: str, metadata: tuple, token: str | None, tls: TLSConfig | None = None) -> None:
         self.address = address
         self.metadata = metadata
         self.token = token
-        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.tls = tls
+        # carries_token: the token goes over this channel and in the step socket's greeting, to the same host.
+        self.channel = aio_channel(address, tls, _CHANNEL_OPTIONS, carries_token=bool(token))
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.client: _StepClient | None = None
 
     async def open(self, step_port: int, timeout_s: float = 10.0) -> None:
-        """Connect to the worker's step socket (on the host of its gRPC address) and greet it with the token."""
+        """Connect to the worker's step socket (on the host of its gRPC address) and greet it with the token; with
+        TLS, the socket is mutual TLS too (the worker's certificate must name its host)."""
         if step_port <= 0:
             raise StepError(f"worker {self.address} reports no step socket (an older worker?)")
         host = self.address.rpartition(":")[0].strip("[]")
         loop = asyncio.get_running_loop()
         client: _StepClient | None = None
         try:
+            ssl = {} if self.tls is None else {"ssl": self.tls.client_ssl_context(), "server_hostname": host}
             _, client = await asyncio.wait_for(
-                loop.create_connection(lambda: _StepClient(self.address), host, step_port), timeout_s)
+                loop.create_connection(lambda: _StepClient(self.address), host, step_port, **ssl), timeout_s)
             client.send((self.token or "").encode())
             refusal = await asyncio.wait_for(client.greeting, timeout_s)
         except (OSError, asyncio.TimeoutError, StepError) as exc:
@@ -140,10 +145,12 @@ def peer_pool(prepared: worker_pb2.PrepareSwitchResponse) -> worker_pb2.PeerPool
 class Driver:
     """Sends each step to every active worker and returns the last stage's outputs."""
 
-    def __init__(self, worker_addresses: list[str], step_timeout_s: float = 120.0, token: str | None = None) -> None:
+    def __init__(self, worker_addresses: list[str], step_timeout_s: float = 120.0, token: str | None = None,
+                 tls: TLSConfig | None = None) -> None:
         self.addresses = list(worker_addresses)
         self.step_timeout_s = step_timeout_s
         self.token = token  # the control-plane token, when the workers require it
+        self.tls = tls      # mutual TLS to the workers (gRPC and step sockets); None: plaintext
         self.metadata = auth_metadata(token) if token else ()
         self.infos: list[worker_pb2.WorkerInfo] = []
         self._streams: list[_WorkerStream] = []
@@ -166,11 +173,14 @@ class Driver:
         previous: the driver this one replaces (a switch's rebind, nothing in flight): the open streams of its
         workers are shared, not reopened, and step ids go on from its own. It keeps them: close it with
         keep=self.streams once this one is taken, or close this one with keep=previous.streams if not.
-        infos: the workers' infos, one per address, as they just answered the switch (not asked again)."""
+        infos: the workers' infos, one per address, as they just answered the switch (not asked again).
+        A driver made without TLS takes the previous one's (a rebind reaches the same stack's workers)."""
         if infos is not None and len(infos) != len(self.addresses):
             raise ValueError(f"{len(infos)} worker infos for {len(self.addresses)} addresses")
+        if previous is not None and self.tls is None:
+            self.tls = previous.tls
         shared = {stream.address: stream for stream in previous._streams if stream.is_open} if previous else {}
-        streams = [shared.get(address) or _WorkerStream(address, self.metadata, self.token)
+        streams = [shared.get(address) or _WorkerStream(address, self.metadata, self.token, self.tls)
                    for address in self.addresses]
         mine = [stream for stream in streams if stream not in shared.values()]
         try:

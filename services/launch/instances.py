@@ -59,7 +59,7 @@ class InstanceSet:
         cluster = LocalCluster(ClusterConfig(
             model=config.model, num_workers=config.workers, topology=layout, device=config.device,
             kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size, host=host, token=self.token,
-            num_threads=self.threads,
+            num_threads=self.threads, tls=config.tls,
             weightstore_address=self.clusters[self.first].weightstore_address if self.clusters else ""))
         self.clusters[name] = cluster
         try:
@@ -70,13 +70,13 @@ class InstanceSet:
                 host=host, http_port=0, grpc_port=0, token=self.token, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting,
                 spread_decodes=config.spread_decodes, async_scheduling=config.async_scheduling,
-                api_servers=0))  # clients reach an instance through the front router's gRPC, not its HTTP
+                api_servers=0, tls=config.tls))  # clients reach an instance through the front router's gRPC, not its HTTP
             router_grpc = f"{host}:{router['grpc_port']}"
             controller = cluster.spawn_service("controller", run_controller, ControllerConfig(
                 host=host, port=0, token=self.token, worker_addresses=tuple(cluster.worker_addresses),
                 router_grpc_address=router_grpc, topology=layout, model=config.model,
                 model_dir=str(cluster.model_dir), state_file=str(self.claim.state_file(name)),
-                metrics_port=None))
+                metrics_port=None, tls=config.tls))
         except BaseException:
             if len(self.clusters) > 1:  # the first one's failure ends the stack: stop_all stops it
                 self.clusters.pop(name).stop()
@@ -164,7 +164,7 @@ def _serve(config, layouts: list[str], instances: InstanceSet, session) -> int:
         model_name=config.model if not os.path.isdir(config.model) else first.model_dir.name,
         host=config.host, http_port=config.http_port, grpc_port=config.front_grpc_port, token=session.token,
         api_key=config.api_key, policy=config.policy, http_keep_alive_s=config.http_keep_alive_s,
-        shutdown_grace_s=config.shutdown_grace_s, autoscale=config.autoscale_settings()),
+        shutdown_grace_s=config.shutdown_grace_s, autoscale=config.autoscale_settings(), tls=config.tls),
         front_end, (instances.first,))
     http = f"http://{config.host}:{front['http_port']}"
     entry = instances.entries[instances.first]

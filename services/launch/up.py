@@ -69,6 +69,9 @@ class UpConfig:
     max_instances: int = 0              # > 0: the front starts instances up to this many, and stops idle ones
     scale_up_after_s: float = 2.0       # ... once requests waited this long for room and no instance is on standby
     standby_stop_s: float = 60.0        # ... an instance on standby this long is stopped (down to --instances)
+    tls_cert: str = ""                  # all three: mutual TLS on every gRPC link and step socket of the stack
+    tls_key: str = ""
+    tls_ca: str = ""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -103,11 +106,19 @@ class UpConfig:
                                  "controller (reconfigctl instances lists them)")
             self.autoscale_settings()  # a bad --max-instances fails here
         check_duty(self.staging_duty, "staging_duty")
+        self.tls  # incomplete TLS settings, or a missing file, fail here (TLSError names it)
         if self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, not {self.num_redundant_experts}")
         for name in ("eplb_window", "eplb_step_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+
+    @property
+    def tls(self):
+        """The stack's TLSConfig (None: plaintext, on loopback only once a token is involved)."""
+        from services.rpc.tls import tls_config
+
+        return tls_config(self.tls_cert, self.tls_key, self.tls_ca)
 
     def autoscale_settings(self):
         from services.front.autoscale import AutoscaleSettings
@@ -210,6 +221,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "before sending the next (default: it sends each decode's next step ahead; the workers "
                              "feed their own tokens)")
     add_expert_arguments(parser)
+    from services.rpc.tls import add_tls_arguments
+
+    add_tls_arguments(parser)
     parser.add_argument("--verbose", action="store_true", help="show the services' structured logs")
 
 
@@ -264,7 +278,7 @@ def up(config: UpConfig) -> int:
             gpus=parse_gpus(config.gpus), gpu_sharing=config.gpu_sharing, enforce_eager=config.enforce_eager,
             kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size, host=config.host,
             token=session.token, num_redundant_experts=config.num_redundant_experts,
-            eplb_window=config.eplb_window,
+            eplb_window=config.eplb_window, tls=config.tls,
         ))
         stop = functools.partial(cluster.stop, timeout_s=config.shutdown_grace_s + 10.0)  # the router drains first
         return session.run(lambda: _serve(config, cluster, session), stop)
@@ -287,7 +301,7 @@ def _serve(config: UpConfig, cluster: LocalCluster, session: StackSession) -> in
         max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting,
         http_keep_alive_s=config.http_keep_alive_s, shutdown_grace_s=config.shutdown_grace_s,
         eplb=config.eplb, eplb_step_interval=config.eplb_step_interval, spread_decodes=config.spread_decodes,
-        async_scheduling=config.async_scheduling, api_servers=config.api_servers,
+        async_scheduling=config.async_scheduling, api_servers=config.api_servers, tls=config.tls,
     ))
     router_grpc = f"{config.host}:{router['grpc_port']}"
 
@@ -301,7 +315,7 @@ def _serve(config: UpConfig, cluster: LocalCluster, session: StackSession) -> in
         state_file=str(session.claim.state_file()), staging_budget_mb=config.staging_budget_mb,
         staging_duty=config.staging_duty,
         autopilot=config.autopilot, intents_file=config.intents, metrics_port=config.controller_metrics_port,
-        autopilot_policy=config.autopilot_policy, profile_file=config.profile,
+        autopilot_policy=config.autopilot_policy, profile_file=config.profile, tls=config.tls,
     )
     controller = cluster.spawn_service("controller", run_controller, controller_config)
     http = f"http://{config.host}:{router['http_port']}"

@@ -6,6 +6,7 @@ import argparse
 
 from services.launch.process import run_service
 from services.router.main import RouterConfig, serve_router
+from services.rpc.tls import TLSError, add_tls_arguments, from_args
 
 
 def positive_int(text: str) -> int:
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="MoE, EP layouts: rebalance the experts every --eplb-step-interval steps [off]")
     parser.add_argument("--eplb-step-interval", type=positive_int, default=3000,
                         help="steps between automatic EPLB rebalances [3000]")
+    add_tls_arguments(parser)
     return parser
 
 
@@ -61,12 +63,17 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         token=token, api_key=args.api_key, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
         recovery_timeout_s=args.recovery_timeout_s, eplb=args.eplb, eplb_step_interval=args.eplb_step_interval,
-        spread_decodes=args.spread_decodes, async_scheduling=args.async_scheduling,
+        spread_decodes=args.spread_decodes, async_scheduling=args.async_scheduling, tls=from_args(args),
     )
 
 
 def main() -> None:
-    run_service("router", serve_router(config_from_args(build_parser().parse_args())), None)
+    parser = build_parser()
+    try:
+        config = config_from_args(parser.parse_args())
+    except TLSError as exc:
+        parser.error(str(exc))
+    run_service("router", serve_router(config), None)
 
 
 if __name__ == "__main__":

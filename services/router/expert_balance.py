@@ -20,6 +20,7 @@ import structlog
 
 from services.rpc.errors import describe_error
 from services.rpc.reconfig.v1 import router_pb2, worker_pb2, worker_pb2_grpc
+from services.rpc.tls import aio_channel
 from services.topology.eplb import layer_balancedness, logical_loads, physical_loads, rank_loads
 
 log = structlog.get_logger(__name__)
@@ -97,7 +98,7 @@ class ExpertBalancer:
         metadata = self.engine.driver.metadata
 
         async def call(address: str):
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with aio_channel(address, self.engine.driver.tls, carries_token=bool(metadata)) as channel:
                 stub = worker_pb2_grpc.WorkerStub(channel)
                 return await getattr(stub, method)(request, metadata=metadata, timeout=self.settings.timeout_s)
 

@@ -27,6 +27,7 @@ from services.rpc.auth import TokenAuthInterceptor, generate_token, is_authorize
 from services.rpc.errors import ErrorInterceptor
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc
 from services.rpc.server import listen, new_server
+from services.rpc.tls import TLSConfig
 
 log = structlog.get_logger(__name__)
 
@@ -250,8 +251,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
 
 
-async def start_router_grpc(engine: AdminEngine, host: str, port: int,
-                            token: str | None) -> tuple[grpc.aio.Server, int]:
+async def start_router_grpc(engine: AdminEngine, host: str, port: int, token: str | None,
+                            tls: TLSConfig | None = None) -> tuple[grpc.aio.Server, int]:
     """Start the Router service on host:port (0: any free port); returns the server and the bound port.
     Without a token the admin RPCs are unreachable (they need a token nobody holds)."""
     if not token:
@@ -259,6 +260,6 @@ async def start_router_grpc(engine: AdminEngine, host: str, port: int,
         token = generate_token()
     server = new_server([TokenAuthInterceptor(token, protect_methods(*ADMIN_METHODS)), ErrorInterceptor()])
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(engine, token), server)
-    bound = listen(server, host, port, "router gRPC server")
+    bound = listen(server, host, port, "router gRPC server", tls)
     await server.start()
     return server, bound

@@ -15,6 +15,7 @@ from services.router.api.server import DEFAULT_KEEP_ALIVE_S, serve_until_signal
 from services.router.config import SchedulerConfig
 from services.router.engine import Engine
 from services.router.expert_balance import EplbSettings
+from services.rpc.tls import TLSConfig
 
 log = structlog.get_logger(__name__)
 
@@ -42,6 +43,7 @@ class RouterConfig:
     spread_decodes: bool = False         # PP: decodes spread over the micro-batches in flight (SchedulerConfig)
     async_scheduling: bool = True        # single-stage layouts: decodes go a step ahead (SchedulerConfig)
     api_servers: int = 1                 # HTTP in that many processes of their own; 0: in this process
+    tls: TLSConfig | None = None         # mutual TLS on its gRPC server and to the workers (None: plaintext)
 
     def __post_init__(self) -> None:
         if self.http_keep_alive_s <= 0:
@@ -56,7 +58,7 @@ async def build_engine(config: RouterConfig) -> Engine:
     """Connect to the workers and start the engine loop."""
     model_dir = Path(config.model_dir)
     spec = ModelSpec.from_dir(model_dir)
-    driver = Driver(list(config.worker_addresses), token=config.token)
+    driver = Driver(list(config.worker_addresses), token=config.token, tls=config.tls)
     await driver.connect()
     # A request must fit the model's positions and the KV cache (as vLLM caps max_model_len).
     kv_tokens = driver.num_kv_blocks * driver.block_size
@@ -84,7 +86,8 @@ async def serve_router(config: RouterConfig, on_ready: Callable[[dict], None] | 
     from services.router.grpc_server import start_router_grpc
 
     engine = await build_engine(config)
-    grpc_server, grpc_port = await start_router_grpc(engine, config.host, config.grpc_port, config.token)
+    grpc_server, grpc_port = await start_router_grpc(engine, config.host, config.grpc_port, config.token,
+                                                      config.tls)
     settle_heap()
     if config.api_servers == 0:
         await serve_until_signal(engine, grpc_server, grpc_port, host=config.host, http_port=config.http_port,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 import secrets
 import sys
@@ -55,6 +56,47 @@ def read_token_file(path: Path | str) -> str:
 def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
     """Call metadata that authenticates a client: pass as `metadata=` to a stub call."""
     return ((AUTHORIZATION_KEY, BEARER_PREFIX + token),)
+
+
+class InsecureTokenError(ValueError):
+    """The control-plane token would cross the network in clear: a plaintext channel to another host."""
+
+
+def target_host(target: str) -> str:
+    """The host of a gRPC target: "h:p", "[v6]:p", "dns:///h:p", "ipv4:h:p", "ipv6:[v6]:p" ("" for unix:)."""
+    if target.startswith("unix:") or target.startswith("unix-abstract:"):
+        return ""
+    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            target = target[len(scheme):]
+            break
+    if target.startswith("["):
+        return target[1:target.find("]")] if "]" in target else target[1:]
+    host, colon, port = target.rpartition(":")
+    return host if colon and port.isdigit() and ":" not in host else target
+
+
+def is_local_target(target: str) -> bool:
+    """Whether connecting to `target` stays on this host: a unix socket, localhost, a loopback address (127.0.0.0/8,
+    ::1), or the unspecified address (0.0.0.0, ::), which reaches this host's own listeners."""
+    host = target_host(target)
+    if host in ("", "localhost") or host.endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return False  # a host name: it may be any machine
+    return address.is_loopback or address.is_unspecified
+
+
+def check_token_transport(target: str, secure: bool, allow_plaintext: bool = False) -> None:
+    """InsecureTokenError unless the token may go to `target`: over TLS anywhere, in plaintext only on this host.
+    allow_plaintext: the operator vouches for the network ($RECONFIG_ALLOW_PLAINTEXT_TOKEN=1: one host's compose
+    network, whose containers have addresses of their own)."""
+    if not secure and not allow_plaintext and not is_local_target(target):
+        raise InsecureTokenError(
+            f"refusing to send the control-plane token in plaintext to {target}, which is not a loopback address: "
+            "configure mutual TLS (--tls-cert, --tls-key, --tls-ca, or $RECONFIG_TLS_CERT/_KEY/_CA)")
 
 
 def is_authorized(metadata, token: str) -> bool:

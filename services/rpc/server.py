@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import grpc
 
+from services.rpc.tls import TLSConfig, add_port
+
 # gRPC turns SO_REUSEPORT on by default on Linux: a second server on a port in use then binds without an error and
 # the kernel splits the connections between the two (a second stack's controller would answer half the calls
 # meant for the first one's).
@@ -19,11 +21,12 @@ def new_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     return grpc.aio.server(interceptors=list(interceptors), options=[_EXCLUSIVE_PORT, *options])
 
 
-def listen(server: grpc.aio.Server, host: str, port: int, service: str) -> int:
-    """Bind `server` to host:port (0: any free port); the bound port. RuntimeError naming the address and the
+def listen(server: grpc.aio.Server, host: str, port: int, service: str, tls: TLSConfig | None = None) -> int:
+    """Bind `server` to host:port (0: any free port); the bound port. With `tls`, a mutual-TLS port only: a client
+    without a certificate of the CA, or in plaintext, fails its handshake. RuntimeError naming the address and the
     service when it cannot."""
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = add_port(server, f"{host}:{port}", tls)
     except RuntimeError:  # grpcio >= 1.60 raises; older ones return 0
         bound = 0
     if bound == 0:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import structlog
 
+from services.rpc.tls import TLSError, add_tls_arguments, from_args
 from services.weightstore.server import serve
 from services.weightstore.store import CheckpointError
 
@@ -27,7 +28,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--store-port", type=int, default=0,
                         help="also host the workers' torch.distributed TCPStore on this port (0: do not); the "
                              "store must outlive any worker for the world to be re-formed after one is lost")
-    return parser.parse_args(argv)
+    add_tls_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        args.tls = from_args(args)
+    except TLSError as exc:
+        parser.error(str(exc))
+    return args
 
 
 def write_port_file(path: Path, port: int) -> None:
@@ -53,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
         store = host_tcp_store(args.store_port)  # lives as long as this process
         log.info("weightstore.tcp_store", port=args.store_port)
-    coroutine = serve(args.model, host=args.host, port=args.port, on_ready=on_ready)
+    coroutine = serve(args.model, host=args.host, port=args.port, on_ready=on_ready, tls=args.tls)
     try:
         try:
             import uvloop

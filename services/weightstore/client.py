@@ -10,6 +10,7 @@ import grpc
 import torch
 
 from services.rpc.reconfig.v1 import weightstore_pb2, weightstore_pb2_grpc
+from services.rpc.tls import TLSConfig, aio_channel
 from services.weightstore.manifest import Manifest, TensorEntry
 from services.weightstore.shm import ShmSegment
 
@@ -30,13 +31,13 @@ def channel_options() -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", MAX_MANIFEST_BYTES)]
 
 
-async def fetch_manifest(address: str, timeout: float = 10.0) -> Manifest:
+async def fetch_manifest(address: str, timeout: float = 10.0, tls: TLSConfig | None = None) -> Manifest:
     """Fetch the manifest from the store at `address` ("host:port").
 
     Waits, within `timeout` seconds, for a store that is still starting or loading (UNAVAILABLE).
     """
     deadline = time.monotonic() + timeout
-    async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
+    async with aio_channel(address, tls, channel_options()) as channel:
         stub = weightstore_pb2_grpc.WeightStoreStub(channel)
         while True:
             remaining = deadline - time.monotonic()

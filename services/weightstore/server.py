@@ -16,6 +16,7 @@ import structlog
 
 from services.rpc.reconfig.v1 import weightstore_pb2, weightstore_pb2_grpc
 from services.rpc.server import listen, new_server
+from services.rpc.tls import TLSConfig
 from services.weightstore.shm import cleanup_stale_segments
 from services.weightstore.store import LoadCancelled, WeightStore
 
@@ -53,6 +54,7 @@ async def serve(
     host: str = "127.0.0.1",
     port: int = 0,
     on_ready: Callable[[int], None] | None = None,
+    tls: TLSConfig | None = None,
 ) -> None:
     """Load `model_dir` into shared memory and serve its manifest until cancelled or SIGTERM/SIGINT.
 
@@ -67,7 +69,7 @@ async def serve(
         servicer = WeightStoreServicer()
         server = new_server()
         weightstore_pb2_grpc.add_WeightStoreServicer_to_server(servicer, server)
-        bound_port = listen(server, host, port, "weight store")
+        bound_port = listen(server, host, port, "weight store", tls)
         await server.start()
         store: WeightStore | None = None
         try:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from services.topology import Topology, TopologyError
 from services.rpc.auth import read_token_file
+from services.rpc.tls import add_tls_arguments, from_args
 from services.worker.config import WorkerConfig
 
 
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="MoE: steps of per-expert load kept for EPLB (sliding window)")
     parser.add_argument("--token-file", type=Path, default=None,
                         help="control-plane token every RPC of this worker then requires (mode 0600 file)")
+    add_tls_arguments(parser)
     return parser
 
 
@@ -77,7 +79,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         host=args.host, port=args.port, step_port=args.step_port, collective_timeout_s=args.collective_timeout,
         parent_pid=args.parent_pid, num_threads=args.num_threads,
         token=read_token_file(args.token_file) if args.token_file else None, join=args.join,
-        num_redundant_experts=args.num_redundant_experts, eplb_window=args.eplb_window,
+        num_redundant_experts=args.num_redundant_experts, eplb_window=args.eplb_window, tls=from_args(args),
     )
 
 

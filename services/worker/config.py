@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.rpc.tls import TLSConfig
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
@@ -40,6 +42,7 @@ class WorkerConfig:
     join: bool = False
     num_redundant_experts: int = 0     # MoE, EP layouts: extra physical expert slots per layer (EPLB replicas)
     eplb_window: int = 1000            # MoE: steps of expert load kept for EPLB (its sliding window)
+    tls: TLSConfig | None = None       # mutual TLS on its gRPC server, step socket and weight store channel
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

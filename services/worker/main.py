@@ -36,7 +36,7 @@ async def serve_worker(config: WorkerConfig, ready: Connection | None = None) ->
     cleanup_stale_exchange_segments()
     if config.faults:
         FAULTS.configure(config.faults)
-    manifest = await fetch_manifest(config.weightstore_address)
+    manifest = await fetch_manifest(config.weightstore_address, tls=config.tls)
     spec = ModelSpec.from_config(json.loads(manifest.config_json))
     topology = Topology.parse(config.topology)
     backend = device_backend(config.device, config.gpu_sharing)
@@ -55,8 +55,9 @@ async def serve_worker(config: WorkerConfig, ready: Connection | None = None) ->
         await asyncio.to_thread(shard.load)
     servicer = WorkerServicer(shard)
     await asyncio.get_running_loop().run_in_executor(servicer.model_thread, shard.prepare_steps)
-    server, port = await start_server(servicer, config.host, config.port, config.token)
-    step_server, shard.step_port = await start_step_server(servicer, config.host, config.step_port, config.token)
+    server, port = await start_server(servicer, config.host, config.port, config.token, config.tls)
+    step_server, shard.step_port = await start_step_server(servicer, config.host, config.step_port, config.token,
+                                                           config.tls)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, servicer.stopped.set)

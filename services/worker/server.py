@@ -11,6 +11,7 @@ import structlog
 
 from services.rpc.auth import TokenAuthInterceptor, protect_all
 from services.rpc.errors import ErrorInterceptor
+from services.rpc.tls import TLSConfig
 from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
 from services.rpc.server import listen, new_server
 from services.worker.expert_balance import ExpertMapError
@@ -189,15 +190,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.ShutdownResponse()
 
 
-async def start_server(servicer: WorkerServicer, host: str, port: int,
-                       token: str | None = None) -> tuple[grpc.aio.Server, int]:
-    """Start the gRPC server (every RPC needs `token` when set); returns it and the bound port."""
+async def start_server(servicer: WorkerServicer, host: str, port: int, token: str | None = None,
+                       tls: TLSConfig | None = None) -> tuple[grpc.aio.Server, int]:
+    """Start the gRPC server (every RPC needs `token` when set; mutual TLS with `tls`); returns it and the bound
+    port."""
     # ErrorInterceptor: undecodable request bytes are INVALID_ARGUMENT, an unexpected exception INTERNAL with its
     # message (gRPC's default for both is a bare UNKNOWN). Steps do not come this way: services.worker.step_server.
     interceptors = [*([TokenAuthInterceptor(token, protect_all)] if token else []), ErrorInterceptor()]
     server = new_server(interceptors, options=[("grpc.max_receive_message_length", 64 << 20),
                                                ("grpc.max_send_message_length", 64 << 20)])
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    bound = listen(server, host, port, "worker")
+    bound = listen(server, host, port, "worker", tls)
     await server.start()
     return server, bound

@@ -11,6 +11,7 @@ from google.protobuf.message import DecodeError
 
 from services.rpc.frames import FrameError, FrameProtocol, token_accepted
 from services.rpc.reconfig.v1 import worker_pb2
+from services.rpc.tls import TLSConfig
 from services.worker.server import WorkerServicer
 from services.worker.step import StepOutput
 from services.worker.step_rows import rows_result
@@ -62,12 +63,14 @@ class StepConnection(FrameProtocol):
             log.warning("worker.step_stream_closed", rank=self.servicer.rank, error=str(error))
 
 
-async def start_step_server(servicer: WorkerServicer, host: str, port: int,
-                            token: str | None = None) -> tuple[asyncio.Server, int]:
-    """Listen for step streams on host:port (0: any free port); returns the server and the bound port."""
+async def start_step_server(servicer: WorkerServicer, host: str, port: int, token: str | None = None,
+                            tls: TLSConfig | None = None) -> tuple[asyncio.Server, int]:
+    """Listen for step streams on host:port (0: any free port); returns the server and the bound port. With `tls`,
+    mutual TLS only: a client without a certificate of the CA fails the handshake before its greeting is read."""
     loop = asyncio.get_running_loop()
+    ssl = None if tls is None else tls.server_ssl_context()
     try:
-        server = await loop.create_server(lambda: StepConnection(servicer, token), host.strip("[]"), port)
+        server = await loop.create_server(lambda: StepConnection(servicer, token), host.strip("[]"), port, ssl=ssl)
     except OSError as exc:
         raise OSError(exc.errno, f"worker: cannot listen for steps on {host}:{port}: {exc.strerror}") from None
     return server, server.sockets[0].getsockname()[1]

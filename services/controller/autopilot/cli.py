@@ -73,7 +73,7 @@ def autopilot_command(args: argparse.Namespace, target: Target) -> int:
     from services.rpc.auth import auth_metadata
     from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc
 
-    with grpc.insecure_channel(target.controller_address) as channel:
+    with target.channel() as channel:
         stub = controller_pb2_grpc.ControllerStub(channel)
         try:
             if args.autopilot_command == "set":
@@ -100,7 +100,7 @@ def calibrate_command(args: argparse.Namespace, target: Target) -> int:
         layouts=[t.strip() for t in args.layouts.split(",") if t.strip()], batch_sizes=args.batch_sizes,
         prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens)
     final = None
-    with grpc.insecure_channel(target.controller_address) as channel:
+    with target.channel() as channel:
         try:
             for progress in controller_pb2_grpc.ControllerStub(channel).Calibrate(request, timeout=args.timeout,
                                                      metadata=auth_metadata(target.token)):
