@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from services.model.numerics import ordered_sum, whole_vectors
 from services.model.spec import RopeSpec
 
 
@@ -100,7 +101,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class RotaryEmbedding:
     """Rotary position embedding (non-interleaved halves), with `linear` and `llama3` frequency scaling."""
 
-    def __init__(self, rope: RopeSpec, head_dim: int, device: torch.device) -> None:
+    def __init__(self, rope: RopeSpec, head_dim: int, device: torch.device, whole_vectors: bool = False) -> None:
+        """whole_vectors: sin and cos on the vector path for every position (invariant numerics)."""
+        self.whole_vectors = whole_vectors
         inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         if rope.rope_type == "linear":
             inv_freq = inv_freq / rope.factor
@@ -112,9 +115,10 @@ class RotaryEmbedding:
         """cos, sin of shape [T, D] for int positions [T]; sin's first half negated (see apply_rotary)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        sin = emb.sin()
+        sin = whole_vectors(torch.sin, emb) if self.whole_vectors else emb.sin()
+        cos = whole_vectors(torch.cos, emb) if self.whole_vectors else emb.cos()
         sin[:, : freqs.shape[1]].neg_()
-        return emb.cos().to(dtype), sin.to(dtype)
+        return cos.to(dtype), sin.to(dtype)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
@@ -161,13 +165,16 @@ class Linear:
     less time. MKL computes a packed W at full speed only on the thread that packed it, or once that thread has
     ended: pack on the model thread, or on a thread that ends (services.worker.staging.pack_on_own_thread)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False) -> None:
-        """keep_weight: W is held elsewhere too (a tied lm_head shares the embedding), so dropping it frees nothing."""
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False,
+                 row_multiple: int = 1) -> None:
+        """keep_weight: W is held elsewhere too (a tied lm_head shares the embedding), so dropping it frees nothing.
+        row_multiple: x's rows are padded to a multiple of this (invariant numerics: services/model/numerics.py)."""
         if weight.stride(0) == 0:
             raise ValueError("a packed Linear's placeholder is not a weight: reuse the Linear itself")
         self.weight = weight  # [out, in]
         self.bias = bias      # [out] or None
         self.keep_weight = keep_weight
+        self.row_multiple = row_multiple
         self.packed: torch.Tensor | None = None
 
     def pack(self) -> None:
@@ -180,25 +187,41 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in] -> [N, out]."""
+        if x.shape[0] % self.row_multiple:
+            return self(F.pad(x, (0, 0, 0, -x.shape[0] % self.row_multiple)))[: x.shape[0]]
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, x.shape[0])
 
 
 class RowParallelLinear:
-    """y = x W^T with W split by input columns across TP ranks: partial sums all-reduced, bias added once after."""
+    """y = x W^T with W split by input columns across TP ranks: partial sums all-reduced, bias added once after.
 
-    def __init__(self, linear: Linear, bias: torch.Tensor | None, group: TPGroup) -> None:
+    With `pieces` (invariant numerics) the local input columns are cut into those ranges: each piece's partial
+    product is computed alone, every rank's partials are gathered in rank order and added in piece order in float32
+    (numerics.ordered_sum), so the sum is bitwise the same on one rank as on several."""
+
+    def __init__(self, linear: Linear, bias: torch.Tensor | None, group: TPGroup,
+                 pieces: tuple[range, ...] | None = None) -> None:
         self.linear = linear  # x [N, in_local] -> partial sums [N, out]
         self.bias = bias      # [out] (full; added after the reduction, so once)
         self.group = group
+        self.pieces = pieces  # ranges of in_local (invariant numerics), or None: one product, all-reduced
+        self._piece_linears = None if pieces is None else [  # views of W's columns: no copy
+            Linear(linear.weight[:, p.start:p.stop], row_multiple=linear.row_multiple) for p in pieces]
 
     def regrouped(self, group: TPGroup) -> RowParallelLinear:
         """The same weights reducing over another TP group."""
-        return RowParallelLinear(self.linear, self.bias, group)
+        return RowParallelLinear(self.linear, self.bias, group, self.pieces)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.all_reduce(self.linear(x))
+        if self._piece_linears is None:
+            y = self.group.all_reduce(self.linear(x))
+        else:
+            partials = torch.cat([piece(x[:, p.start:p.stop]) for p, piece in zip(self.pieces, self._piece_linears)],
+                                 dim=-1)  # [N, pieces_local * out]
+            gathered = self.group.all_gather_last_dim(partials)  # [N, pieces_total * out], in piece order
+            y = ordered_sum(gathered, len(self.pieces) * self.group.size, x.dtype)
         return y + self.bias if self.bias is not None else y
 
 

@@ -4,6 +4,7 @@ vocab rows."""
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from services.model.attention import AttentionMetadata, paged_attention, write_kv
+from services.model.invariant_attention import invariant_attention
 from services.model.expert_reshard import ALONGSIDE, ExpertSwitch
 from services.model.layers import (
     Linear,
@@ -24,6 +26,7 @@ from services.model.layers import (
     rms_norm,
 )
 from services.model.moe import SparseMoeBlock
+from services.model.numerics import FAST, Numerics, reduction_pieces, whole_vectors
 from services.model.spec import ModelSpec
 from services.topology import WorkerPlacement
 
@@ -39,17 +42,21 @@ def _head_rows(heads: range, head_dim: int) -> range:
 class DenseMLP:
     """A SwiGLU MLP holding this TP rank's intermediate columns (gate/up) and rows (down); one all-reduce."""
 
-    def __init__(self, spec: ModelSpec, wp: WorkerPlacement, prefix: str, loader: ShardLoader, group: TPGroup) -> None:
+    def __init__(self, spec: ModelSpec, wp: WorkerPlacement, prefix: str, loader: ShardLoader, group: TPGroup,
+                 numerics: Numerics = FAST) -> None:
         gate_up = [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"]
         self.gate_up = Linear(
             torch.cat([loader.rows(n + ".weight", wp.intermediate) for n in gate_up]),  # [2 * I_local, h]
             torch.cat([loader.rows(n + ".bias", wp.intermediate) for n in gate_up]) if spec.mlp_bias else None,
+            row_multiple=numerics.row_multiple,
         )
         self.down_proj = RowParallelLinear(
-            Linear(loader.cols(prefix + "mlp.down_proj.weight", wp.intermediate)),
+            Linear(loader.cols(prefix + "mlp.down_proj.weight", wp.intermediate), row_multiple=numerics.row_multiple),
             loader.full(prefix + "mlp.down_proj.bias") if spec.mlp_bias else None,
             group,
+            reduction_pieces(numerics.intermediate_bounds, wp.intermediate) if numerics.is_invariant else None,
         )
+        self.silu = functools.partial(whole_vectors, F.silu) if numerics.is_invariant else F.silu
 
     def regrouped(self, group: TPGroup) -> DenseMLP:
         """The same weights reducing over another TP group."""
@@ -59,7 +66,7 @@ class DenseMLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.silu(gate) * up)
 
 
 class DecoderLayer:
@@ -67,7 +74,7 @@ class DecoderLayer:
     experts' slices or slots."""
 
     def __init__(self, spec: ModelSpec, wp: WorkerPlacement, layer_id: int, loader: ShardLoader, group: TPGroup,
-                 mlp: DenseMLP | SparseMoeBlock | None = None) -> None:
+                 mlp: DenseMLP | SparseMoeBlock | None = None, numerics: Numerics = FAST) -> None:
         """mlp: an MLP already built (kept from a previous shard, or a sparse block); None builds the dense one."""
         p = f"model.layers.{layer_id}."
         d = spec.head_dim
@@ -78,15 +85,18 @@ class DecoderLayer:
         self.post_norm = loader.full(p + "post_attention_layernorm.weight")
         qkv = [(p + f"self_attn.{n}_proj", r) for n, r in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))]
         self.qkv = Linear(torch.cat([loader.rows(n + ".weight", r) for n, r in qkv]),  # [(Hq+2Hkv)_local*D, h]
-                          torch.cat([loader.rows(n + ".bias", r) for n, r in qkv]) if spec.qkv_bias else None)
+                          torch.cat([loader.rows(n + ".bias", r) for n, r in qkv]) if spec.qkv_bias else None,
+                          row_multiple=numerics.row_multiple)
         self.q_norm = loader.full(p + "self_attn.q_norm.weight") if spec.qk_norm else None
         self.k_norm = loader.full(p + "self_attn.k_norm.weight") if spec.qk_norm else None
         self.o_proj = RowParallelLinear(
-            Linear(loader.cols(p + "self_attn.o_proj.weight", q_rows)),
+            Linear(loader.cols(p + "self_attn.o_proj.weight", q_rows), row_multiple=numerics.row_multiple),
             loader.full(p + "self_attn.o_proj.bias") if spec.o_bias else None,
             group,
+            reduction_pieces(numerics.head_bounds, wp.q_heads, d) if numerics.is_invariant else None,
         )
-        self.mlp = mlp if mlp is not None else DenseMLP(spec, wp, p, loader, group)
+        self.attend = invariant_attention if numerics.is_invariant else paged_attention
+        self.mlp = mlp if mlp is not None else DenseMLP(spec, wp, p, loader, group, numerics)
 
     def regrouped(self, group: TPGroup, mlp: DenseMLP | SparseMoeBlock | None = None) -> DecoderLayer:
         """The same attention weights (shared, not copied) reducing over another TP group; the dense MLP regrouped
@@ -123,7 +133,7 @@ class DecoderLayer:
         qk = apply_rotary(qk, cos, sin)
         q, k = qk[:, :num_q], qk[:, num_q:]
         write_kv(cache, k, v, meta.slot_mapping, meta.write_rows)
-        attn = paged_attention(q, cache, meta, d**-0.5, spec.sliding_window)  # [T, Hq_local, D]
+        attn = self.attend(q, cache, meta, d**-0.5, spec.sliding_window)  # [T, Hq_local, D]
         return self.o_proj(attn.reshape(t, num_q * d))
 
 
@@ -133,7 +143,7 @@ class ShardedCausalLM:
     def __init__(self, spec: ModelSpec, wp: WorkerPlacement, loader: ShardLoader, group: TPGroup,
                  previous: ShardedCausalLM | None = None, *, ep_group: TPGroup | None = None,
                  expert_maps: Mapping[int, Sequence[int]] | None = None,
-                 expert_switch: ExpertSwitch = ALONGSIDE) -> None:
+                 expert_switch: ExpertSwitch = ALONGSIDE, numerics: Numerics = FAST) -> None:
         """Build this worker's shard. With `previous` (a live reconfiguration), parts whose slice is unchanged —
         a layer's heads, its MLP columns, an expert slice held before, the same vocabulary rows — are kept, not
         copied again. In an EP layout `group` is a single-rank group (attention and dense MLPs are whole here) and
@@ -141,13 +151,17 @@ class ShardedCausalLM:
         (None or a layer left out: the identity, possible only without redundant slots). expert_switch: how a
         sparse layer whose view changes gets its experts (by all-to-all with the stage's peers, a collective of the
         stage's ranks, or from `loader`) and whether `previous` lets go of them layer by layer (in place: then
-        `previous` serves again only after its `restore_experts`)."""
+        `previous` serves again only after its `restore_experts`). numerics: services/model/numerics.py (the
+        mode must be the one `previous` was built with)."""
         if wp.ep_size > 1 and ep_group is None:
             raise ValueError(f"an EP layout (ep_size={wp.ep_size}) needs the stage's ep_group")
+        if numerics.is_invariant and spec.moe_layers:
+            raise ValueError("invariant numerics is not built for mixture-of-experts models yet: use --numerics fast")
         self.spec = spec
+        self.numerics = numerics
         self.placement = wp
         self.dtype = loader.dtype
-        self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, loader.device)
+        self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, loader.device, whole_vectors=numerics.is_invariant)
         self.expert_maps = _local_expert_maps(spec, wp, expert_maps)
         old = previous.placement if previous is not None else None
         same_vocab = old is not None and old.vocab_rows == wp.vocab_rows
@@ -173,10 +187,10 @@ class ShardedCausalLM:
             tied = spec.tie_word_embeddings or not loader.has(LM_HEAD)
             if same_vocab and previous.lm_head is not None:
                 head = previous.lm_head.linear  # same rows: reuse them as they are (packed, maybe)
-            elif tied and self.embed is not None:
-                head = Linear(self.embed.weight, keep_weight=True)  # on this worker already: do not load it twice
+            elif tied and self.embed is not None:  # on this worker already: do not load it twice
+                head = Linear(self.embed.weight, keep_weight=True, row_multiple=numerics.row_multiple)
             else:
-                head = Linear(loader.rows(EMBED if tied else LM_HEAD, wp.vocab_rows))
+                head = Linear(loader.rows(EMBED if tied else LM_HEAD, wp.vocab_rows), row_multiple=numerics.row_multiple)
             self.lm_head = ParallelLMHead(head, spec.vocab_size, group)
 
     def _layer(self, layer_id: int, loader: ShardLoader, group: TPGroup, moe_group: TPGroup,
@@ -191,10 +205,10 @@ class ShardedCausalLM:
         elif kept is not None and same_dense:
             mlp = kept.mlp.regrouped(group)
         elif kept is not None and same_attention:
-            mlp = DenseMLP(self.spec, self.placement, f"model.layers.{layer_id}.", loader, group)
+            mlp = DenseMLP(self.spec, self.placement, f"model.layers.{layer_id}.", loader, group, self.numerics)
         if kept is not None and same_attention:
             return kept.regrouped(group, mlp)
-        return DecoderLayer(self.spec, self.placement, layer_id, loader, group, mlp)
+        return DecoderLayer(self.spec, self.placement, layer_id, loader, group, mlp, self.numerics)
 
     def moe_blocks(self) -> dict[int, SparseMoeBlock]:
         """This shard's sparse layers, by global layer id (for the worker's load window and EPLB remaps)."""
@@ -227,7 +241,10 @@ class ShardedCausalLM:
     def pack_weights(self, piece: Callable[[], AbstractContextManager] = nullcontext) -> None:
         """Pack every linear layer's weight for MKL's GEMM, on the thread that runs the steps (Linear.pack), each
         inside `piece` (a staging build paces itself by them). The experts stay unpacked: EPLB hands their tensors
-        to peers and replaces them between steps."""
+        to peers and replaces them between steps. Invariant numerics packs nothing: MKL's packed GEMM reduces in
+        another order than F.linear, and one path keeps every product of a token's the same."""
+        if self.numerics.is_invariant:
+            return
         for linear in self._linears():
             with piece():
                 linear.pack()

@@ -1,0 +1,86 @@
+"""Paged attention whose result for a token depends only on that token's query and its context's keys and values:
+not on the batch (how many sequences, their lengths), not on whether the token came in a prefill chunk of any size
+or in a decode step. The invariant numerics mode's attention (services/model/numerics.py); `paged_attention` is the
+fast one.
+
+Each row (one query head of one token) is computed as:
+    scores = q · K^T over keys padded to a multiple of KEY_CHUNK (rows padded as numerics.ROW_MULTIPLE says)
+    m      = max over the visible keys                  (max is exact in any order)
+    p      = exp(scores - m), 0 past the row's context  (masked keys add exact zeros below)
+    denom  = sum of p over each chunk of KEY_CHUNK keys, the chunks folded in order (cumsum)
+    out    = sum of p V over each chunk (a [R, KEY_CHUNK] x [KEY_CHUNK, D] GEMM), folded in order, / denom
+The chunks sit at fixed positions (from position 0), so a longer padded batch only appends chunks of zeros.
+Everything is computed in float32; exp runs on whole vectors (numerics.whole_vectors).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.model.attention import AttentionMetadata
+from services.model.numerics import ROW_MULTIPLE, whole_vectors
+
+KEY_CHUNK = 64     # keys per chunk of the ordered fold
+
+
+def invariant_attention(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                        sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of new tokens over their sequence's cached context, batch- and chunking-invariant.
+
+    query [T, q_heads, D]; cache [2, num_blocks, block_size, kv_heads, D] (already holding this step's KV);
+    returns [T, q_heads, D] in query's dtype.
+    """
+    num_kv_heads, head_dim = cache.shape[3], cache.shape[4]
+    flat = cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_blocks * block_size, Hkv, D]
+    out = torch.empty_like(query)
+    decodes = meta.decodes
+    if decodes is not None:
+        batch = decodes.context_lens.shape[0]
+        q = query if decodes.token_index is None else query[decodes.token_index]  # [B, Hq, D]
+        rows = _attend(q[:, None], flat, decodes.slots.view(batch, -1), (decodes.context_lens - 1)[:, None], scale,
+                       sliding_window)[:, 0]  # [B, Hq, D]
+        if decodes.token_index is None:
+            return rows  # a pure decode step
+        out[decodes.token_index] = rows
+    for seq in meta.prefills:
+        n = seq.num_new_tokens
+        positions = torch.arange(seq.context_len - n, seq.context_len, device=query.device)
+        out[seq.token_start: seq.token_start + n] = _attend(
+            query[None, seq.token_start: seq.token_start + n], flat, seq.context_slots[None], positions[None], scale,
+            sliding_window)[0]
+    return out
+
+
+def _attend(query: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, scale: float,
+            sliding_window: int | None) -> torch.Tensor:
+    """query [B, n, Hq, D]: n new tokens of each of B sequences; slots [B, L] the flat cache slots of each one's
+    keys (L > every position; past a row's own position keys are masked); positions [B, n]. -> [B, n, Hq, D]."""
+    batch, n, num_q_heads, head_dim = query.shape
+    num_kv_heads = flat.shape[2]
+    group = num_q_heads // num_kv_heads
+    num_keys = -(-slots.shape[1] // KEY_CHUNK) * KEY_CHUNK
+    num_chunks = num_keys // KEY_CHUNK
+    slots = F.pad(slots, (0, num_keys - slots.shape[1]))  # slot 0 past the end: masked below
+    kv = flat.index_select(1, slots.reshape(-1)).view(2, batch, num_keys, num_kv_heads, head_dim)
+    keys = kv[0].permute(0, 2, 3, 1).float()    # [B, Hkv, D, L]
+    values = kv[1].permute(0, 2, 1, 3).float()  # [B, Hkv, L, D]
+    # One KV head's rows: its `group` query heads of each of the n tokens, token-major, padded to whole vectors.
+    num_rows = n * group
+    padded_rows = -(-num_rows // ROW_MULTIPLE) * ROW_MULTIPLE
+    q = query.float().view(batch, n, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+    q = F.pad(q.reshape(batch, num_kv_heads, num_rows, head_dim), (0, 0, 0, padded_rows - num_rows))
+    row_positions = F.pad(positions[:, :, None].expand(batch, n, group).reshape(batch, 1, num_rows),
+                          (0, padded_rows - num_rows))  # a padding row sees key 0 (its result is dropped)
+    key_positions = torch.arange(num_keys, device=query.device)
+    visible = key_positions <= row_positions[..., None]  # [B, 1, R, L]
+    if sliding_window is not None:
+        visible &= key_positions > row_positions[..., None] - sliding_window
+    scores = torch.matmul(q, keys).mul_(scale).masked_fill_(~visible, float("-inf"))  # [B, Hkv, R, L]
+    weights = whole_vectors(torch.exp, scores.sub_(scores.amax(-1, keepdim=True)))
+    chunked = weights.view(batch, num_kv_heads, padded_rows, num_chunks, KEY_CHUNK)
+    denominator = chunked.sum(-1).cumsum(-1)[..., -1:]  # [B, Hkv, R, 1]
+    partial = torch.matmul(chunked.transpose(2, 3), values.view(batch, num_kv_heads, num_chunks, KEY_CHUNK, head_dim))
+    out = partial.cumsum(2)[:, :, -1].div_(denominator)  # [B, Hkv, R, D]
+    out = out[:, :, :num_rows].reshape(batch, num_kv_heads, n, group, head_dim).permute(0, 2, 1, 3, 4)
+    return out.reshape(batch, n, num_q_heads, head_dim).to(query.dtype)

@@ -1,0 +1,138 @@
+"""Numerics modes of the model: `fast` (the default: each op as its kernel computes it) and `invariant`, in which
+no bit of a token's hidden state depends on the batch it shares a step with, on how its prompt was chunked, or on
+the layout (TP degree, PP stages) serving it, so a live switch provably changes no token.
+
+Invariant mode rests on three rules, each enforced in one place:
+- GEMM rows (`Linear.row_multiple`): a product's rows are padded to a multiple of ROW_MULTIPLE. The BLAS then
+  reduces each output element of an [M, K] x [K, N] product in one order whatever M and N (MKL computes a block
+  of one row, and of two or three, in other orders than a block of four or more: a product of 11 rows differs
+  from one of 12 in its last three); `probe()` checks this at a worker's start and the worker refuses the mode
+  where it does not hold.
+- TP reductions (`reduction_pieces`): a row-parallel layer's reduction dimension is cut at every shard boundary
+  of every TP degree the stack allows; each piece's partial product is computed on its own, the partials are
+  gathered in rank order (which is piece order) and added in piece order in float32, on one worker as on many.
+- attention (`services/model/invariant_attention.py`): keys in chunks of KEY_CHUNK positions counted from
+  position 0, the row maximum (exact in any order), sums over fixed-size chunks, chunks folded in order; a chunk
+  past a row's context adds exact zeros, so padding and batch composition change nothing.
+- elementwise transcendental kernels (exp, sin, cos, silu) compute the tail of a tensor (or of a thread's part of
+  it) that does not fill two vectors on a scalar path, with other roundings: in invariant mode they run through
+  `whole_vectors`, which pads the flattened tensor so that every element takes the vector path, and a worker's
+  thread count stays a power of two (`invariant_threads`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+MODES = ("fast", "invariant")
+ROW_MULTIPLE = 8  # invariant mode pads a GEMM's rows to a multiple of this (MKL: blocks of 1 and of 2-3 rows differ)
+_VECTORS = 1024  # elements: two vectors of any dtype times up to 16 threads, for a tensor torch does not split
+_GRAIN = 32768   # at::internal::GRAIN_SIZE: a larger tensor is cut into min(threads, ceil(numel / grain)) parts
+
+
+@dataclass(frozen=True, slots=True)
+class Numerics:
+    """How a shard computes: the mode, and in invariant mode where its row-parallel reductions are cut."""
+
+    mode: str = "fast"
+    head_bounds: tuple[int, ...] = ()          # query-head boundaries of o_proj's pieces (invariant mode)
+    intermediate_bounds: tuple[int, ...] = ()  # intermediate boundaries of down_proj's pieces (invariant mode)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"numerics must be one of {', '.join(MODES)}, not {self.mode!r}")
+
+    @property
+    def is_invariant(self) -> bool:
+        return self.mode == "invariant"
+
+    @property
+    def row_multiple(self) -> int:
+        """A GEMM's rows are padded to a multiple of this (1: none)."""
+        return ROW_MULTIPLE if self.is_invariant else 1
+
+
+FAST = Numerics()
+
+
+def slice_bounds(total: int, tp_sizes: Iterable[int]) -> tuple[int, ...]:
+    """Every shard boundary of `total` units (heads, intermediate columns) cut evenly for each TP degree, sorted,
+    0 and `total` included (the placement's _slice: rank r holds [r * total // tp, (r + 1) * total // tp))."""
+    bounds = {0, total}
+    for tp in tp_sizes:
+        per_rank = total // tp
+        bounds.update(r * per_rank for r in range(tp + 1))
+    return tuple(sorted(bounds))
+
+
+def reduction_pieces(bounds: Sequence[int], held: range, unit: int = 1) -> tuple[range, ...]:
+    """The pieces of a shard holding units `held` (a range between two bounds), as ranges of its local reduction
+    dimension (unit: elements per unit, e.g. head_dim for heads)."""
+    inside = [b for b in bounds if held.start <= b <= held.stop]
+    if not inside or inside[0] != held.start or inside[-1] != held.stop:
+        raise ValueError(f"shard {held} does not start and end on a boundary of {tuple(bounds)}")
+    return tuple(range((a - held.start) * unit, (b - held.start) * unit) for a, b in zip(inside, inside[1:]))
+
+
+def invariant_numerics(num_heads: int, intermediate_size: int, tp_sizes: Iterable[int]) -> Numerics:
+    """Invariant numerics for a dense model whose layouts use the TP degrees `tp_sizes`."""
+    tp_sizes = tuple(tp_sizes)
+    return Numerics("invariant", slice_bounds(num_heads, tp_sizes), slice_bounds(intermediate_size, tp_sizes))
+
+
+def ordered_sum(partials: torch.Tensor, num_pieces: int, dtype: torch.dtype) -> torch.Tensor:
+    """partials [N, num_pieces * out] (piece p in columns [p * out, (p + 1) * out)) -> [N, out] in `dtype`: the
+    pieces added in float32, one after the other in piece order."""
+    rows = partials.shape[0]
+    pieces = partials.view(rows, num_pieces, -1)
+    total = pieces[:, 0].to(torch.float32, copy=True)  # [N, out]
+    for p in range(1, num_pieces):
+        total += pieces[:, p]
+    return total.to(dtype)
+
+
+def whole_vectors(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn (elementwise) of x with every element on the kernel's vector path: x flattened and padded with zeros to a
+    whole number of grains (or of _VECTORS when it fits in one), so that no part ends in a scalar tail."""
+    numel = x.numel()
+    multiple = _VECTORS if numel <= _GRAIN else _GRAIN
+    flat = F.pad(x.reshape(-1), (0, -numel % multiple))
+    return fn(flat)[:numel].view(x.shape)
+
+
+def invariant_threads(num_threads: int) -> int:
+    """The largest power of two <= num_threads (>= 1): torch's elementwise kernels cut a tensor between threads at
+    numel / threads, and only a power-of-two cut keeps every piece a whole number of vectors."""
+    return 1 << (max(1, num_threads).bit_length() - 1)
+
+
+def probe(device: torch.device, dtype: torch.dtype, row_multiple: int = ROW_MULTIPLE, seed: int = 0) -> list[str]:
+    """What of invariant mode's GEMM rule fails on this device and dtype (empty: it holds): with rows padded to a
+    multiple of row_multiple, a row's product must be bitwise the same at every row count, at every position in
+    the batch, at any column count, and in a batched product whatever the batch. Cheap (a few ms); run where the
+    mode is chosen."""
+    generator = torch.Generator().manual_seed(seed)
+    failures = []
+    for k, n in ((64, 96), (320, 192), (1024, 80)):
+        weight = torch.randn(n, k, generator=generator).to(device=device, dtype=dtype)
+        x = torch.randn(320, k, generator=generator).to(device=device, dtype=dtype)
+        ref = F.linear(x[8: 8 + 2 * row_multiple], weight)[1: 1 + row_multiple]  # rows 9.. at positions 1..
+        for rows in sorted({-(-r // row_multiple) * row_multiple for r in (11, 17, 24, 64, 257, 300)}):
+            if rows >= 9 + row_multiple and not torch.equal(F.linear(x[:rows], weight)[9: 9 + row_multiple], ref):
+                failures.append(f"linear [{rows}, {k}] x [{k}, {n}]: a row's product depends on the row count "
+                                "or its position")
+        if not torch.equal(F.linear(x[:64], weight[: n // 2]), F.linear(x[:64], weight)[:, : n // 2]):
+            failures.append(f"linear [{k}, {n}]: a column's product depends on the column count")
+    a = torch.randn(12, row_multiple, 64, generator=generator).to(device=device, dtype=dtype)
+    b = torch.randn(12, 64, 128, generator=generator).to(device=device, dtype=dtype)
+    whole = torch.matmul(a, b)
+    if not (torch.equal(torch.matmul(a[:1], b[:1]), whole[:1]) and torch.equal(torch.matmul(a[3:7], b[3:7]),
+                                                                                 whole[3:7])):
+        failures.append("batched matmul: a matrix's product depends on the batch")
+    if not torch.equal(torch.matmul(a[:4], b[:4, :, :64]), whole[:4, :, :64]):
+        failures.append("batched matmul: a column's product depends on the column count")
+    return failures

@@ -1,0 +1,267 @@
+"""Invariant numerics (services/model/numerics.py): a token's logits bitwise the same whatever its batch, its
+prompt's chunking and the TP degree, in float32 and bfloat16; the fast mode, for contrast, is not."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+from services.model.attention import AttentionMetadata, paged_attention
+from services.model.invariant_attention import invariant_attention
+from services.model.layers import Linear, ShardLoader, SingleRankGroup
+from services.model.llama import ShardedCausalLM
+from services.model.numerics import (
+    FAST,
+    ROW_MULTIPLE,
+    Numerics,
+    invariant_numerics,
+    invariant_threads,
+    ordered_sum,
+    probe,
+    reduction_pieces,
+    slice_bounds,
+)
+from services.model.spec import ModelSpec
+from services.topology import Topology, place
+
+CPU = torch.device("cpu")
+DTYPES = (torch.float32, torch.bfloat16)
+BLOCK = 4
+
+
+# ---- the pure parts -------------------------------------------------------------------------------------------------
+@given(st.integers(1, 6).flatmap(lambda unit: st.tuples(
+    st.just(unit), st.lists(st.sampled_from([1, 2, 3, 4, 6, 8, 12]), min_size=1, max_size=4))))
+def test_every_shard_is_whole_pieces_and_the_ranks_pieces_are_the_global_order(case):
+    unit, tp_sizes = case
+    total = 24 * unit
+    bounds = slice_bounds(total, tp_sizes)
+    everything = reduction_pieces(bounds, range(total))
+    assert [p.start for p in everything] == list(bounds[:-1]) and everything[-1].stop == total
+    for tp in tp_sizes:
+        per_rank = total // tp
+        held = [range(r * per_rank, (r + 1) * per_rank) for r in range(tp)]
+        in_rank_order = [range(h.start + p.start, h.start + p.stop) for h in held for p in reduction_pieces(bounds, h)]
+        assert in_rank_order == list(everything)  # gathered in rank order = added in piece order
+
+
+def test_a_shard_off_the_bounds_is_refused():
+    with pytest.raises(ValueError, match="does not start and end on a boundary"):
+        reduction_pieces(slice_bounds(12, [2]), range(0, 5))
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="numerics must be one of fast, invariant"):
+        Numerics("exact")
+
+
+def test_threads_are_a_power_of_two():
+    assert [invariant_threads(n) for n in (0, 1, 2, 3, 5, 8, 15, 16)] == [1, 1, 2, 2, 4, 8, 8, 16]
+
+
+def test_ordered_sum_adds_the_pieces_in_order_in_float32():
+    partials = torch.tensor([[1e8, 1.0, -1e8, 1.0]], dtype=torch.float32)  # pieces of width 1: ((1e8+1)-1e8)+1
+    assert ordered_sum(partials, 4, torch.float32).item() == 1.0  # in order: 1e8 + 1 rounds to 1e8
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_probe_holds_here_and_catches_unpadded_rows(dtype):
+    assert probe(CPU, dtype) == []
+    if dtype == torch.float32:  # MKL computes a block of one row, or of two or three, in other orders
+        assert probe(CPU, dtype, row_multiple=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_padded_linear_gives_a_row_the_same_bits_at_any_batch(dtype):
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=generator).to(dtype)
+    x = torch.randn(70, 64, generator=generator).to(dtype)
+    linear = Linear(weight, row_multiple=ROW_MULTIPLE)
+    alone = linear(x[9:10])
+    assert all(torch.equal(linear(x[start:rows])[9 - start: 10 - start], alone)
+               for start in (0, 3, 9) for rows in (10, 11, 12, 17, 33, 70))
+
+
+# ---- attention ------------------------------------------------------------------------------------------------------
+def _attention(fn, query, cache, contexts, news, seed_tables=0):
+    tables = [[(b * 7 + i * 131 + seed_tables) % cache.shape[1] for b in range(-(-c // BLOCK))]
+              for i, c in enumerate(contexts)]
+    meta = AttentionMetadata.build([c - n for c, n in zip(contexts, news)], news, tables, BLOCK, CPU)
+    return fn(query[: sum(news)], cache, meta, 0.125)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_invariant_attention_is_the_same_alone_in_any_batch_and_in_any_prefill_chunk(dtype):
+    generator = torch.Generator().manual_seed(1)
+    cache = torch.randn(2, 400, BLOCK, 2, 64, generator=generator).to(dtype)
+    query = torch.randn(600, 6, 64, generator=generator).to(dtype)
+    for context in (5, 64, 65, 300):
+        alone = _attention(invariant_attention, query, cache, [context], [1])[0]
+        for others in ([900], [3] * 20, [64, 1200], [70, 3, 5]):
+            batch = _attention(invariant_attention, query, cache, [context, *others], [1] * (1 + len(others)))
+            assert torch.equal(batch[0], alone)
+        mixed = _attention(invariant_attention, query, cache, [context, 500], [1, 120])  # beside a prefill
+        assert torch.equal(mixed[0], alone)
+    whole = _attention(invariant_attention, query, cache, [500], [500])
+    for start, n in ((0, 1), (0, 3), (63, 2), (100, 77), (499, 1)):
+        meta = AttentionMetadata.build([start], [n], [[(b * 7) % 400 for b in range(-(-(start + n) // BLOCK))]],
+                                       BLOCK, CPU)
+        assert torch.equal(invariant_attention(query[start:start + n], cache, meta, 0.125), whole[start:start + n])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_invariant_attention_agrees_with_the_fast_one(dtype):
+    generator = torch.Generator().manual_seed(2)
+    cache = torch.randn(2, 400, BLOCK, 2, 64, generator=generator).to(dtype)
+    query = torch.randn(300, 6, 64, generator=generator).to(dtype)
+    contexts, news = [7, 300, 90], [1, 1, 40]
+    fast = _attention(paged_attention, query, cache, contexts, news).float()
+    invariant = _attention(invariant_attention, query, cache, contexts, news).float()
+    torch.testing.assert_close(invariant, fast, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
+# ---- the whole model, TP ranks as threads ---------------------------------------------------------------------------
+class _ThreadGroup:
+    """A TP group whose ranks are threads of this process: what one rank contributes, every rank reads."""
+
+    def __init__(self, shared: _Shared, rank: int) -> None:
+        self.shared, self.rank, self.size = shared, rank, shared.size
+
+    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self.shared.slots[self.rank] = tensor
+        self.shared.barrier.wait()
+        parts = list(self.shared.slots)
+        self.shared.barrier.wait()  # nobody overwrites a slot before every rank has read
+        return parts
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        parts = self._exchange(tensor.clone())
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return tensor.copy_(total)
+
+    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self._exchange(tensor), dim=-1)
+
+
+class _Shared:
+    def __init__(self, size: int) -> None:
+        self.size, self.slots, self.barrier = size, [None] * size, threading.Barrier(size)
+
+
+class _TPModel:
+    """One model of `tp` shards, each stepping on its own thread; `step` returns rank 0's logits."""
+
+    def __init__(self, model_dir: Path, tp: int, dtype: torch.dtype, numerics: Numerics) -> None:
+        spec = ModelSpec.from_dir(model_dir)
+        tensors = load_file(model_dir / "model.safetensors")
+        shared = _Shared(tp)
+        self.ranks = []
+        for wp in place(Topology(tp, 1), spec.shape).workers:
+            group = _ThreadGroup(shared, wp.tp_rank) if tp > 1 else SingleRankGroup()
+            model = ShardedCausalLM(spec, wp, ShardLoader(tensors.__getitem__, set(tensors), dtype, CPU), group,
+                                    numerics=numerics)
+            caches = [torch.zeros(2, 256, BLOCK, len(wp.kv_heads), spec.head_dim, dtype=dtype) for _ in wp.layers]
+            self.ranks.append((model, caches))
+
+    def step(self, starts: list[int], token_lists: list[list[int]], tables: list[list[int]]) -> torch.Tensor:
+        results: list[torch.Tensor | None] = [None] * len(self.ranks)
+
+        def run(rank: int) -> None:
+            model, caches = self.ranks[rank]
+            meta = AttentionMetadata.build(starts, [len(t) for t in token_lists], tables, BLOCK, CPU)
+            positions = torch.tensor([s + i for s, t in zip(starts, token_lists) for i in range(len(t))])
+            hidden = model.forward(torch.tensor([t for ts in token_lists for t in ts]), positions, caches, meta)
+            last = torch.tensor([s.token_start + s.num_new_tokens - 1 for s in meta.sequences])
+            results[rank] = model.compute_logits(hidden.index_select(0, last))
+
+        threads = [threading.Thread(target=run, args=(rank,)) for rank in range(1, len(self.ranks))]
+        for thread in threads:
+            thread.start()
+        run(0)
+        for thread in threads:
+            thread.join()
+        return results[0]
+
+
+PROMPTS = [[5, 17, 33, 2, 9, 100, 41], [7, 8], [250, 3, 3, 3, 60, 61, 62, 63, 64, 65, 11], [42]]
+NEW_TOKENS = 6
+
+
+def _serve(step: Callable, schedule: str) -> list[list[torch.Tensor]]:
+    """Greedy decoding of PROMPTS, batched as `schedule` says; each prompt's logits at each generated token.
+    together: every prompt prefilled in one step, then decoded together; alone: one prompt at a time; chunked:
+    prompts prefilled 3 tokens a step, the next prompt joining each step, decodes beside the prefills."""
+    tables = [list(range(i * 16, (i + 1) * 16)) for i in range(len(PROMPTS))]
+    logits: list[list[torch.Tensor]] = [[] for _ in PROMPTS]
+    fed = [0] * len(PROMPTS)  # tokens whose KV is cached
+    tokens = [list(p) for p in PROMPTS]
+    groups = [[i] for i in range(len(PROMPTS))] if schedule == "alone" else [list(range(len(PROMPTS)))]
+    for group in groups:
+        joined = 0
+        while any(len(logits[i]) < NEW_TOKENS for i in group):
+            joined = joined + 1 if schedule == "chunked" else len(group)
+            live = [i for i in group[:joined] if len(logits[i]) < NEW_TOKENS]
+            chunk = {i: tokens[i][fed[i]: fed[i] + (3 if schedule == "chunked" else len(tokens[i]))] for i in live}
+            out = step([fed[i] for i in live], [chunk[i] for i in live], [tables[i] for i in live])
+            for row, i in enumerate(live):
+                fed[i] += len(chunk[i])
+                if fed[i] == len(tokens[i]):  # the last token fed: this row's logits pick the next one
+                    logits[i].append(out[row])
+                    tokens[i].append(int(out[row].argmax()))
+    return logits
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    from tests.conftest import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("numerics"), "llama")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_invariant_logits_are_bitwise_the_same_in_any_batch_chunking_and_tp_degree(llama_dir, dtype):
+    spec = ModelSpec.from_dir(llama_dir)
+    numerics = invariant_numerics(spec.shape.num_heads, spec.shape.intermediate_size, (1, 2, 4))
+    reference = _serve(_TPModel(llama_dir, 1, dtype, numerics).step, "together")
+    for tp in (1, 2, 4):
+        model = _TPModel(llama_dir, tp, dtype, numerics)
+        for schedule in ("together", "alone", "chunked"):
+            served = _serve(model.step, schedule)
+            for prompt, (got, want) in enumerate(zip(served, reference)):
+                assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (tp, schedule, prompt)
+
+
+def test_fast_numerics_is_not_tp_invariant_in_bfloat16(llama_dir):
+    """The contrast that makes the test above mean something: the default mode's bf16 logits change with TP."""
+    spec = ModelSpec.from_dir(llama_dir)
+    together = _serve(_TPModel(llama_dir, 1, torch.bfloat16, FAST).step, "together")
+    tp2 = _serve(_TPModel(llama_dir, 2, torch.bfloat16, FAST).step, "together")
+    assert spec.shape.num_heads == 4
+    assert not all(torch.equal(a, b) for got, want in zip(tp2, together) for a, b in zip(got, want))
+
+
+def test_a_mixed_batch_run_100_times_gives_one_output(llama_dir):
+    spec = ModelSpec.from_dir(llama_dir)
+    numerics = invariant_numerics(spec.shape.num_heads, spec.shape.intermediate_size, (1, 2, 4))
+    model = _TPModel(llama_dir, 1, torch.bfloat16, numerics)
+    tables = [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
+    outputs = {model.step([0, 0, 0], [PROMPTS[0], PROMPTS[1], PROMPTS[2]], tables).view(torch.int16)
+               .numpy().tobytes() for _ in range(100)}
+    assert len(outputs) == 1
+
+
+def test_invariant_numerics_refuses_a_mixture_of_experts_model(hf_moe_checkpoint):
+    spec = ModelSpec.from_dir(hf_moe_checkpoint)
+    wp = place(Topology(1, 1), spec.shape).workers[0]
+    with pytest.raises(ValueError, match="not built for mixture-of-experts models yet"):
+        ShardedCausalLM(spec, wp, ShardLoader(None, set(), torch.float32, CPU), SingleRankGroup(),
+                        numerics=invariant_numerics(spec.shape.num_heads, spec.shape.intermediate_size, (1,)))
