@@ -38,15 +38,15 @@ def step_work_us(batch: int, num_steps: int = 300, prompt_len: int = 64) -> dict
 
     from services.router.config import SchedulerConfig
     from services.router.dp import DataParallelBlocks
-    from services.router.scheduler import Scheduler
+    from services.router.async_scheduler import AsyncScheduler
     from services.router.sequence import Sequence
     from services.rpc.reconfig.v1 import worker_pb2
     from services.worker.step import SequenceOutput, StepOutput
     from services.worker.step_rows import RowEncoder, RowTable, rows_result
 
     max_tokens = num_steps + 16
-    scheduler = Scheduler(SchedulerConfig(max_model_len=prompt_len + max_tokens, max_num_seqs=batch),
-                          DataParallelBlocks(1, batch * (-(-(prompt_len + max_tokens) // BLOCK_SIZE)), BLOCK_SIZE))
+    scheduler = AsyncScheduler(SchedulerConfig(max_model_len=prompt_len + max_tokens, max_num_seqs=batch),
+                               DataParallelBlocks(1, batch * (-(-(prompt_len + max_tokens) // BLOCK_SIZE)), BLOCK_SIZE))
     for i in range(batch):
         scheduler.add(Sequence(f"cmpl-{i:032x}", list(range(1, prompt_len + 1)), max_tokens=max_tokens))
     encoder, table = RowEncoder(), RowTable()

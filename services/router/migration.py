@@ -79,7 +79,7 @@ class InstanceMigrations:
         """The request's blocks and where they live, while it keeps decoding. KeyError: unknown."""
         self._check_not_frozen()
         seq = self._sequence(request_id)
-        if request_id in self.engine.scheduler.parked:
+        if request_id in self.engine.scheduler.moves.parked:
             raise MigrationRefused(f"{request_id} is already moving")
         return self._state(seq), await self.kv_source()
 
@@ -90,23 +90,24 @@ class InstanceMigrations:
         scheduler = self.engine.scheduler
         seq = self._sequence(request_id)
         try:
-            parked = scheduler.park(request_id)
+            parked = scheduler.moves.park(request_id)
         except ValueError as exc:
             raise MigrationRefused(str(exc)) from None
         deadline = time.monotonic() + timeout_s
-        while not parked and request_id not in scheduler.parked and not seq.is_finished:
+        while not parked and request_id not in scheduler.moves.parked and not seq.is_finished:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self.engine.scheduler.is_frozen:
                 self._unpark_quietly(request_id)
                 raise TimeoutError(f"{request_id} did not reach a step boundary within {timeout_s:g} s")
             await self.engine.wait_step(remaining)
-        return self._state(seq, finished=request_id not in scheduler.parked), await self.kv_source()
+        return self._state(seq, finished=request_id not in scheduler.moves.parked), await self.kv_source()
 
     def commit(self, request_id: str) -> None:
         """The request runs on another instance now: free its blocks and end its stream here ("migrated").
         Refused while frozen: a switch under way may have given the workers new pools after the last pull."""
         self._check_not_frozen()
-        if request_id not in self.engine.scheduler.parked or self.engine.scheduler.is_moving_in(request_id):
+        moves = self.engine.scheduler.moves
+        if request_id not in moves.parked or moves.is_moving_in(request_id):
             raise KeyError(request_id)
         self.engine.scheduler.finish(request_id, SequenceStatus.FINISHED_ABORTED)
         self.engine.end_stream(request_id, MIGRATED)
@@ -114,7 +115,7 @@ class InstanceMigrations:
 
     def abort(self, request_id: str) -> None:
         """The move failed: the parked request is scheduled again here (KeyError: not parked)."""
-        self.engine.scheduler.unpark(request_id)
+        self.engine.scheduler.moves.unpark(request_id)
         self.engine.wake()
 
     # ---- target ------------------------------------------------------------------------------------------------
@@ -123,7 +124,7 @@ class InstanceMigrations:
         self._check_not_frozen()
         if request.stop_strings:
             raise RequestError("a request moving in carries no stop strings (the front router applies them)")
-        return self.engine.scheduler.reserve(Sequence.from_request(request), num_tokens)
+        return self.engine.scheduler.moves.reserve(Sequence.from_request(request), num_tokens)
 
     def admit(self, request: GenerationRequest, output_token_ids: list[int], num_computed_tokens: int) -> Sequence:
         """A request moving in starts here: with its KV reserved and filled (`num_computed_tokens` of it), from its
@@ -132,7 +133,7 @@ class InstanceMigrations:
         sampling state; one moved before its first token starts here as a new request does. KeyError: KV cached
         but nothing reserved under its id."""
         if num_computed_tokens:
-            seq = self.engine.scheduler.adopt(request.request_id, output_token_ids, num_computed_tokens)
+            seq = self.engine.scheduler.moves.adopt(request.request_id, output_token_ids, num_computed_tokens)
         else:
             if not 0 <= len(output_token_ids) < request.max_tokens:
                 raise RequestError(f"{len(output_token_ids)} generated tokens cannot continue a request of "
@@ -147,7 +148,7 @@ class InstanceMigrations:
         """Give back a reservation whose move failed (nothing if there is none), once no worker writes into it any
         more (a pull whose caller gave up runs on to its end)."""
         await asyncio.gather(*self._pulling.get(request_id, ()), return_exceptions=True)
-        if self.engine.scheduler.is_moving_in(request_id):
+        if self.engine.scheduler.moves.is_moving_in(request_id):
             self.engine.scheduler.finish(request_id, SequenceStatus.FINISHED_ABORTED)
 
     async def pull(self, request_id: str, source: worker_pb2.KVSource, src_block_ids: Sequence_[int],
@@ -156,7 +157,7 @@ class InstanceMigrations:
         request reserved), between its steps."""
         self._check_not_frozen()
         scheduler = self.engine.scheduler
-        if not scheduler.is_moving_in(request_id):
+        if not scheduler.moves.is_moving_in(request_id):
             raise KeyError(request_id)
         reserved = set(scheduler.get(request_id).block_ids)
         if stray := [b for b in dst_block_ids if b not in reserved]:
@@ -194,7 +195,7 @@ class InstanceMigrations:
         """Where this instance's KV lives (read again after every freeze: a switch, even a rolled-back one, may give
         the workers new pools, and with them new segments and IPC handles; the driver itself changes only in a
         rebind, which needs a freeze)."""
-        driver, read_at = self.engine.driver, self.engine.num_freezes
+        driver, read_at = self.engine.driver, self.engine.switch_ops.num_freezes
         if self._source is None or self._source[0] != read_at:
             pools = await driver.kv_pools()
             self._source = (read_at, worker_pb2.KVSource(
@@ -204,7 +205,7 @@ class InstanceMigrations:
 
     def _state(self, seq: Sequence, finished: bool = False) -> RequestKV:
         return RequestKV(tuple(seq.block_ids), seq.num_computed_tokens, tuple(seq.output_token_ids),
-                         finished or seq.is_finished, seq.num_prefills, self.engine.num_freezes)
+                         finished or seq.is_finished, seq.num_prefills, self.engine.switch_ops.num_freezes)
 
     def _sequence(self, request_id: str) -> Sequence:
         seq = self.engine.scheduler.get(request_id)
@@ -220,8 +221,8 @@ class InstanceMigrations:
 
     def _unpark_quietly(self, request_id: str) -> None:
         scheduler = self.engine.scheduler
-        if request_id in scheduler.parked:
-            scheduler.unpark(request_id)
+        if request_id in scheduler.moves.parked:
+            scheduler.moves.unpark(request_id)
         else:
-            scheduler.cancel_park(request_id)
+            scheduler.moves.cancel_park(request_id)
         self.engine.wake()

@@ -57,7 +57,7 @@ async def test_moves_between_layouts_keep_every_token(instances):
     assert [e.migrations.num_in for e in instances.engines] == [len(PROMPTS), len(PROMPTS), len(PROMPTS)]
     for engine in instances.engines:  # every block came back
         assert engine.scheduler.block_manager.num_used == 0
-        assert not engine.scheduler.parked
+        assert not engine.scheduler.moves.parked
 
 
 async def test_seeded_sampling_moves_exactly_by_kv_and_by_reprefill(instances):
@@ -104,7 +104,7 @@ async def test_a_request_moves_before_the_front_saw_its_first_token(instances):
     assert result.moved, result.error
     assert tokens == expected
     for engine in instances.engines:
-        assert engine.scheduler.block_manager.num_used == 0 and not engine.scheduler.parked
+        assert engine.scheduler.block_manager.num_used == 0 and not engine.scheduler.moves.parked
 
 
 async def test_migration_rpcs_refuse_with_precise_codes(instances):

@@ -59,7 +59,7 @@ async def test_200_streaming_clients_while_requests_move(instances):
     for i, tokens in enumerate(outputs):
         assert tokens == reference[i % len(PROMPTS)][:_max_tokens(i)], f"client {i}"
     for engine in instances.engines:
-        assert engine.scheduler.block_manager.num_used == 0 and not engine.scheduler.parked
+        assert engine.scheduler.block_manager.num_used == 0 and not engine.scheduler.moves.parked
 
 
 def _max_tokens(client: int) -> int:

@@ -47,7 +47,7 @@ async def test_a_failed_move_leaves_the_request_running_on_its_source(failing):
     assert not results0[0].moved and results0[0].rounds == 0 and "ImportKV" in results0[0].error
     assert not results1[0].moved and results1[0].downtime_s == 0
     c_engine = failing.engines[2]
-    assert c_engine.scheduler.block_manager.num_used == 0 and not c_engine.scheduler.parked
+    assert c_engine.scheduler.block_manager.num_used == 0 and not c_engine.scheduler.moves.parked
     assert failing.engines[0].num_full_prefills == 4  # 2 references + 2 live: none re-prefilled
     assert failing.engines[0].migrations.num_out == 0
 
@@ -73,7 +73,7 @@ async def test_a_move_given_up_midway_holds_nothing_on_its_target(failing):
             tokens.extend(delta.token_ids)
         assert front.totals.moves["moved"] == 0
     assert tokens == reference
-    assert not a_engine.scheduler.parked and a_engine.scheduler.block_manager.num_used == 0
+    assert not a_engine.scheduler.moves.parked and a_engine.scheduler.block_manager.num_used == 0
 
 
 async def test_a_lost_instance_loses_only_its_requests_kv(failing):

@@ -59,7 +59,7 @@ async def test_a_move_into_an_instance_still_moving_out_waits_for_its_room(tight
     assert [outputs["x"], outputs["y"]] == reference
     assert [e.num_full_prefills for e in tight.engines] == prefills  # both adopted with their KV
     for engine in tight.engines:
-        assert engine.scheduler.block_manager.num_used == 0 and not engine.scheduler.parked
+        assert engine.scheduler.block_manager.num_used == 0 and not engine.scheduler.moves.parked
 
 
 async def test_outgoing_lists_the_moves_out_of_an_instance_until_they_end():

@@ -149,12 +149,12 @@ def test_rebind_resizes_every_rank_and_preempts_owners_past_the_new_size_on_any_
     assert blocks.used_block_ids_per_rank() == ([0, 1, 2, 3], [0, 1, 2])
     scheduler.freeze()
     with pytest.raises(ValueError, match="need more than 2 blocks"):
-        scheduler.rebind(2)  # a, b, c: 2 prompt tokens + 1 more cached one
+        scheduler.kv_layout.rebind(2)  # a, b, c: 2 prompt tokens + 1 more cached one
     assert blocks.num_blocks_per_rank == 8 and scheduler.num_switch_preemptions == 0  # unchanged
-    preempted = scheduler.rebind(3)  # c's block 3 on rank 0 is past it; nothing on rank 1 is
+    preempted = scheduler.kv_layout.rebind(3)  # c's block 3 on rank 0 is past it; nothing on rank 1 is
     assert [s.request_id for s in preempted] == ["c"] and scheduler.num_switch_preemptions == 1
     assert (blocks.num_blocks_per_rank, blocks.num_total, blocks.per_rank_used()) == (3, 6, (2, 3))
-    assert scheduler.rebind(7) == [] and blocks.num_total == 14
+    assert scheduler.kv_layout.rebind(7) == [] and blocks.num_total == 14
     scheduler.unfreeze()
     while scheduler.has_unfinished:
         done(scheduler, workers, scheduler.schedule())
@@ -441,15 +441,16 @@ def test_a_switch_between_pool_counts_keeps_every_request_exact(old_ranks, new_r
             done(scheduler, workers, batch)
     scheduler.freeze()
     before = {s.request_id: (scheduler.block_manager.rank_of(s), list(s.block_ids)) for s in scheduler.running}
-    capacity = max(new_blocks, max((scheduler._max_blocks(s) for s in seqs), default=1))
-    maps, preempted = scheduler.repartition(new_ranks, capacity)
+    capacity = max(new_blocks, max((scheduler.max_blocks(s) for s in seqs), default=1))
+    maps, preempted = scheduler.kv_layout.repartition(new_ranks, capacity)
     blocks = scheduler.block_manager
     if roll_back:
-        assert scheduler.restore_partition() == (old_ranks != new_ranks)  # the same width: ids were kept anyway
+        # The same width: ids were kept anyway.
+        assert scheduler.kv_layout.restore_partition() == (old_ranks != new_ranks)
         after = {s.request_id: (scheduler.block_manager.rank_of(s), list(s.block_ids)) for s in scheduler.running}
         assert after == {rid: value for rid, value in before.items() if rid not in {s.request_id for s in preempted}}
     else:
-        scheduler.commit_partition()
+        scheduler.kv_layout.commit_partition()
         assert blocks.num_ranks == new_ranks and blocks.num_blocks_per_rank == capacity
         moved = sum(len(src) for src, _ in maps.values())
         assert moved == sum(len(s.block_ids) for s in scheduler.running)
@@ -458,7 +459,7 @@ def test_a_switch_between_pool_counts_keeps_every_request_exact(old_ranks, new_r
             assert all(0 <= b < capacity for b in dst_ids)
         _move_cache(workers, maps)
         workers.blocks = blocks
-    assert not scheduler.restore_partition()  # committed or restored: nothing left to undo
+    assert not scheduler.kv_layout.restore_partition()  # committed or restored: nothing left to undo
     scheduler.unfreeze()
     for _ in range(5000):
         if not scheduler.has_unfinished:
@@ -478,11 +479,11 @@ def test_repartition_to_fewer_pools_preempts_the_requests_that_do_not_fit():
         scheduler.add(seq_of(name, prompt_of(ord(name), 3), 2))
     done(scheduler, workers, scheduler.schedule())  # a on rank 0, b on rank 1: 3 blocks each
     scheduler.freeze()
-    maps, preempted = scheduler.repartition(1, 5)  # one pool of 5 ids: a (first of equals) fits, b no more
+    maps, preempted = scheduler.kv_layout.repartition(1, 5)  # one pool of 5 ids: a (first of equals) fits, b no more
     a, b = scheduler.get("a"), scheduler.get("b")
     assert preempted == [b] and b.block_ids == [] and scheduler.num_switch_preemptions == 1
     assert maps == {(0, 0): ([0, 1, 2], [0, 1, 2])} and a.block_ids == [0, 1, 2]
-    scheduler.commit_partition()
+    scheduler.kv_layout.commit_partition()
     _move_cache(workers, maps)
     workers.blocks = scheduler.block_manager
     scheduler.unfreeze()
@@ -500,9 +501,9 @@ def test_a_request_aborted_during_a_rolled_back_repartition_frees_its_old_blocks
     done(scheduler, workers, scheduler.schedule())
     old = scheduler.block_manager
     scheduler.freeze()
-    scheduler.repartition(2, 8)
+    scheduler.kv_layout.repartition(2, 8)
     assert scheduler.abort("a")  # a client goes away while the switch runs
-    assert scheduler.restore_partition()  # and the switch rolls back
+    assert scheduler.kv_layout.restore_partition()  # and the switch rolls back
     assert scheduler.block_manager is old and old.num_used == len(scheduler.get("b").block_ids)
     scheduler.unfreeze()
     while scheduler.has_unfinished:

@@ -89,7 +89,7 @@ async def test_the_api_servers_stream_is_the_engines_own(pair):
     assert there == here == (TEXT[:40], [ord(c) for c in TEXT[:40]], "length")
     stopped = await collect(client.generate(request("stop", stop_strings=("fox",))))
     assert stopped[0] == "The quick brown " and stopped[2] == "stop"
-    await until(lambda: engine.scheduler.get("stop") is None and not engine._streams, what="the engine let it go")
+    await until(lambda: engine.scheduler.get("stop") is None and not engine.streams, what="the engine let it go")
 
 
 async def test_refusals_keep_their_kind(pair):
@@ -106,7 +106,7 @@ async def test_refusals_keep_their_kind(pair):
     await asyncio.gather(*started)
     for w in waiting:
         await w.aclose()  # the clients leave: their requests are aborted in the engine
-    await until(lambda: not engine._streams and engine.scheduler.num_running == 0, what="the aborts")
+    await until(lambda: not engine.streams and engine.scheduler.num_running == 0, what="the aborts")
     draining = asyncio.ensure_future(engine.drain(0))
     await until(lambda: client.is_draining and not client.is_ready, what="the drain to reach the API server")
     with pytest.raises(EngineDrainingError):

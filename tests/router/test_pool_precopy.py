@@ -120,18 +120,18 @@ def test_the_engine_pre_copies_between_pool_counts_and_its_rebind_keeps_the_rese
     with pytest.raises(ValueError, match="num_kv_pools"):
         engine.precopy_blocks("op", 8, num_kv_pools=0)
     maps, warm, copied, used = engine.precopy_blocks("op", 8, num_kv_pools=2)
-    assert isinstance(engine.precopy, PoolPrecopy) and copied == 2 + 1 + 3 and used == 3 + 2 + 4
+    assert isinstance(engine.switch_ops.precopy, PoolPrecopy) and copied == 2 + 1 + 3 and used == 3 + 2 + 4
     assert {dst for _, dst in maps} == {0, 1}  # the requests spread over both target pools
     with pytest.raises(ValueError, match="2 pools of 8 blocks, not 2 of 9"):
         engine.precopy_blocks("op", 9, num_kv_pools=2)
     scheduler.freeze()
     with pytest.raises(ValueError, match="other"):
         run_sync(engine.rebind(8, dp_size=2, precopy_operation_id="other"))
-    assert engine.precopy is None  # a rebind that names another operation ends the record: nothing is kept
+    assert engine.switch_ops.precopy is None  # a rebind that names another operation ends the record: nothing is kept
     engine.precopy_blocks("op2", 8, num_kv_pools=2)
     delta = run_sync(engine.rebind(8, dp_size=2, precopy_operation_id="op2"))
     assert sum(len(src) for src, _ in delta.values()) == used - copied  # the partly filled last blocks
-    assert engine.precopy is None and scheduler.block_manager.num_ranks == 2
+    assert engine.switch_ops.precopy is None and scheduler.block_manager.num_ranks == 2
 
 
 def test_plan_rebind_places_the_running_requests_as_the_rebind_would_and_changes_nothing():
@@ -314,7 +314,7 @@ def simulate_pool_precopy(block_size, num_pools, num_blocks, config, requests, s
                 block, slot = seq.block_ids[position // block_size], position % block_size
                 assert target[pool, block][slot] == seq.all_token_ids[position], (
                     f"{seq.request_id} position {position} (pool {pool} block {block}) differs in the target")
-        scheduler.commit_partition()
+        scheduler.kv_layout.commit_partition()
         workers.cache = target
         pools_now = pools
         op = None

@@ -181,10 +181,10 @@ def test_engine_rounds_per_operation_and_the_delta_ends_the_record():
     assert (map_ids(maps), copied) == (ids, 3)
     with pytest.raises(ValueError, match="op-1"):
         engine.kv_to_move("op-1")  # op-2 replaced its record
-    assert engine.precopy is None  # ... and the failed call ended op-2's as well: the switch gives up on it
+    assert engine.switch_ops.precopy is None  # ... and the failed call ended op-2's as well: the switch gives up on it
     engine.precopy_blocks("op-3", 16)
     assert engine.kv_to_move("op-3") == [a.block_ids[2]]  # a's third block holds 1 of its 4 slots: not full
-    assert engine.precopy is None
+    assert engine.switch_ops.precopy is None
     with pytest.raises(ValueError, match="op-3"):
         engine.kv_to_move("op-3")  # the record ended with the delta
     assert engine.kv_to_move("") == sorted(a.block_ids + b.block_ids)  # without a pre-copy: every used block
@@ -313,7 +313,8 @@ def simulate_precopy(block_size, num_blocks, config, requests, switches, rounds,
         if pending is not None:
             copy(pending[1])
             pending = None
-        scheduler.rebind(capacity)  # Rebind at the freeze: the target's capacity (owners of ids past it preempted)
+        # Rebind at the freeze: the target's capacity (owners of ids past it preempted).
+        scheduler.kv_layout.rebind(capacity)
         used = manager.used_block_ids()
         holders = list(scheduler.running)
         assert sorted(b for s in holders for b in s.block_ids) == used

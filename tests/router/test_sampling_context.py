@@ -61,7 +61,7 @@ def test_prompt_logprobs_follow_the_chunks_and_survive_a_preemption():
     scheduler.add(seq)
     batch, _ = _step(scheduler, workers)  # positions 0-3 score prompt tokens 1-4
     assert batch.items[0].step.prompt_logprob_token_ids == tuple(prompt[1:5])
-    scheduler._preempt(seq)  # recompute from position 0: the targets are asked again and rewritten in place
+    scheduler.preempt(seq)  # recompute from position 0: the targets are asked again and rewritten in place
     batch, _ = _step(scheduler, workers)
     assert batch.items[0].step.start_position == 0
     assert batch.items[0].step.prompt_logprob_token_ids == tuple(prompt[1:5])

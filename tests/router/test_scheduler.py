@@ -15,6 +15,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from services.router.async_scheduler import AsyncScheduler, scheduler_for
 from services.router.block_manager import BlockManager, num_blocks_for
 from services.router.config import SchedulerConfig
 from services.router.contracts import GenerationRequest, QueueFullError, RequestError
@@ -91,8 +92,8 @@ class PagedWorkers:
 
 def make_scheduler(num_blocks=64, block_size=4, max_model_len=256, **config) -> Scheduler:
     clock = iter(range(1, 10**9))
-    return Scheduler(SchedulerConfig(max_model_len=max_model_len, **config), BlockManager(num_blocks, block_size),
-                     clock=lambda: float(next(clock)))
+    return scheduler_for(SchedulerConfig(max_model_len=max_model_len, **config), BlockManager(num_blocks, block_size),
+                         clock=lambda: float(next(clock)))
 
 
 def seq_of(request_id: str, prompt: list[int], max_tokens: int, stop_token_ids=frozenset()) -> Sequence:
@@ -285,6 +286,34 @@ def test_spread_decodes_share_the_pipeline_micro_batches():
 
 # ---- steps ahead (async scheduling) ---------------------------------------------------------------------------
 
+def test_steps_ahead_are_the_async_layer_s():
+    """async_scheduling picks the class once: the base Scheduler waits for every step even when the layout would
+    allow steps ahead; the AsyncScheduler layer sends a decode's next step, fed PENDING_TOKEN, before it returns."""
+    base, layered = make_scheduler(async_scheduling=False), make_scheduler(async_scheduling=True)
+    assert type(base) is Scheduler and isinstance(layered, AsyncScheduler)
+    prompt = prompt_of(1, 6)
+    for scheduler in (base, layered):
+        workers = PagedWorkers(scheduler.block_manager)
+        seq = seq_of("a", prompt, 5)
+        scheduler.add(seq)
+        prefill = scheduler.schedule(ahead=True)
+        ahead = scheduler.schedule(ahead=True)
+        if scheduler is base:  # nothing until the prefill returns
+            assert ahead is None
+        else:
+            assert [item.step.token_ids for item in ahead.items] == [(PENDING_TOKEN,)]
+        steps = [prefill] + ([ahead] if ahead is not None else [])
+        while steps or scheduler.has_unfinished:  # as an engine: keep ahead=True, one step more in flight
+            batch = steps.pop(0) if steps else scheduler.schedule(ahead=True)
+            if (nxt := scheduler.schedule(ahead=True)) is not None:
+                steps.append(nxt)
+            assert scheduler is layered or all(item.step.token_ids != (PENDING_TOKEN,) for item in batch.items)
+            scheduler.on_batch_done(batch, workers.run(batch))
+        assert seq.output_token_ids == expected_output(prompt, 5)
+        assert scheduler.block_manager.num_used == 0
+    assert base.num_ahead_items == 0 and layered.num_ahead_items > 0
+
+
 def test_a_decode_goes_out_ahead_of_the_step_sampling_its_input():
     prompt = prompt_of(1, 6)
     scheduler = make_scheduler(block_size=4)
@@ -449,11 +478,11 @@ def test_a_request_parks_once_its_step_ahead_returns_too():
     scheduler.add(seq)
     prefill = scheduler.schedule(ahead=True)
     ahead = scheduler.schedule(ahead=True)
-    assert scheduler.park("a") is False
+    assert scheduler.moves.park("a") is False
     scheduler.on_batch_done(prefill, workers.run(prefill))
-    assert "a" not in scheduler.parked and scheduler.schedule(ahead=True) is None  # parking: nothing more ahead
+    assert "a" not in scheduler.moves.parked and scheduler.schedule(ahead=True) is None  # parking: nothing more ahead
     scheduler.on_batch_done(ahead, workers.run(ahead))
-    assert scheduler.parked["a"] is seq and seq.num_computed_tokens == 5 and len(seq.output_token_ids) == 2
+    assert scheduler.moves.parked["a"] is seq and seq.num_computed_tokens == 5 and len(seq.output_token_ids) == 2
 
 
 def test_stop_token_finishes_the_sequence():
@@ -587,17 +616,17 @@ def test_rebind_shrink_preempts_newest_owners_of_ids_past_the_new_size():
         scheduler.add(seq)
     batch = scheduler.schedule()  # a: 0-2, b: 3-5, c: 6-8
     with pytest.raises(RuntimeError):
-        scheduler.rebind(4)  # not frozen
+        scheduler.kv_layout.rebind(4)  # not frozen
     scheduler.freeze()
     with pytest.raises(RuntimeError):
-        scheduler.rebind(4)  # a step in flight
+        scheduler.kv_layout.rebind(4)  # a step in flight
     scheduler.on_batch_done(batch, workers.run(batch))
     with pytest.raises(ValueError, match="need more than"):
-        scheduler.rebind(3)  # each request needs 4 blocks at the end
-    assert scheduler.rebind(4) == [seqs[2], seqs[1]]
+        scheduler.kv_layout.rebind(3)  # each request needs 4 blocks at the end
+    assert scheduler.kv_layout.rebind(4) == [seqs[2], seqs[1]]
     assert (manager.num_total, manager.num_used, scheduler.num_switch_preemptions) == (4, 3, 2)
     assert list(scheduler.waiting) == [seqs[1], seqs[2]] and scheduler.num_preemptions == 2
-    assert scheduler.rebind(16) == [] and manager.num_total == 16
+    assert scheduler.kv_layout.rebind(16) == [] and manager.num_total == 16
     scheduler.unfreeze()
     drain(scheduler, workers)
     assert all(s.output_token_ids == expected_output(s.prompt_token_ids, 3) for s in seqs)

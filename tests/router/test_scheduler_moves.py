@@ -21,7 +21,7 @@ def _copy_kv(source: PagedWorkers, target: PagedWorkers, src_ids: list[int], dst
 
 def _move(a: Scheduler, wa: PagedWorkers, b: Scheduler, wb: PagedWorkers, request_id: str) -> Sequence:
     """What services.router.migration and the front's mover do, at the scheduler level."""
-    assert a.park(request_id)  # between steps here
+    assert a.moves.park(request_id)  # between steps here
     return _move_parked(a, wa, b, wb, request_id)
 
 
@@ -29,10 +29,10 @@ def _move_parked(a: Scheduler, wa: PagedWorkers, b: Scheduler, wb: PagedWorkers,
     """Reserve, copy the KV, adopt on b; free on a."""
     seq = a.get(request_id)
     template = Sequence(request_id, list(seq.prompt_token_ids), seq.max_tokens, seq.sampling, seq.stop_token_ids)
-    dst = b.reserve(template, seq.num_computed_tokens)
+    dst = b.moves.reserve(template, seq.num_computed_tokens)
     needed = num_blocks_for(seq.num_computed_tokens, a.block_manager.block_size)
     _copy_kv(wa, wb, seq.block_ids[:needed], dst[:needed])
-    moved = b.adopt(request_id, list(seq.output_token_ids), seq.num_computed_tokens)
+    moved = b.moves.adopt(request_id, list(seq.output_token_ids), seq.num_computed_tokens)
     a.finish(request_id, SequenceStatus.FINISHED_ABORTED)  # the commit frees it on the source
     return moved
 
@@ -72,7 +72,7 @@ def test_moved_requests_finish_with_their_unmoved_tokens(requests, move_at, bloc
     for i, (length, max_tokens) in enumerate(requests):
         assert outputs[f"r{i}"] == expected_output(prompt_of(i, length), max_tokens)
     for scheduler in schedulers:
-        assert scheduler.block_manager.num_used == 0 and not scheduler.parked
+        assert scheduler.block_manager.num_used == 0 and not scheduler.moves.parked
         assert scheduler.num_preemptions == 0
 
 
@@ -83,13 +83,13 @@ def test_park_waits_for_the_step_in_flight_and_unpark_puts_it_back():
     batch = scheduler.schedule()  # the prefill
     scheduler.on_batch_done(batch, worker.run(batch))
     batch = scheduler.schedule()  # a decode in flight
-    assert scheduler.park("a") is False  # parks when the step returns
+    assert scheduler.moves.park("a") is False  # parks when the step returns
     assert scheduler.schedule() is None  # not scheduled meanwhile
     scheduler.on_batch_done(batch, worker.run(batch))
-    assert "a" in scheduler.parked and scheduler.schedule() is None
+    assert "a" in scheduler.moves.parked and scheduler.schedule() is None
     with pytest.raises(KeyError):
-        scheduler.park("nope")
-    scheduler.unpark("a")
+        scheduler.moves.park("nope")
+    scheduler.moves.unpark("a")
     while scheduler.has_unfinished:
         batch = scheduler.schedule()
         updates = scheduler.on_batch_done(batch, worker.run(batch))
@@ -99,23 +99,23 @@ def test_park_waits_for_the_step_in_flight_and_unpark_puts_it_back():
 def test_reserve_refuses_what_cannot_run_and_grows_on_a_second_call():
     scheduler = make_scheduler(num_blocks=6, block_size=4, max_model_len=40)
     with pytest.raises(RequestError, match="cannot be the KV"):
-        scheduler.reserve(seq_of("a", prompt_of(0, 5), 3), 8)  # more tokens than the request ever has
+        scheduler.moves.reserve(seq_of("a", prompt_of(0, 5), 3), 8)  # more tokens than the request ever has
     with pytest.raises(RequestError, match="context"):
-        scheduler.reserve(seq_of("b", prompt_of(0, 30), 20), 31)
+        scheduler.moves.reserve(seq_of("b", prompt_of(0, 30), 20), 31)
     with pytest.raises(RequestError, match="KV blocks"):
-        scheduler.reserve(seq_of("f", prompt_of(0, 5), 30), 6)  # 35 tokens: 9 blocks, the pool ever has 6
-    ids = scheduler.reserve(seq_of("c", prompt_of(0, 5), 19), 6)
-    assert len(ids) == 2 and scheduler.is_moving_in("c")
-    grown = scheduler.reserve(seq_of("c", prompt_of(0, 5), 19), 13)
+        scheduler.moves.reserve(seq_of("f", prompt_of(0, 5), 30), 6)  # 35 tokens: 9 blocks, the pool ever has 6
+    ids = scheduler.moves.reserve(seq_of("c", prompt_of(0, 5), 19), 6)
+    assert len(ids) == 2 and scheduler.moves.is_moving_in("c")
+    grown = scheduler.moves.reserve(seq_of("c", prompt_of(0, 5), 19), 13)
     assert grown[:2] == ids and len(grown) == 4
-    assert len(scheduler.reserve(seq_of("e", prompt_of(1, 5), 3), 5)) == 2
+    assert len(scheduler.moves.reserve(seq_of("e", prompt_of(1, 5), 3), 5)) == 2
     with pytest.raises(QueueFullError):
-        scheduler.reserve(seq_of("c", prompt_of(0, 5), 19), 23)  # 6 blocks: 2 more, none free now
+        scheduler.moves.reserve(seq_of("c", prompt_of(0, 5), 19), 23)  # 6 blocks: 2 more, none free now
     with pytest.raises(RequestError, match="do not fit"):
-        scheduler.adopt("c", [1, 2, 3], 6)  # 5 + 3 tokens: 7 cached, not 6
+        scheduler.moves.adopt("c", [1, 2, 3], 6)  # 5 + 3 tokens: 7 cached, not 6
     with pytest.raises(KeyError):
-        scheduler.adopt("d", [1], 5)
-    scheduler.adopt("c", [1, 2, 3, 4, 5, 6, 7, 8], 12)  # trims the reservation to the KV that came
+        scheduler.moves.adopt("d", [1], 5)
+    scheduler.moves.adopt("c", [1, 2, 3, 4, 5, 6, 7, 8], 12)  # trims the reservation to the KV that came
     assert len(scheduler.get("c").block_ids) == 3 and scheduler.block_manager.num_used == 3 + 2
 
 
@@ -127,11 +127,11 @@ def test_a_layout_change_cancels_moves_in_progress():
     for _ in range(2):
         batch = scheduler.schedule()
         scheduler.on_batch_done(batch, worker.run(batch))
-    assert scheduler.park("out")
-    scheduler.reserve(seq_of("in", prompt_of(1, 5), 10), 6)
+    assert scheduler.moves.park("out")
+    scheduler.moves.reserve(seq_of("in", prompt_of(1, 5), 10), 6)
     scheduler.freeze()
-    scheduler.rebind(16)
-    assert not scheduler.parked and scheduler.get("in") is None and scheduler.get("out") in scheduler.running
+    scheduler.kv_layout.rebind(16)
+    assert not scheduler.moves.parked and scheduler.get("in") is None and scheduler.get("out") in scheduler.running
     assert scheduler.block_manager.num_used == len(scheduler.get("out").block_ids)
 
 
@@ -146,12 +146,12 @@ def test_a_preempted_request_parks_without_kv_and_moves_by_reprefill():
         batch = a.schedule()
         a.on_batch_done(batch, wa.run(batch))
     a.freeze()
-    a.preempt_all()  # both lose their KV and wait, first in the queue
+    a.kv_layout.preempt_all()  # both lose their KV and wait, first in the queue
     a.unfreeze()
-    assert a.park("x") and list(a.waiting) == [a.get("y")] and a.get("x").block_ids == []
-    a.unpark("x")
+    assert a.moves.park("x") and list(a.waiting) == [a.get("y")] and a.get("x").block_ids == []
+    a.moves.unpark("x")
     assert [s.request_id for s in a.waiting] == ["x", "y"]
-    assert a.park("x")
+    assert a.moves.park("x")
     seq = a.get("x")
     moved = Sequence("x", list(seq.prompt_token_ids), seq.max_tokens, seq.sampling, seq.stop_token_ids,
                      output_token_ids=list(seq.output_token_ids))
@@ -181,7 +181,7 @@ def test_a_request_prefilling_again_after_a_preemption_parks_between_its_chunks(
         for _ in range(5):  # three chunks of prompt (the last samples a token), then two decodes
             run_step(a, wa)
         a.freeze()
-        a.preempt_all()
+        a.kv_layout.preempt_all()
         a.unfreeze()
         seq = a.get("x")
         assert seq.num_computed_tokens == 0 and len(seq.output_token_ids) == 3  # 10 + 2 to prefill again: 3 chunks
@@ -189,9 +189,9 @@ def test_a_request_prefilling_again_after_a_preemption_parks_between_its_chunks(
             run_step(a, wa)
         batch = a.schedule()  # the next chunk, in flight
         assert batch.items[0].seq is seq and seq.is_prefill
-        assert a.park("x") is False and a.schedule() is None
+        assert a.moves.park("x") is False and a.schedule() is None
         a.on_batch_done(batch, wa.run(batch))
-        assert "x" in a.parked
+        assert "x" in a.moves.parked
         assert (seq.num_computed_tokens > 0) is moves_kv and bool(seq.block_ids) is moves_kv
         assert a.block_manager.num_used == len(seq.block_ids)
         if moves_kv:
@@ -220,14 +220,14 @@ def test_a_request_moves_before_its_first_token():
         a.add(seq_of("x", prompt, 9))
         seq = a.get("x")
         if chunks_before is None:
-            assert a.park("x") and list(a.waiting) == [] and not seq.block_ids
+            assert a.moves.park("x") and list(a.waiting) == [] and not seq.block_ids
         else:
             for _ in range(chunks_before):
                 run_step(a, wa)
             batch = a.schedule()
-            assert a.park("x") is False and a.schedule() is None
+            assert a.moves.park("x") is False and a.schedule() is None
             a.on_batch_done(batch, wa.run(batch))
-        assert "x" in a.parked and bool(seq.block_ids) is moves_kv and len(seq.output_token_ids) == int(moves_kv)
+        assert "x" in a.moves.parked and bool(seq.block_ids) is moves_kv and len(seq.output_token_ids) == int(moves_kv)
         if moves_kv:
             _move_parked(a, wa, b, wb, "x")
         else:
@@ -241,6 +241,6 @@ def test_a_request_moves_before_its_first_token():
     a = make_scheduler(block_size=4)
     a.add(seq_of("y", prompt, 5))
     a.add(seq_of("z", prompt, 5))
-    assert a.park("z")
-    a.unpark("z")
+    assert a.moves.park("z")
+    a.moves.unpark("z")
     assert [s.request_id for s in a.waiting] == ["z", "y"]

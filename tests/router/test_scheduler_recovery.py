@@ -76,16 +76,16 @@ def test_preempt_all_requeues_every_running_sequence_in_admission_order():
     for _ in range(3):  # a, b, c run and decode; d waits (max_num_seqs)
         scheduler.on_batch_done(batch := scheduler.schedule(), workers.run(batch))
     with pytest.raises(RuntimeError, match="frozen"):
-        scheduler.preempt_all()
+        scheduler.kv_layout.preempt_all()
     batch = scheduler.schedule()
     scheduler.freeze()
     with pytest.raises(RuntimeError, match="in flight"):
-        scheduler.preempt_all()
+        scheduler.kv_layout.preempt_all()
     scheduler.on_batch_failed(batch)
-    assert scheduler.preempt_all() == seqs[:3]
+    assert scheduler.kv_layout.preempt_all() == seqs[:3]
     assert list(scheduler.waiting) == seqs and scheduler.num_running == 0 and manager.num_used == 0
     assert scheduler.num_preemptions == 3 and all(s.num_computed_tokens == 0 for s in seqs)
-    assert scheduler.preempt_all() == []
+    assert scheduler.kv_layout.preempt_all() == []
     scheduler.unfreeze()
     drain(scheduler, PagedWorkers(manager))  # new workers with an empty cache: everything is re-prefilled
     assert [s.output_token_ids for s in seqs] == [expected_output(s.prompt_token_ids, 6) for s in seqs]
@@ -119,7 +119,7 @@ def test_failed_steps_and_lost_kv_leak_no_block_and_keep_outputs_exact(workload,
             scheduler.freeze()
             while inflight:
                 scheduler.on_batch_failed(inflight.popleft())
-            scheduler.preempt_all()
+            scheduler.kv_layout.preempt_all()
             scheduler.unfreeze()
             workers = PagedWorkers(manager)
         while len(inflight) < config["num_inflight_batches"] and (batch := scheduler.schedule()) is not None:

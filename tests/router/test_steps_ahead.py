@@ -13,8 +13,10 @@ import pytest
 import pytest_asyncio
 
 from services.launch.cluster import ClusterConfig, LocalCluster
+from services.router.async_scheduler import AsyncScheduler
 from services.router.contracts import GenerationRequest
 from services.router.main import RouterConfig, build_engine
+from services.router.scheduler import Scheduler
 from services.worker.step import SamplingParams
 from tests.conftest import hf_greedy, until
 
@@ -90,9 +92,9 @@ async def test_steps_ahead_end_every_request_as_waiting_for_each_step_does(engin
     stop_text = engine.tokenizer.decode(expected[0])[6:9]
     batch = requests(stop_text)
     waiting = await run_all(engine, batch)
-    assert engine.scheduler.num_ahead_items == 0
+    assert engine.scheduler.num_ahead_items == 0 and type(engine.scheduler) is Scheduler  # the base waits
     engine = await engines(async_scheduling=True)
-    assert engine.steps_ahead
+    assert engine.steps_ahead and isinstance(engine.scheduler, AsyncScheduler)  # the layer goes ahead
     ahead = await run_all(engine, batch)
     assert engine.stats().num_decodes_ahead == engine.scheduler.num_ahead_items > 50
     unseeded = ahead.pop("unseeded"), waiting.pop("unseeded")
