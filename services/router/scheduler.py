@@ -257,11 +257,14 @@ class Scheduler:
             seq, step = item.seq, item.step
             key = id(seq)
             items = inflight_items[key]
-            if len(items) == 1 and items[0] is item:  # its only step in flight (the most common case): inline
+            if items[0] is not item:  # an older step of it still in flight (a failed step taken back): rare
+                still_inflight = bool(self._returned(item))
+            elif len(items) == 1:  # its only step in flight (waiting for each step): inline
                 del inflight_items[key]
                 still_inflight = False
-            else:
-                still_inflight = bool(self._returned(item))
+            else:  # a step ahead follows it (async scheduling's steady decode): inline
+                del items[0]
+                still_inflight = True
             if seq.status is not running and seq.status.is_finished:
                 if not still_inflight:
                     self.block_manager.free(seq)
