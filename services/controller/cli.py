@@ -156,10 +156,17 @@ def _operation_line(op: OperationStatus | None) -> str:
     return line
 
 
+def _numerics(status: StackStatus) -> str:
+    """'    numerics: fast, float32' from the workers that answered ('' when none did)."""
+    modes = sorted({(w.numerics, w.dtype) for w in status.workers if w.numerics})
+    return "    numerics: " + " / ".join(f"{mode}, {dtype}" for mode, dtype in modes) if modes else ""
+
+
 def format_table(status: StackStatus, experts_line: str = "") -> str:
     """The human view of a status: header, one row per worker, requests, the experts' balance (EP layouts) and
     the last operation."""
-    lines = [f"topology: {status.topology}    state: {status.state.name}    model: {status.model or '-'}"]
+    lines = [f"topology: {status.topology}    state: {status.state.name}    model: {status.model or '-'}"
+             + _numerics(status)]
     if status.reason:
         lines.append(f"reason: {status.reason}")
     if status.layouts:

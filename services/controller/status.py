@@ -60,6 +60,8 @@ class WorkerStatus:
     param_bytes: int = 0
     kv_cache_bytes: int = 0
     error: str = ""                    # why UNREACHABLE, or a topology mismatch
+    numerics: str = ""                 # "fast" or "invariant" (WorkerInfo.numerics)
+    dtype: str = ""                    # compute dtype, e.g. "float32"
 
     def to_pb(self) -> controller_pb2.WorkerStatus:
         """The wire form."""

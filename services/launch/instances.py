@@ -59,7 +59,7 @@ class InstanceSet:
         cluster = LocalCluster(ClusterConfig(
             model=config.model, num_workers=config.workers, topology=layout, device=config.device,
             kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size, host=host, token=self.token,
-            num_threads=self.threads, tls=config.tls,
+            num_threads=self.threads, tls=config.tls, dtype=config.dtype, numerics=config.numerics,
             weightstore_address=self.clusters[self.first].weightstore_address if self.clusters else ""))
         self.clusters[name] = cluster
         try:

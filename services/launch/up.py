@@ -14,6 +14,7 @@ from pathlib import Path
 
 import structlog
 
+from services.contracts.numerics import DTYPES, MODES, check_compute
 from services.launch.cluster import ClusterConfig, LocalCluster
 from services.launch.session import StackSession
 from services.launch.stacks import StackClaim, check_name
@@ -35,6 +36,8 @@ class UpConfig:
     gpus: str | int | list[int] | None = None  # --device cuda: a count or CUDA ordinals (None: every visible GPU)
     gpu_sharing: bool = False           # several workers per GPU: gloo collectives (development, one-GPU machines)
     enforce_eager: bool = False         # --device cuda: run decode steps eagerly, no CUDA graphs (debugging)
+    dtype: str = "auto"                 # auto: float32 on CPU, the checkpoint's dtype on a GPU
+    numerics: str = "fast"              # fast, or invariant: no token depends on the batch or the layout
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 50052
@@ -106,6 +109,7 @@ class UpConfig:
                                  "controller (reconfigctl instances lists them)")
             self.autoscale_settings()  # a bad --max-instances fails here
         check_duty(self.staging_duty, "staging_duty")
+        check_compute(self.dtype, self.numerics)
         self.tls  # incomplete TLS settings, or a missing file, fail here (TLSError names it)
         if self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, not {self.num_redundant_experts}")
@@ -256,6 +260,11 @@ def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
                         help="let several workers share a GPU (gloo instead of NCCL; development) [off]")
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="--device cuda: run every step eagerly, no CUDA graphs for decode steps [off]")
+    parser.add_argument("--dtype", choices=DTYPES,
+                        help="weights, activations and KV cache [auto: float32 on CPU, the checkpoint's on a GPU]")
+    parser.add_argument("--numerics", choices=MODES,
+                        help="invariant: no bit of a token's result depends on its batch, its prompt's chunking or "
+                             "the layout, so a live switch changes no token (slower; dense models) [fast]")
 
 
 def up(config: UpConfig) -> int:
@@ -276,7 +285,8 @@ def up(config: UpConfig) -> int:
         cluster = LocalCluster(ClusterConfig(  # checks the layout and the GPU placement before anything starts
             model=config.model, num_workers=config.workers, topology=config.topology, device=config.device,
             gpus=parse_gpus(config.gpus), gpu_sharing=config.gpu_sharing, enforce_eager=config.enforce_eager,
-            kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size, host=config.host,
+            dtype=config.dtype, numerics=config.numerics, kv_cache_bytes=config.kv_cache_mb << 20,
+            block_size=config.block_size, host=config.host,
             token=session.token, num_redundant_experts=config.num_redundant_experts,
             eplb_window=config.eplb_window, tls=config.tls,
         ))

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-MODES = ("fast", "invariant")
+from services.contracts.numerics import MODES
+
 ROW_MULTIPLE = 8  # invariant mode pads a GEMM's rows to a multiple of this (MKL: blocks of 1 and of 2-3 rows differ)
 _VECTORS = 1024  # elements: two vectors of any dtype times up to 16 threads, for a tensor torch does not split
 _GRAIN = 32768   # at::internal::GRAIN_SIZE: a larger tensor is cut into min(threads, ceil(numel / grain)) parts

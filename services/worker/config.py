@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.contracts.numerics import check_compute
+
 from services.rpc.tls import TLSConfig
 
 
@@ -24,6 +26,9 @@ class WorkerConfig:
     # device), point-to-point staged through host memory. Production keeps one rank per GPU and NCCL.
     gpu_sharing: bool = False
     enforce_eager: bool = False        # --device cuda: never replay decode steps as CUDA graphs (debugging)
+    # "auto": float32 on CPU, the checkpoint's dtype on a GPU; or "float32" / "bfloat16" / "float16".
+    dtype: str = "auto"
+    numerics: str = "fast"             # "fast" or "invariant" (services/model/numerics.py)
     kv_cache_bytes: int = 64 << 20     # KV cache budget; the block count follows from it
     block_size: int = 16               # tokens per KV block
     host: str = "127.0.0.1"            # gRPC bind address
@@ -49,6 +54,7 @@ class WorkerConfig:
             raise ValueError(f"rank {self.rank} outside world of size {self.world_size}")
         if self.block_size < 1 or self.kv_cache_bytes < 1:
             raise ValueError("block_size and kv_cache_bytes must be positive")
+        check_compute(self.dtype, self.numerics)
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', not {self.device!r}")
         if self.device != "cuda" and (self.gpu is not None or self.gpu_sharing):

@@ -13,6 +13,7 @@ import torch
 from services.model.expert_reshard import ALONGSIDE, ExpertSwitch
 from services.model.layers import ShardLoader, SingleRankGroup
 from services.model.llama import ShardedCausalLM
+from services.model.numerics import FAST, Numerics, invariant_numerics, invariant_threads, probe
 from services.model.spec import ModelSpec
 from services.rpc.reconfig.v1 import worker_pb2
 from services.topology import Placement, Topology, candidate_topologies, place
@@ -44,11 +45,25 @@ def worker_device(config: WorkerConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def _compute_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
-    """float32 on CPU (fast and exact enough); the checkpoint's own dtype on GPU."""
+def _compute_dtype(config: WorkerConfig, spec: ModelSpec, device: torch.device) -> torch.dtype:
+    """The configured dtype; "auto": float32 on CPU (fast and exact enough), the checkpoint's own on a GPU."""
+    if config.dtype != "auto":
+        return getattr(torch, config.dtype)
     if device.type == "cpu":
         return torch.float32
     return getattr(torch, spec.torch_dtype, torch.bfloat16)
+
+
+def shard_numerics(config: WorkerConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> Numerics:
+    """The stack's numerics. Invariant: row-parallel reductions cut for every TP degree a layout of this world may
+    take (so a switch between any two changes no bit), after the probe found this device's GEMMs invariant."""
+    if config.numerics == "fast":
+        return FAST
+    failures = probe(device, dtype)
+    if failures:
+        raise RuntimeError(f"invariant numerics cannot hold on {device} in {dtype}: " + "; ".join(failures))
+    tp_sizes = {t.tp for t in candidate_topologies(spec.shape, config.world_size) if not t.is_expert_parallel}
+    return invariant_numerics(spec.shape.num_heads, spec.shape.intermediate_size, sorted(tp_sizes))
 
 
 class WorkerShard:
@@ -61,7 +76,8 @@ class WorkerShard:
         self.parallel = parallel
         self.step_port = 0  # the step socket's port, once it listens (WorkerInfo.step_port)
         self.device = worker_device(config)
-        self.dtype = _compute_dtype(spec, self.device)
+        self.dtype = _compute_dtype(config, spec, self.device)
+        self.numerics = shard_numerics(config, spec, self.device, self.dtype)
         self.topology = Topology.parse(config.topology)
         self.layer_partition = config.layer_partition
         self.runner: ModelRunner | None = None
@@ -97,6 +113,8 @@ class WorkerShard:
         only on the thread that packed)."""
         num_threads = self.config.num_threads or threads_per_worker(
             usable_cores(), self.topology.num_workers, is_active=self.runner is not None)
+        if self.numerics.is_invariant:
+            num_threads = invariant_threads(num_threads)
         set_threads(num_threads)
         if num_threads != self.num_threads:
             log.info("worker.threads", rank=self.rank, topology=str(self.topology), num_threads=num_threads,
@@ -150,7 +168,8 @@ class WorkerShard:
             kv_cache = KVCache(wp.layers, len(wp.kv_heads), self.spec.head_dim, self.config.block_size, self.dtype,
                                self.device, self.config.kv_cache_bytes)
         return ModelRunner(model, kv_cache, placement, wp, self.parallel, self.device,
-                           cuda_graphs=self.device.type == "cuda" and not self.config.enforce_eager)
+                           cuda_graphs=self.device.type == "cuda" and not self.config.enforce_eager
+                           and not self.numerics.is_invariant)  # invariant: eager (padded graph batches)
 
     def build_model(self, topology: Topology, partition, checkpoint: MappedCheckpoint, previous: ModelRunner | None,
                     experts: ExpertSwitch = ALONGSIDE, pacer: Pacer = UNPACED) -> ShardedCausalLM:
@@ -167,7 +186,7 @@ class WorkerShard:
         expert_maps = initial_expert_maps(self.spec.shape, placement) if self.spec.shape.is_moe else None
         return ShardedCausalLM(self.spec, wp, self._loader(checkpoint, pacer), group,
                                previous.model if previous else None, ep_group=ep_group, expert_maps=expert_maps,
-                               expert_switch=experts)
+                               expert_switch=experts, numerics=self.numerics)
 
     def _loader(self, checkpoint: MappedCheckpoint, pacer: Pacer = UNPACED) -> ShardLoader:
         return ShardLoader(checkpoint.tensor, set(self.manifest.tensors), self.dtype, self.device, pacer.piece)
@@ -295,7 +314,7 @@ class WorkerShard:
             rank=self.rank, world_size=self.world_size, pid=os.getpid(), topology=str(self.topology),
             device=str(self.device), candidate_topologies=[str(t) for t in self.parallel.candidates],
             state=self._state(), generation=self.parallel.generation, num_threads=self.num_threads,
-            step_port=self.step_port,
+            step_port=self.step_port, numerics=self.numerics.mode, dtype=str(self.dtype).removeprefix("torch."),
         )
         if self.runner is not None:
             wp, kv = self.runner.wp, self.runner.kv_cache

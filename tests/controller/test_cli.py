@@ -172,6 +172,14 @@ def test_table_of_a_degraded_stack_after_an_operation():
     assert json.loads(json.dumps(status.to_json()))["last_operation"]["state"] == "ROLLED_BACK"
 
 
+def test_the_header_says_how_the_workers_compute():
+    worker = WorkerStatus(rank=0, address="h:1", state=WorkerState.ACTIVE, numerics="invariant", dtype="bfloat16")
+    status = StackStatus(topology="tp1pp1", state=StackState.SERVING, model="tiny", workers=(worker,))
+    assert format_table(status).splitlines()[0] == ("topology: tp1pp1    state: SERVING    model: tiny    "
+                                                    "numerics: invariant, bfloat16")
+    assert StackStatus.from_pb(status.to_pb()) == status
+
+
 def test_router_stats_in_json_keep_their_counters():
     status = StackStatus(topology="tp1pp1", state=StackState.SERVING,
                          router=EngineStats(num_preemptions=4, extra={"num_step_errors": 1.0}))
