@@ -1,0 +1,130 @@
+"""Invariant numerics against the fast mode (issue 39): decode tok/s side by side, and whether a request's greedy
+tokens change with its batch or its layout.
+
+    python bench/numerics.py [--model tiny-llama] [--dtypes float32,bfloat16] [--batch-sizes 1,16,64]
+                             [--layouts tp1pp1:1,tp2pp1:2] [--quick]
+
+For each dtype, numerics mode and layout (its own LocalCluster of real workers), the same prompts are served at
+each batch size: the batch of 16 is the first 16 prompts of the batch of 64, the batch of 1 the first prompt, so a
+prompt's tokens can be compared across batches ("batch-invariant": every prompt's tokens the same at every batch
+size it is in) and across layouts ("layout-invariant": each batch's tokens the same in every layout). Decode steps
+are timed at the driver (forward.py's loop: one prefill step, then one step per token, no async scheduling).
+Prints a table, writes JSON and a plot (bench/report.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+from pathlib import Path
+
+from report import apply_defaults, paired_bars, write_report
+
+DEFAULTS = dict(model="tiny-llama", dtypes="float32,bfloat16", batch_sizes="1,16,64", layouts="tp1pp1:1,tp2pp1:2",
+                prompt_len=24, new_tokens=48, repeats=2)
+QUICK = dict(model="tiny-llama", dtypes="bfloat16", batch_sizes="1,8", layouts="tp1pp1:1,tp2pp1:2", prompt_len=8,
+             new_tokens=12, repeats=1)
+MODES = ("fast", "invariant")
+
+
+def measure(args: argparse.Namespace, dtype: str, numerics: str, topology: str, num_workers: int,
+            prompts: list[list[int]]) -> list[dict]:
+    """Decode tok/s and tokens at each batch size, in one cluster of this dtype, mode and layout."""
+    import forward
+    from services.launch.cluster import ClusterConfig, LocalCluster
+    from services.launch.driver import Driver
+
+    async def run(addresses: list[str]) -> list[dict]:
+        rows = []
+        async with Driver(addresses) as driver:
+            for batch in args.batch_sizes:
+                await forward._run_once(driver, prompts[:batch], 4, f"warm-{batch}")
+                runs = [await forward._run_once(driver, prompts[:batch], args.new_tokens, f"r{r}-{batch}")
+                        for r in range(args.repeats)]
+                _, steps, compute, tokens = min(runs, key=lambda run: sum(run[1]))
+                rows.append(dict(dtype=dtype, numerics=numerics, topology=topology, batch_size=batch,
+                                 tokens_per_second=batch * len(steps) / sum(steps),
+                                 worker_ms_per_step=1e3 * sum(compute) / len(compute), tokens=tokens,
+                                 repeats_agree=all(run[3] == tokens for run in runs)))
+                print(f"  {dtype} {numerics} {topology} batch {batch}: {rows[-1]['tokens_per_second']:.1f} tok/s",
+                      file=sys.stderr, flush=True)
+        return rows
+
+    config = ClusterConfig(model=args.model, num_workers=num_workers, topology=topology, dtype=dtype,
+                           numerics=numerics, kv_cache_bytes=64 << 20, block_size=16,
+                           env={"RECONFIG_LOG_LEVEL": "WARNING"})
+    with LocalCluster(config) as cluster:
+        return asyncio.run(run(cluster.worker_addresses))
+
+
+def invariance(rows: list[dict]) -> dict[tuple[str, str], dict[str, bool]]:
+    """Per (dtype, mode): is every prompt's token list the same at every batch size (in each layout), and each
+    batch's the same in every layout?"""
+    found = {}
+    for key in {(r["dtype"], r["numerics"]) for r in rows}:
+        mine = [r for r in rows if (r["dtype"], r["numerics"]) == key]
+        by_batch = all(r["tokens"][i] == other["tokens"][i] for r in mine for other in mine
+                       if other["topology"] == r["topology"] for i in range(min(len(r["tokens"]),
+                                                                                len(other["tokens"]))))
+        by_layout = all(r["tokens"] == other["tokens"] for r in mine for other in mine
+                        if other["batch_size"] == r["batch_size"])
+        found[key] = dict(batch=by_batch, layout=by_layout)
+    return found
+
+
+def format_table(rows: list[dict]) -> str:
+    found = invariance(rows)
+    fast = {(r["dtype"], r["topology"], r["batch_size"]): r for r in rows if r["numerics"] == "fast"}
+    lines = ["| dtype | layout | batch | fast tok/s | invariant tok/s | invariant / fast | worker ms/step fast "
+             "/ invariant |", "|---|---|---:|---:|---:|---:|---|"]
+    for r in (r for r in rows if r["numerics"] == "invariant"):
+        f = fast[r["dtype"], r["topology"], r["batch_size"]]
+        lines.append(f"| {r['dtype']} | {r['topology']} | {r['batch_size']} | {f['tokens_per_second']:.1f} | "
+                     f"{r['tokens_per_second']:.1f} | {r['tokens_per_second'] / f['tokens_per_second']:.2f}x | "
+                     f"{f['worker_ms_per_step']:.2f} / {r['worker_ms_per_step']:.2f} |")
+    lines += ["", "| dtype | mode | a prompt's tokens the same at every batch size | a batch's tokens the same in "
+                  "every layout |", "|---|---|:---:|:---:|"]
+    for (dtype, mode), flags in sorted(found.items()):
+        lines.append(f"| {dtype} | {mode} | {'yes' if flags['batch'] else 'no'} | "
+                     f"{'yes' if flags['layout'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    invariant = [r for r in rows if r["numerics"] == "invariant"]
+    fast = {(r["dtype"], r["topology"], r["batch_size"]): r for r in rows if r["numerics"] == "fast"}
+    labels = [f"{r['dtype'][:4]} {r['topology']} b{r['batch_size']}" for r in invariant]
+    paired_bars(path, title, labels,
+                ("fast", [fast[r["dtype"], r["topology"], r["batch_size"]]["tokens_per_second"] for r in invariant]),
+                ("invariant", [r["tokens_per_second"] for r in invariant]), "decode tok/s", log=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name in DEFAULTS:
+        parser.add_argument(f"--{name.replace('_', '-')}", default=None)
+    parser.add_argument("--quick", action="store_true", help="a small run (tests, a first look)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "numerics.json")
+    args = parser.parse_args(argv)
+    apply_defaults(args, QUICK if args.quick else DEFAULTS)
+    args.batch_sizes = [int(b) for b in str(args.batch_sizes).split(",")]
+    args.prompt_len, args.new_tokens, args.repeats = int(args.prompt_len), int(args.new_tokens), int(args.repeats)
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(3, 256) for _ in range(args.prompt_len)] for _ in range(max(args.batch_sizes))]
+    rows = []
+    for dtype in str(args.dtypes).split(","):
+        for layout in str(args.layouts).split(","):
+            topology, num_workers = layout.split(":")
+            for mode in MODES:
+                rows += measure(args, dtype, mode, topology, int(num_workers), prompts)
+    found = invariance(rows)
+    write_report(args, "Invariant numerics against fast: decode tok/s, and tokens across batches and layouts",
+                 format_table(rows), rows, plot,
+                 invariance={f"{dtype} {mode}": flags for (dtype, mode), flags in found.items()})
+
+
+if __name__ == "__main__":
+    main()
