@@ -4,7 +4,7 @@ or in a decode step. The invariant numerics mode's attention (services/model/num
 fast one.
 
 Each row (one query head of one token) is computed as:
-    scores = q · K^T over keys padded to a multiple of KEY_CHUNK (rows padded as numerics.ROW_MULTIPLE says)
+    scores = q · K^T over keys padded to a multiple of KEY_CHUNK (rows padded to a multiple of ROW_MULTIPLE)
     m      = max over the visible keys                  (max is exact in any order)
     p      = exp(scores - m), 0 past the row's context  (masked keys add exact zeros below)
     denom  = sum of p over each chunk of KEY_CHUNK keys, the chunks folded in order (cumsum)
@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from services.model.attention import AttentionMetadata
-from services.model.numerics import ROW_MULTIPLE, whole_vectors
+from services.model.numerics import whole_vectors
 
 KEY_CHUNK = 64     # keys per chunk of the ordered fold
+ROW_MULTIPLE = 8   # one KV head's query rows are padded to a multiple of this (>= every numerics.ROW_MULTIPLES)
 
 
 def invariant_attention(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -59,28 +60,30 @@ def _attend(query: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, positi
     batch, n, num_q_heads, head_dim = query.shape
     num_kv_heads = flat.shape[2]
     group = num_q_heads // num_kv_heads
-    num_keys = -(-slots.shape[1] // KEY_CHUNK) * KEY_CHUNK
-    num_chunks = num_keys // KEY_CHUNK
-    slots = F.pad(slots, (0, num_keys - slots.shape[1]))  # slot 0 past the end: masked below
-    kv = flat.index_select(1, slots.reshape(-1)).view(2, batch, num_keys, num_kv_heads, head_dim)
-    keys = kv[0].permute(0, 2, 3, 1).float()    # [B, Hkv, D, L]
-    values = kv[1].permute(0, 2, 1, 3).float()  # [B, Hkv, L, D]
-    # One KV head's rows: its `group` query heads of each of the n tokens, token-major, padded to whole vectors.
+    num_chunks = -(-slots.shape[1] // KEY_CHUNK)
+    slots = F.pad(slots, (0, num_chunks * KEY_CHUNK - slots.shape[1]))  # slot 0 past the end: masked below
+    kv = flat.index_select(1, slots.reshape(-1)).view(2, batch, num_chunks, KEY_CHUNK, num_kv_heads, head_dim)
+    # Chunk-major float32 copies (one pass each, the only copies of K and V): every product below is a batch of
+    # fixed-shape GEMMs, [R, D] x [D, KEY_CHUNK] and [R, KEY_CHUNK] x [KEY_CHUNK, D].
+    keys = torch.empty(batch, num_kv_heads, num_chunks, head_dim, KEY_CHUNK, device=flat.device)
+    keys.copy_(kv[0].permute(0, 3, 1, 4, 2))
+    values = torch.empty(batch, num_kv_heads, num_chunks, KEY_CHUNK, head_dim, device=flat.device)
+    values.copy_(kv[1].permute(0, 3, 1, 2, 4))
+    # One KV head's rows: its `group` query heads of each of the n tokens, token-major, padded.
     num_rows = n * group
     padded_rows = -(-num_rows // ROW_MULTIPLE) * ROW_MULTIPLE
     q = query.float().view(batch, n, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
     q = F.pad(q.reshape(batch, num_kv_heads, num_rows, head_dim), (0, 0, 0, padded_rows - num_rows))
-    row_positions = F.pad(positions[:, :, None].expand(batch, n, group).reshape(batch, 1, num_rows),
+    row_positions = F.pad(positions[:, :, None].expand(batch, n, group).reshape(batch, num_rows),
                           (0, padded_rows - num_rows))  # a padding row sees key 0 (its result is dropped)
-    key_positions = torch.arange(num_keys, device=query.device)
-    visible = key_positions <= row_positions[..., None]  # [B, 1, R, L]
+    key_positions = torch.arange(num_chunks * KEY_CHUNK, device=query.device).view(num_chunks, 1, KEY_CHUNK)
+    limit = row_positions[:, None, None, :, None]  # [B, 1, 1, R, 1]
+    visible = key_positions <= limit  # [B, 1, nC, R, KEY_CHUNK]
     if sliding_window is not None:
-        visible &= key_positions > row_positions[..., None] - sliding_window
-    scores = torch.matmul(q, keys).mul_(scale).masked_fill_(~visible, float("-inf"))  # [B, Hkv, R, L]
-    weights = whole_vectors(torch.exp, scores.sub_(scores.amax(-1, keepdim=True)))
-    chunked = weights.view(batch, num_kv_heads, padded_rows, num_chunks, KEY_CHUNK)
-    denominator = chunked.sum(-1).cumsum(-1)[..., -1:]  # [B, Hkv, R, 1]
-    partial = torch.matmul(chunked.transpose(2, 3), values.view(batch, num_kv_heads, num_chunks, KEY_CHUNK, head_dim))
-    out = partial.cumsum(2)[:, :, -1].div_(denominator)  # [B, Hkv, R, D]
+        visible &= key_positions > limit - sliding_window
+    scores = torch.matmul(q[:, :, None], keys).mul_(scale).masked_fill_(~visible, float("-inf"))  # [B,Hkv,nC,R,C]
+    weights = whole_vectors(torch.exp, scores.sub_(scores.amax(dim=(2, 4), keepdim=True)))
+    denominator = weights.sum(-1).cumsum(2)[:, :, -1, :, None]  # [B, Hkv, R, 1]
+    out = torch.matmul(weights, values).cumsum(2)[:, :, -1].div_(denominator)  # [B, Hkv, R, D]
     out = out[:, :, :num_rows].reshape(batch, num_kv_heads, n, group, head_dim).permute(0, 2, 1, 3, 4)
     return out.reshape(batch, n, num_q_heads, head_dim).to(query.dtype)

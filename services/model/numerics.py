@@ -3,11 +3,12 @@ no bit of a token's hidden state depends on the batch it shares a step with, on 
 the layout (TP degree, PP stages) serving it, so a live switch provably changes no token.
 
 Invariant mode rests on three rules, each enforced in one place:
-- GEMM rows (`Linear.row_multiple`): a product's rows are padded to a multiple of ROW_MULTIPLE. The BLAS then
-  reduces each output element of an [M, K] x [K, N] product in one order whatever M and N (MKL computes a block
-  of one row, and of two or three, in other orders than a block of four or more: a product of 11 rows differs
-  from one of 12 in its last three); `probe()` checks this at a worker's start and the worker refuses the mode
-  where it does not hold.
+- GEMM rows (`Linear.row_multiple`): a product's rows are padded to a multiple of `row_multiple`, the smallest
+  of ROW_MULTIPLES under which the device's BLAS reduces each output element of an [M, K] x [K, N] product in one
+  order whatever M, N and the row's position (`choose_row_multiple`, at a worker's start; a worker refuses the
+  mode where none holds). MKL in float32 computes a block of one row, and of two or three, in other orders than a
+  block of four or more (a product of 11 rows differs from one of 12 in its last three): 4 there; oneDNN's
+  bfloat16 GEMM needs no padding: 1.
 - TP reductions (`reduction_pieces`): a row-parallel layer's reduction dimension is cut at every shard boundary
   of every TP degree the stack allows; each piece's partial product is computed on its own, the partials are
   gathered in rank order (which is piece order) and added in piece order in float32, on one worker as on many.
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 
 from services.contracts.numerics import MODES
 
-ROW_MULTIPLE = 8  # invariant mode pads a GEMM's rows to a multiple of this (MKL: blocks of 1 and of 2-3 rows differ)
+ROW_MULTIPLES = (1, 4, 8)  # the row paddings invariant mode tries, cheapest first (choose_row_multiple)
 _VECTORS = 1024  # elements: two vectors of any dtype times up to 16 threads, for a tensor torch does not split
 _GRAIN = 32768   # at::internal::GRAIN_SIZE: a larger tensor is cut into min(threads, ceil(numel / grain)) parts
 
@@ -40,6 +41,7 @@ class Numerics:
     """How a shard computes: the mode, and in invariant mode where its row-parallel reductions are cut."""
 
     mode: str = "fast"
+    row_multiple: int = 1                      # a GEMM's rows are padded to a multiple of this (1: none)
     head_bounds: tuple[int, ...] = ()          # query-head boundaries of o_proj's pieces (invariant mode)
     intermediate_bounds: tuple[int, ...] = ()  # intermediate boundaries of down_proj's pieces (invariant mode)
 
@@ -50,11 +52,6 @@ class Numerics:
     @property
     def is_invariant(self) -> bool:
         return self.mode == "invariant"
-
-    @property
-    def row_multiple(self) -> int:
-        """A GEMM's rows are padded to a multiple of this (1: none)."""
-        return ROW_MULTIPLE if self.is_invariant else 1
 
 
 FAST = Numerics()
@@ -79,10 +76,23 @@ def reduction_pieces(bounds: Sequence[int], held: range, unit: int = 1) -> tuple
     return tuple(range((a - held.start) * unit, (b - held.start) * unit) for a, b in zip(inside, inside[1:]))
 
 
-def invariant_numerics(num_heads: int, intermediate_size: int, tp_sizes: Iterable[int]) -> Numerics:
+def invariant_numerics(num_heads: int, intermediate_size: int, tp_sizes: Iterable[int],
+                       row_multiple: int = ROW_MULTIPLES[-1]) -> Numerics:
     """Invariant numerics for a dense model whose layouts use the TP degrees `tp_sizes`."""
     tp_sizes = tuple(tp_sizes)
-    return Numerics("invariant", slice_bounds(num_heads, tp_sizes), slice_bounds(intermediate_size, tp_sizes))
+    return Numerics("invariant", row_multiple, slice_bounds(num_heads, tp_sizes),
+                    slice_bounds(intermediate_size, tp_sizes))
+
+
+def choose_row_multiple(device: torch.device, dtype: torch.dtype) -> int:
+    """The smallest of ROW_MULTIPLES under which probe() finds this device's GEMMs invariant; RuntimeError saying
+    what failed when none is."""
+    for row_multiple in ROW_MULTIPLES:
+        failures = probe(device, dtype, row_multiple)
+        if not failures:
+            return row_multiple
+    raise RuntimeError(f"invariant numerics cannot hold on {device} in {dtype}: even with rows padded to a multiple "
+                       f"of {row_multiple}, " + "; ".join(failures[:3]))
 
 
 def ordered_sum(partials: torch.Tensor, num_pieces: int, dtype: torch.dtype) -> torch.Tensor:
@@ -111,21 +121,23 @@ def invariant_threads(num_threads: int) -> int:
     return 1 << (max(1, num_threads).bit_length() - 1)
 
 
-def probe(device: torch.device, dtype: torch.dtype, row_multiple: int = ROW_MULTIPLE, seed: int = 0) -> list[str]:
+def probe(device: torch.device, dtype: torch.dtype, row_multiple: int, seed: int = 0) -> list[str]:
     """What of invariant mode's GEMM rule fails on this device and dtype (empty: it holds): with rows padded to a
-    multiple of row_multiple, a row's product must be bitwise the same at every row count, at every position in
-    the batch, at any column count, and in a batched product whatever the batch. Cheap (a few ms); run where the
-    mode is chosen."""
+    multiple of row_multiple, every row's product must be bitwise the same at every row count and at every
+    position in the batch (tails included), at any column count, and in a batched product whatever the batch.
+    Cheap (tens of ms); run where the mode is chosen."""
     generator = torch.Generator().manual_seed(seed)
     failures = []
     for k, n in ((64, 96), (320, 192), (1024, 80)):
         weight = torch.randn(n, k, generator=generator).to(device=device, dtype=dtype)
-        x = torch.randn(320, k, generator=generator).to(device=device, dtype=dtype)
-        ref = F.linear(x[8: 8 + 2 * row_multiple], weight)[1: 1 + row_multiple]  # rows 9.. at positions 1..
-        for rows in sorted({-(-r // row_multiple) * row_multiple for r in (11, 17, 24, 64, 257, 300)}):
-            if rows >= 9 + row_multiple and not torch.equal(F.linear(x[:rows], weight)[9: 9 + row_multiple], ref):
-                failures.append(f"linear [{rows}, {k}] x [{k}, {n}]: a row's product depends on the row count "
-                                "or its position")
+        x = torch.randn(330, k, generator=generator).to(device=device, dtype=dtype)
+        whole = F.linear(x[:-(330 % row_multiple) or None], weight)  # every row of x, in one product
+        for rows in sorted({-(-r // row_multiple) * row_multiple for r in (1, 2, 3, 5, 11, 17, 64, 257, 300)}):
+            for start in (0, 1, 9, 327 - rows):  # the same rows, a product of `rows` rows starting at `start`
+                if start >= 0 and start + rows <= whole.shape[0] and not torch.equal(
+                        F.linear(x[start: start + rows], weight), whole[start: start + rows]):
+                    failures.append(f"linear [{rows}, {k}] x [{k}, {n}] from row {start}: a row's product depends "
+                                    "on the row count or its position")
         if not torch.equal(F.linear(x[:64], weight[: n // 2]), F.linear(x[:64], weight)[:, : n // 2]):
             failures.append(f"linear [{k}, {n}]: a column's product depends on the column count")
     a = torch.randn(12, row_multiple, 64, generator=generator).to(device=device, dtype=dtype)

@@ -13,7 +13,7 @@ import torch
 from services.model.expert_reshard import ALONGSIDE, ExpertSwitch
 from services.model.layers import ShardLoader, SingleRankGroup
 from services.model.llama import ShardedCausalLM
-from services.model.numerics import FAST, Numerics, invariant_numerics, invariant_threads, probe
+from services.model.numerics import FAST, Numerics, choose_row_multiple, invariant_numerics, invariant_threads
 from services.model.spec import ModelSpec
 from services.rpc.reconfig.v1 import worker_pb2
 from services.topology import Placement, Topology, candidate_topologies, place
@@ -56,14 +56,12 @@ def _compute_dtype(config: WorkerConfig, spec: ModelSpec, device: torch.device) 
 
 def shard_numerics(config: WorkerConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> Numerics:
     """The stack's numerics. Invariant: row-parallel reductions cut for every TP degree a layout of this world may
-    take (so a switch between any two changes no bit), after the probe found this device's GEMMs invariant."""
+    take (so a switch between any two changes no bit), GEMM rows padded as this device's BLAS needs."""
     if config.numerics == "fast":
         return FAST
-    failures = probe(device, dtype)
-    if failures:
-        raise RuntimeError(f"invariant numerics cannot hold on {device} in {dtype}: " + "; ".join(failures))
     tp_sizes = {t.tp for t in candidate_topologies(spec.shape, config.world_size) if not t.is_expert_parallel}
-    return invariant_numerics(spec.shape.num_heads, spec.shape.intermediate_size, sorted(tp_sizes))
+    return invariant_numerics(spec.shape.num_heads, spec.shape.intermediate_size, sorted(tp_sizes),
+                              choose_row_multiple(device, dtype))
 
 
 class WorkerShard:
