@@ -7,7 +7,7 @@ pre-copy round; `stop` parks it at the end of its step in flight (its KV stays, 
 on as if nothing happened. Target: `reserve` takes blocks for it, `pull` has every worker copy KV blocks out of the
 source's workers into them (serving goes on), `release` gives them back; Engine.generate(..., migrated=...) then
 adopts it with no prefill (`admit`; or, moved without its KV, it re-prefills here). A layout switch ends every
-move in progress (Scheduler.cancel_moves), and a freeze waits for pulls in flight, so no worker writes a block the
+move in progress (RequestMoves.cancel_all), and a freeze waits for pulls in flight, so no worker writes a block the
 switch moves or hands to another request.
 """
 
