@@ -55,3 +55,48 @@ def first_token_margins(model_dir: Path, prompts: list[list[int]], a: list[list[
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def serve_both_ways(model_dir: Path, prompts: list[list[int]], new_tokens: int, dtype: str, numerics: str,
+                    device: str = "cpu", gpus: tuple[int, ...] | None = None) -> dict:
+    """The same greedy requests served concurrently through the router's engine over one worker (tp1pp1), first
+    with async scheduling, then with the router waiting for each step's tokens: the two runs' tokens, decode tok/s
+    each way, and where they part (divergence). The two modes batch the same requests differently (a step ahead
+    carries the decodes one step before the new arrivals join), so with fast numerics in bf16 they may part by
+    batch variance alone; with invariant numerics any difference is a defect of one of the paths."""
+    import asyncio
+
+    from services.launch.cluster import ClusterConfig, LocalCluster
+    from services.router.contracts import GenerationRequest
+    from services.router.main import RouterConfig, build_engine
+
+    async def serve(addresses: tuple[str, ...], ahead: bool) -> tuple[list[list[int]], float]:
+        import time
+
+        engine = await build_engine(RouterConfig(worker_addresses=addresses, model_dir=str(model_dir),
+                                                 model_name="divergence", max_num_seqs=max(256, len(prompts)),
+                                                 async_scheduling=ahead))
+        outputs: list[list[int]] = [[] for _ in prompts]
+
+        async def consume(index: int) -> None:
+            request = GenerationRequest(f"{ahead}-{index}", tuple(prompts[index]), new_tokens)
+            async for delta in engine.generate(request):
+                outputs[index].extend(delta.token_ids)
+
+        try:
+            began = time.perf_counter()
+            await asyncio.gather(*(consume(i) for i in range(len(prompts))))
+            return outputs, len(prompts) * new_tokens / (time.perf_counter() - began)
+        finally:
+            await engine.stop()
+
+    config = ClusterConfig(model=str(model_dir), num_workers=1, topology="tp1pp1", device=device, gpus=gpus,
+                           dtype=dtype, numerics=numerics, kv_cache_bytes=(2 << 30) if device == "cuda" else 64 << 20,
+                           block_size=16, env={"RECONFIG_LOG_LEVEL": "WARNING"})
+    with LocalCluster(config) as cluster:
+        addresses = tuple(cluster.worker_addresses)
+        asyncio.run(serve(addresses, True))  # warm-up
+        ahead, ahead_tok_s = asyncio.run(serve(addresses, True))
+        waiting, waiting_tok_s = asyncio.run(serve(addresses, False))
+    return dict(dtype=dtype, numerics=numerics, device=device, batch=len(prompts), ahead_tok_s=ahead_tok_s,
+                waiting_tok_s=waiting_tok_s, divergence=divergence(ahead, waiting), ahead=ahead, waiting=waiting)

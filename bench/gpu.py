@@ -293,6 +293,24 @@ async def bench_serving(model_dir: Path, batches: list[int], new_tokens: int) ->
     return results
 
 
+def bench_numerics(model_dir: Path, batch: int, new_tokens: int) -> dict:
+    """Issue 39's question, answered by experiment: the same `batch` greedy bf16 requests served with async
+    scheduling and with the router waiting for each step, in fast and in invariant numerics (one worker, eager in
+    invariant mode). Parting in fast mode and not in invariant mode is batch variance; parting in invariant mode
+    too is a defect of one path. Tok/s each way is the invariant mode's cost on this GPU (eager, no graphs)."""
+    from divergence import serve_both_ways
+
+    results = {}
+    for numerics in ("fast", "invariant"):
+        report = serve_both_ways(model_dir, prompts(batch, batch), new_tokens, "bfloat16", numerics, device="cuda",
+                                 gpus=(0,))
+        results[f"numerics/{numerics}"] = {k: v for k, v in report.items() if k not in ("ahead", "waiting")}
+        log(f"numerics {numerics}, batch {batch}: async {report['ahead_tok_s']:.0f} tok/s, waiting "
+            f"{report['waiting_tok_s']:.0f} tok/s; {report['divergence']['sequences_differing']} of {batch} "
+            f"sequences differ (first at {report['divergence']['earliest']})")
+    return results
+
+
 def staging_overhead(arrivals: list[list[float]], begin: float, end: float) -> float | None:
     """Mean gap between two token deltas that arrived in [begin, end] (a switch's staging and pre-copy, while
     serving) over the mean gap of the same streams before `begin` (the source layout; their first 4 deltas left
@@ -350,6 +368,11 @@ def table(result: dict, batches: list[int]) -> str:
                         if switch.get("strategy") == "staged" else ""))
     if "switch_streams_identical" in result:
         lines.append(f"\nswitched streams identical to unswitched: {result['switch_streams_identical']}")
+    for mode in ("fast", "invariant"):
+        if report := result.get(f"numerics/{mode}"):
+            lines.append(f"\n{mode} numerics, bf16, batch {report['batch']}: async {report['ahead_tok_s']:.0f} / "
+                         f"waiting {report['waiting_tok_s']:.0f} tok/s; async and waiting differ in "
+                         f"{report['divergence']['sequences_differing']} sequences")
     return "\n".join(lines)
 
 
@@ -385,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-sizes", default="1,16,64")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--hf-compile", default="", help="batch sizes to run compiled transformers at, e.g. 64")
-    parser.add_argument("--skip", default="", help="parts to skip: hf,step,serving")
+    parser.add_argument("--skip", default="", help="parts to skip: numerics,hf,step,serving")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = parser.parse_args(argv)
     import torch
@@ -401,7 +424,8 @@ def main(argv: list[str] | None = None) -> None:
     result["weight_bytes"] = weight_bytes
     result["memory_bound_tok_s"] = result["copy_gbps"] * 1e9 / weight_bytes
     log(f"checkpoint: {weight_bytes / 1e9:.2f} GB; batch-1 memory bound {result['memory_bound_tok_s']:.0f} tok/s")
-    parts = [("hf", lambda: bench_transformers(model_dir, batches, args.new_tokens,
+    parts = [("numerics", lambda: bench_numerics(model_dir, max(batches), args.new_tokens)),
+             ("hf", lambda: bench_transformers(model_dir, batches, args.new_tokens,
                                                [int(b) for b in args.hf_compile.split(",") if b])),
              ("step", lambda: bench_worker_step(model_dir, batches, args.new_tokens)),
              ("serving", lambda: asyncio.run(bench_serving(model_dir, batches, args.new_tokens)))]

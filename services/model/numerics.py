@@ -7,8 +7,8 @@ Invariant mode rests on three rules, each enforced in one place:
   of ROW_MULTIPLES under which the device's BLAS reduces each output element of an [M, K] x [K, N] product in one
   order whatever M, N and the row's position (`choose_row_multiple`, at a worker's start; a worker refuses the
   mode where none holds). MKL in float32 computes a block of one row, and of two or three, in other orders than a
-  block of four or more (a product of 11 rows differs from one of 12 in its last three): 4 there; oneDNN's
-  bfloat16 GEMM needs no padding: 1.
+  block of four or more (a product of 11 rows differs from one of 12 in its last three), and oneDNN's bfloat16
+  GEMM adds a lone row in another order than a block: 4 for both on this project's CPUs.
 - TP reductions (`reduction_pieces`): a row-parallel layer's reduction dimension is cut at every shard boundary
   of every TP degree the stack allows; each piece's partial product is computed on its own, the partials are
   gathered in rank order (which is piece order) and added in piece order in float32, on one worker as on many.
@@ -121,16 +121,32 @@ def invariant_threads(num_threads: int) -> int:
     return 1 << (max(1, num_threads).bit_length() - 1)
 
 
+def _order_revealing_rows(num_rows: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    """[num_rows, k] rows whose dot product with a column of ones depends on the order the GEMM adds in: each row
+    holds 2^24, 1 + 2^-7 and -2^24, twice, at random positions (zeros elsewhere). Adding the big terms first gives
+    1 + 2^-7 exactly; adding 1 + 2^-7 to 2^24 first loses it to float32 rounding. Random data rarely shows an order
+    difference through a bf16 output's rounding; these rows show every one that reorders their three terms."""
+    rows = torch.zeros(num_rows, k)
+    terms = torch.tensor([2.0 ** 24, 1 + 2.0 ** -7, -(2.0 ** 24)] * 2)  # two such triples a row
+    for row in rows:
+        row[torch.randperm(k, generator=generator)[:6]] = terms
+    return rows
+
+
 def probe(device: torch.device, dtype: torch.dtype, row_multiple: int, seed: int = 0) -> list[str]:
     """What of invariant mode's GEMM rule fails on this device and dtype (empty: it holds): with rows padded to a
     multiple of row_multiple, every row's product must be bitwise the same at every row count and at every
     position in the batch (tails included), at any column count, and in a batched product whatever the batch.
-    Cheap (tens of ms); run where the mode is chosen."""
+    Random rows and order-revealing ones (_order_revealing_rows). Cheap (tens of ms); run where the mode is
+    chosen."""
     generator = torch.Generator().manual_seed(seed)
     failures = []
-    for k, n in ((64, 96), (320, 192), (1024, 80)):
-        weight = torch.randn(n, k, generator=generator).to(device=device, dtype=dtype)
-        x = torch.randn(330, k, generator=generator).to(device=device, dtype=dtype)
+    for k, n in ((64, 64), (128, 96), (320, 192), (1024, 80)):
+        ones = torch.ones(n // 2, k)
+        weight = torch.cat([ones, torch.randn(n - n // 2, k, generator=generator)]).to(device=device, dtype=dtype)
+        x = torch.stack([row for pair in zip(_order_revealing_rows(165, k, generator),
+                                             torch.randn(165, k, generator=generator)) for row in pair])
+        x = x.to(device=device, dtype=dtype)  # order-revealing and random rows alternate
         whole = F.linear(x[:-(330 % row_multiple) or None], weight)  # every row of x, in one product
         for rows in sorted({-(-r // row_multiple) * row_multiple for r in (1, 2, 3, 5, 11, 17, 64, 257, 300)}):
             for start in (0, 1, 9, 327 - rows):  # the same rows, a product of `rows` rows starting at `start`
@@ -138,14 +154,17 @@ def probe(device: torch.device, dtype: torch.dtype, row_multiple: int, seed: int
                         F.linear(x[start: start + rows], weight), whole[start: start + rows]):
                     failures.append(f"linear [{rows}, {k}] x [{k}, {n}] from row {start}: a row's product depends "
                                     "on the row count or its position")
-        if not torch.equal(F.linear(x[:64], weight[: n // 2]), F.linear(x[:64], weight)[:, : n // 2]):
+        if not torch.equal(F.linear(x[:64], weight[n // 4:]), F.linear(x[:64], weight)[:, n // 4:]):
             failures.append(f"linear [{k}, {n}]: a column's product depends on the column count")
-    a = torch.randn(12, row_multiple, 64, generator=generator).to(device=device, dtype=dtype)
-    b = torch.randn(12, 64, 128, generator=generator).to(device=device, dtype=dtype)
+    a = torch.cat([_order_revealing_rows(12 * row_multiple, 64, generator).view(12, row_multiple, 64)[:, :, None],
+                   torch.randn(12, row_multiple, 1, 64, generator=generator)], dim=2).view(12, 2 * row_multiple, 64)
+    a = a.to(device=device, dtype=dtype)
+    b = torch.cat([torch.ones(12, 64, 64), torch.randn(12, 64, 64, generator=generator)], dim=2)
+    b = b.to(device=device, dtype=dtype)
     whole = torch.matmul(a, b)
     if not (torch.equal(torch.matmul(a[:1], b[:1]), whole[:1]) and torch.equal(torch.matmul(a[3:7], b[3:7]),
                                                                                  whole[3:7])):
         failures.append("batched matmul: a matrix's product depends on the batch")
-    if not torch.equal(torch.matmul(a[:4], b[:4, :, :64]), whole[:4, :, :64]):
+    if not torch.equal(torch.matmul(a[:4], b[:4, :, 32:]), whole[:4, :, 32:]):
         failures.append("batched matmul: a column's product depends on the column count")
     return failures

@@ -24,7 +24,7 @@ from services.model.spec import ModelSpec
 from services.router.contracts import GenerationRequest
 from services.topology import Topology, place, plan_kv_migration
 from tests.conftest import hf_greedy, make_checkpoint
-from tests.reconfigure.conftest import generated_tokens, open_live_stack
+from tests.reconfigure.conftest import generated_tokens, open_live_stack, serve_alone_together_and_switched
 from tests.reconfigure.test_worker_loss import background, wait_for_recovery
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5], list(range(20, 41)), [150, 7, 99, 12, 3]]
@@ -185,3 +185,14 @@ async def test_moe_streams_through_staged_tp_ep_switches(tmp_path):
             outputs = await asyncio.wait_for(asyncio.gather(*tasks), 120)
             stats = engine.stats()
     _check_and_report(outputs, expected, lengths, stats, rows)
+
+
+async def test_invariant_numerics_switches_change_no_token_of_64_bf16_streams(checkpoint):
+    """Issue 39 on a GPU: four workers sharing it, bf16, invariant numerics (eager); 64 greedy streams through
+    tp1pp1 -> tp2pp1 -> tp1pp2 -> tp2pp2 equal the same requests served together unswitched and each alone."""
+    with _cluster(checkpoint, 4, "tp1pp1", kv_cache_bytes=8 << 20, dtype="bfloat16", numerics="invariant") as cluster:
+        async with open_live_stack(cluster, leave_in=None) as stack:
+            alone, together, switched = await serve_alone_together_and_switched(stack, 64,
+                                                                                ["tp2pp1", "tp1pp2", "tp2pp2"])
+    assert together == alone
+    assert [i for i, (got, want) in enumerate(zip(switched, alone)) if got != want] == []

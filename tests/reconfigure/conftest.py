@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-
+import random
 from dataclasses import dataclass
 
 import pytest
@@ -11,14 +12,16 @@ import pytest_asyncio
 
 from services.controller.server import start_controller_grpc
 from services.controller.state import ControllerConfig, ControllerState
+from services.controller.status import OperationState
 from services.controller.transaction import Reconfigurer
 from services.launch.cluster import ClusterConfig, LocalCluster
 from services.model.spec import ModelSpec
 from services.router.engine import Engine
 from services.router.grpc_server import start_router_grpc
+from services.router.contracts import GenerationRequest
 from services.router.main import RouterConfig, build_engine
 from services.rpc.auth import write_token_file
-from tests.conftest import make_checkpoint
+from tests.conftest import make_checkpoint, until
 
 TOKEN = "switch-test-token"
 
@@ -100,3 +103,25 @@ async def controller(live_stack, tmp_path):
 async def generated_tokens(engine: Engine, request) -> list[int]:
     """Every token a request produced, once it has finished."""
     return [t for delta in [d async for d in engine.generate(request)] for t in delta.token_ids]
+
+
+def _random_requests(tag: str, count: int) -> list[GenerationRequest]:
+    rng = random.Random(39)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(1, 40))] for _ in range(count)]
+    return [GenerationRequest(f"{tag}-{i}", tuple(p), rng.randrange(100, 140)) for i, p in enumerate(prompts)]
+
+
+async def serve_alone_together_and_switched(stack: LiveStack, count: int, chain: list[str]):
+    """`count` greedy requests (random prompts of 1-39 tokens, 100-139 new tokens) served one at a time, then
+    together, then together again through live switches to each layout of `chain`: the three runs' tokens."""
+    engine = stack.engine
+    alone = [await generated_tokens(engine, request) for request in _random_requests("alone", count)]
+    together = await asyncio.gather(*(generated_tokens(engine, r) for r in _random_requests("together", count)))
+    tasks = [asyncio.ensure_future(generated_tokens(engine, r)) for r in _random_requests("switched", count)]
+    await until(lambda: engine.stats().num_running == count, what="every request running before a switch",
+                timeout_s=120)
+    for target in chain:
+        assert any(not t.done() for t in tasks), "a switch with nothing in flight proves nothing"
+        operation = await stack.reconfigurer.reconfigure(target)
+        assert operation.state is OperationState.SUCCEEDED, operation.error
+    return alone, together, await asyncio.gather(*tasks)
