@@ -61,29 +61,30 @@ def _attend(query: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, positi
     num_kv_heads = flat.shape[2]
     group = num_q_heads // num_kv_heads
     num_chunks = -(-slots.shape[1] // KEY_CHUNK)
-    slots = F.pad(slots, (0, num_chunks * KEY_CHUNK - slots.shape[1]))  # slot 0 past the end: masked below
-    kv = flat.index_select(1, slots.reshape(-1)).view(2, batch, num_chunks, KEY_CHUNK, num_kv_heads, head_dim)
-    # Chunk-major float32 copies (one pass each, the only copies of K and V): every product below is a batch of
-    # fixed-shape GEMMs, [R, D] x [D, KEY_CHUNK] and [R, KEY_CHUNK] x [KEY_CHUNK, D].
-    keys = torch.empty(batch, num_kv_heads, num_chunks, head_dim, KEY_CHUNK, device=flat.device)
-    keys.copy_(kv[0].permute(0, 3, 1, 4, 2))
-    values = torch.empty(batch, num_kv_heads, num_chunks, KEY_CHUNK, head_dim, device=flat.device)
-    values.copy_(kv[1].permute(0, 3, 1, 2, 4))
+    num_keys = num_chunks * KEY_CHUNK
+    slots = F.pad(slots, (0, num_keys - slots.shape[1])).reshape(-1)  # slot 0 past the end: masked below
+    # Head-major gathers ([Hkv, B * L, D], one pass each): (head, sequence) is every product's batch.
+    keys = flat[0].transpose(0, 1).index_select(1, slots).float().view(num_kv_heads, batch, num_keys, head_dim)
+    values = flat[1].transpose(0, 1).index_select(1, slots).float()
+    values = values.view(num_kv_heads, batch, num_chunks, KEY_CHUNK, head_dim)
     # One KV head's rows: its `group` query heads of each of the n tokens, token-major, padded.
     num_rows = n * group
     padded_rows = -(-num_rows // ROW_MULTIPLE) * ROW_MULTIPLE
-    q = query.float().view(batch, n, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
-    q = F.pad(q.reshape(batch, num_kv_heads, num_rows, head_dim), (0, 0, 0, padded_rows - num_rows))
+    q = query.float().view(batch, n, num_kv_heads, group, head_dim).permute(2, 0, 1, 3, 4)
+    q = F.pad(q.reshape(num_kv_heads, batch, num_rows, head_dim), (0, 0, 0, padded_rows - num_rows))
     row_positions = F.pad(positions[:, :, None].expand(batch, n, group).reshape(batch, num_rows),
                           (0, padded_rows - num_rows))  # a padding row sees key 0 (its result is dropped)
-    key_positions = torch.arange(num_chunks * KEY_CHUNK, device=query.device).view(num_chunks, 1, KEY_CHUNK)
-    limit = row_positions[:, None, None, :, None]  # [B, 1, 1, R, 1]
-    visible = key_positions <= limit  # [B, 1, nC, R, KEY_CHUNK]
+    limit = row_positions[..., None]  # [B, R, 1]
+    key_positions = torch.arange(num_keys, device=query.device)
+    visible = key_positions <= limit  # [B, R, L]
     if sliding_window is not None:
         visible &= key_positions > limit - sliding_window
-    scores = torch.matmul(q[:, :, None], keys).mul_(scale).masked_fill_(~visible, float("-inf"))  # [B,Hkv,nC,R,C]
-    weights = whole_vectors(torch.exp, scores.sub_(scores.amax(dim=(2, 4), keepdim=True)))
-    denominator = weights.sum(-1).cumsum(2)[:, :, -1, :, None]  # [B, Hkv, R, 1]
-    out = torch.matmul(weights, values).cumsum(2)[:, :, -1].div_(denominator)  # [B, Hkv, R, D]
-    out = out[:, :, :num_rows].reshape(batch, num_kv_heads, n, group, head_dim).permute(0, 2, 1, 3, 4)
+    # Scores: [R, D] x [D, L] per (head, sequence) (a column's product does not depend on L: numerics.probe).
+    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale).masked_fill_(~visible, float("-inf"))
+    weights = whole_vectors(torch.exp, scores.sub_(scores.amax(-1, keepdim=True)))  # [Hkv, B, R, L]
+    chunked = weights.view(num_kv_heads, batch, padded_rows, num_chunks, KEY_CHUNK)
+    denominator = chunked.sum(-1).cumsum(-1)[..., -1:]  # [Hkv, B, R, 1]
+    partial = torch.matmul(chunked.transpose(2, 3), values)  # [Hkv, B, nC, R, D]: [R, C] x [C, D] per chunk
+    out = partial.cumsum(2)[:, :, -1].div_(denominator)  # [Hkv, B, R, D]
+    out = out[:, :, :num_rows].reshape(num_kv_heads, batch, n, group, head_dim).permute(1, 2, 0, 3, 4)
     return out.reshape(batch, n, num_q_heads, head_dim).to(query.dtype)

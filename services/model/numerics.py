@@ -32,6 +32,9 @@ import torch.nn.functional as F
 from services.contracts.numerics import MODES
 
 ROW_MULTIPLES = (1, 4, 8)  # the row paddings invariant mode tries, cheapest first (choose_row_multiple)
+# A stack cuts its row-parallel reductions for every TP degree the model allows on this many workers (or its own
+# world, if larger): stacks of up to this many workers then give the same bits, whatever their size and layout.
+INVARIANT_WORKERS = 8
 _VECTORS = 1024  # elements: two vectors of any dtype times up to 16 threads, for a tensor torch does not split
 _GRAIN = 32768   # at::internal::GRAIN_SIZE: a larger tensor is cut into min(threads, ceil(numel / grain)) parts
 

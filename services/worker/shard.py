@@ -13,7 +13,14 @@ import torch
 from services.model.expert_reshard import ALONGSIDE, ExpertSwitch
 from services.model.layers import ShardLoader, SingleRankGroup
 from services.model.llama import ShardedCausalLM
-from services.model.numerics import FAST, Numerics, choose_row_multiple, invariant_numerics, invariant_threads
+from services.model.numerics import (
+    FAST,
+    INVARIANT_WORKERS,
+    Numerics,
+    choose_row_multiple,
+    invariant_numerics,
+    invariant_threads,
+)
 from services.model.spec import ModelSpec
 from services.rpc.reconfig.v1 import worker_pb2
 from services.topology import Placement, Topology, candidate_topologies, place
@@ -55,11 +62,14 @@ def _compute_dtype(config: WorkerConfig, spec: ModelSpec, device: torch.device) 
 
 
 def shard_numerics(config: WorkerConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> Numerics:
-    """The stack's numerics. Invariant: row-parallel reductions cut for every TP degree a layout of this world may
-    take (so a switch between any two changes no bit), GEMM rows padded as this device's BLAS needs."""
+    """The stack's numerics. Invariant: row-parallel reductions cut for every TP degree the model allows on
+    INVARIANT_WORKERS workers or this world's, whichever is more (so a switch between any two layouts changes no
+    bit, and stacks of up to INVARIANT_WORKERS workers agree with each other), GEMM rows padded as this device's
+    BLAS needs."""
     if config.numerics == "fast":
         return FAST
-    tp_sizes = {t.tp for t in candidate_topologies(spec.shape, config.world_size) if not t.is_expert_parallel}
+    num_workers = max(config.world_size, INVARIANT_WORKERS)
+    tp_sizes = {t.tp for t in candidate_topologies(spec.shape, num_workers) if not t.is_expert_parallel}
     return invariant_numerics(spec.shape.num_heads, spec.shape.intermediate_size, sorted(tp_sizes),
                               choose_row_multiple(device, dtype))
 
