@@ -155,8 +155,6 @@ class ShardedCausalLM:
         mode must be the one `previous` was built with)."""
         if wp.ep_size > 1 and ep_group is None:
             raise ValueError(f"an EP layout (ep_size={wp.ep_size}) needs the stage's ep_group")
-        if numerics.is_invariant and spec.moe_layers:
-            raise ValueError("invariant numerics is not built for mixture-of-experts models yet: use --numerics fast")
         self.spec = spec
         self.numerics = numerics
         self.placement = wp
@@ -201,7 +199,8 @@ class ShardedCausalLM:
         if layer_id in self.spec.moe_layers:
             old_block = kept.mlp if kept is not None and isinstance(kept.mlp, SparseMoeBlock) else None
             mlp = SparseMoeBlock(self.spec, self.placement, layer_id, loader, moe_group,
-                                 self.expert_maps[layer_id], previous=old_block, switch=expert_switch)
+                                 self.expert_maps[layer_id], previous=old_block, switch=expert_switch,
+                                 numerics=self.numerics)
         elif kept is not None and same_dense:
             mlp = kept.mlp.regrouped(group)
         elif kept is not None and same_attention:

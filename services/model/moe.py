@@ -12,6 +12,7 @@ from services.model.expert_reshard import (
     ALONGSIDE, ExpertLedger, ExpertSwitch, can_reshard, expert_bytes, reshard_experts, reshard_wanted,
 )
 from services.model.layers import ShardLoader, TPGroup
+from services.model.numerics import FAST, Numerics, ordered_sum, padded_linear, reduction_pieces, whole_vectors
 from services.model.spec import ModelSpec
 from services.topology import WorkerPlacement
 from services.topology.experts import expert_copies, expert_tensor_names, router_tensor_name
@@ -20,11 +21,12 @@ ExpertWeights = tuple[torch.Tensor, ...]  # (gate_up [2 * I_local, hidden], down
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
-          cast_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+          cast_weights: bool, row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Hugging Face's router, in its order of operations: softmax in float32, top-k, optional renormalization;
     Qwen3-MoE casts the weights back to x's dtype (cast_weights), Mixtral keeps them in float32 (its weighted sum
-    is then taken in float32). x [T, hidden] -> (weights [T, k], logical expert ids [T, k] int64)."""
-    probs = F.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)  # [T, E]
+    is then taken in float32). x [T, hidden] -> (weights [T, k], logical expert ids [T, k] int64). row_multiple:
+    invariant numerics' GEMM rows rule (services/model/numerics.py)."""
+    probs = F.softmax(padded_linear(x, router, row_multiple), dim=-1, dtype=torch.float32)  # [T, E]
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -36,6 +38,17 @@ def expert_mlp(x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
     gate_up, down = weights
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, down)
+
+
+def expert_mlp_pieces(x: torch.Tensor, weights: ExpertWeights, pieces: Sequence[range],
+                      row_multiple: int) -> torch.Tensor:
+    """Invariant numerics: one expert's (slice's) SwiGLU with its down projection cut into `pieces` of its local
+    intermediate, each piece's partial product apart. x [N, hidden] -> [N, len(pieces) * hidden]."""
+    gate_up, down = weights
+    gate, up = padded_linear(x, gate_up, row_multiple).chunk(2, dim=-1)
+    hidden = whole_vectors(F.silu, gate) * up  # [N, I_local]
+    return torch.cat([padded_linear(hidden[:, p.start:p.stop], down[:, p.start:p.stop], row_multiple)
+                      for p in pieces], dim=-1)
 
 
 def load_expert(loader: ShardLoader, style: str, layer: int, expert: int, intermediate: range) -> ExpertWeights:
@@ -85,7 +98,7 @@ class SparseMoeBlock:
 
     def __init__(self, spec: ModelSpec, wp: WorkerPlacement, layer_id: int, loader: ShardLoader, group: TPGroup,
                  phy2log: Sequence[int] | None = None, previous: SparseMoeBlock | None = None,
-                 switch: ExpertSwitch = ALONGSIDE) -> None:
+                 switch: ExpertSwitch = ALONGSIDE, numerics: Numerics = FAST) -> None:
         """group: the TP group (TP form) or the stage's EP group (EP form). phy2log: the logical expert of every
         physical slot (None: the identity; the TP form accepts only the identity). previous: this layer's block
         before a reconfiguration: the router and the experts it holds with the same intermediate slice are shared,
@@ -106,6 +119,10 @@ class SparseMoeBlock:
         self.intermediate = wp.expert_intermediate
         self.group = group
         self.moe_style = spec.moe_style
+        # Invariant numerics: each expert's down projection in pieces cut at every TP degree's bounds; the TP
+        # form gathers the pieces of every assignment and adds them in order, as one rank (TP1, EP) does.
+        self.row_multiple = numerics.row_multiple
+        self.pieces = reduction_pieces(numerics.expert_bounds, self.intermediate) if numerics.is_invariant else None
         self.released = False  # an in-place switch took its experts (restore_experts brings them back)
         num_physical = len(phy2log) if phy2log is not None else spec.num_experts
         if len(self.slots) * wp.ep_size != num_physical:
@@ -187,12 +204,15 @@ class SparseMoeBlock:
         """x [T, hidden] (T may be 0: the rank still joins the collectives) -> [T, hidden], reduced over the group."""
         if self.released:
             raise RuntimeError(f"layer {self.layer_id}: its experts went to an in-place switch; restore them first")
-        weights, experts = route(x, self.router, self.top_k, self.renormalize, self.cast_weights)  # [T, k] each
+        weights, experts = route(x, self.router, self.top_k, self.renormalize, self.cast_weights,
+                                 self.row_multiple)  # [T, k] each
         slots = physical_slots(experts, self.num_copies, self.copy_slots)  # [T, k]
         if self.counts_load:
             self.load += torch.bincount(slots.reshape(-1), minlength=self.num_physical)
         if self.is_expert_parallel:
             return self._expert_parallel(x, weights, slots)
+        if self.pieces is not None:
+            return self._combine_gathered(x, weights, slots)
         return self.group.all_reduce(self._combine_local(x, weights, slots))
 
     def _combine_local(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -202,6 +222,17 @@ class SparseMoeBlock:
         rows = order // self.top_k  # token of each sorted assignment
         outputs = self._run_experts(x.index_select(0, rows), flat[order], self.slots.start)  # [T * k, hidden]
         return self._weighted_sum(x, outputs, weights.reshape(-1)[order], rows)
+
+    def _combine_gathered(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """TP form, invariant numerics: every assignment's expert pieces from every rank (all-gathered, in piece
+        order), added in order, then weighted in k order. -> [T, hidden], whole on every rank (no all-reduce)."""
+        flat = slots.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows = order // self.top_k
+        pieces = self._run_experts(x.index_select(0, rows), flat[order], self.slots.start)  # [T*k, P_local * h]
+        gathered = self.group.all_gather_last_dim(pieces)  # [T*k, P * hidden]
+        outputs = ordered_sum(gathered, len(self.pieces) * self.group.size, x.dtype)
+        return self._weighted_sum_in_k_order(x, outputs, weights, order)
 
     def _expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """EP form: dispatch each assignment to its slot's rank, compute there, combine back. -> [T, hidden]."""
@@ -222,19 +253,27 @@ class SparseMoeBlock:
         local_order = torch.argsort(received_slots, stable=True)
         computed = self._run_experts(received.index_select(0, local_order), received_slots[local_order],
                                      self.slots.start)
+        if self.pieces is not None:  # whole experts here: their pieces added in order, as the TP form does
+            computed = ordered_sum(computed, len(self.pieces), x.dtype)
         results = torch.empty_like(computed).index_copy_(0, local_order, computed)  # back in arrival order
         returned = x.new_empty((len(flat), hidden))
         self.group.all_to_all(returned, results, sends, recvs)  # combine: row j answers sorted assignment j
+        if self.pieces is not None:
+            return self._weighted_sum_in_k_order(x, returned, weights, order)
         return self._weighted_sum(x, returned, weights.reshape(-1)[order], rows)
 
     def _run_experts(self, inputs: torch.Tensor, slots: torch.Tensor, first_slot: int) -> torch.Tensor:
         """inputs [N, hidden] sorted by slot (all local) -> each row through its slot's expert, [N, hidden]."""
         counts = torch.bincount(slots - first_slot, minlength=len(self.experts)).tolist()
-        outputs = inputs.new_empty(inputs.shape)
+        width = len(self.pieces) if self.pieces is not None else 1  # invariant: [N, pieces * hidden]
+        outputs = inputs.new_empty((inputs.shape[0], width * inputs.shape[1]))
         start = 0
         for local, count in enumerate(counts):
             if count:
-                outputs[start:start + count] = expert_mlp(inputs[start:start + count], self.experts[local])
+                chunk = inputs[start:start + count]
+                outputs[start:start + count] = (
+                    expert_mlp(chunk, self.experts[local]) if self.pieces is None
+                    else expert_mlp_pieces(chunk, self.experts[local], self.pieces, self.row_multiple))
                 start += count
         return outputs
 
@@ -245,6 +284,17 @@ class SparseMoeBlock:
         then cast to x's). outputs [T*k, hidden], weights [T*k], rows [T*k] -> [T, hidden]."""
         weighted = (outputs * weights[:, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, rows, weighted)
+
+    def _weighted_sum_in_k_order(self, x: torch.Tensor, outputs: torch.Tensor, weights: torch.Tensor,
+                                 order: torch.Tensor) -> torch.Tensor:
+        """Invariant numerics: sum over k of weight * expert output, each token's k terms added in routing order
+        (whatever slot holds each expert). outputs [T*k, hidden] in `order` (sorted assignments), weights [T, k]."""
+        by_assignment = torch.empty_like(outputs).index_copy_(0, order, outputs).view(x.shape[0], self.top_k, x.shape[1])
+        weighted = (by_assignment * weights[..., None]).to(x.dtype)  # [T, k, hidden]
+        total = torch.zeros_like(x)
+        for k in range(self.top_k):
+            total += weighted[:, k]
+        return total
 
     def take_load(self) -> torch.Tensor:
         """The assignments counted per physical slot since the last call; the counter restarts at zero."""

@@ -47,6 +47,7 @@ class Numerics:
     row_multiple: int = 1                      # a GEMM's rows are padded to a multiple of this (1: none)
     head_bounds: tuple[int, ...] = ()          # query-head boundaries of o_proj's pieces (invariant mode)
     intermediate_bounds: tuple[int, ...] = ()  # intermediate boundaries of down_proj's pieces (invariant mode)
+    expert_bounds: tuple[int, ...] = ()        # an expert's intermediate boundaries of its down pieces (MoE)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -80,11 +81,20 @@ def reduction_pieces(bounds: Sequence[int], held: range, unit: int = 1) -> tuple
 
 
 def invariant_numerics(num_heads: int, intermediate_size: int, tp_sizes: Iterable[int],
-                       row_multiple: int = ROW_MULTIPLES[-1]) -> Numerics:
-    """Invariant numerics for a dense model whose layouts use the TP degrees `tp_sizes`."""
+                       row_multiple: int = ROW_MULTIPLES[-1], moe_intermediate_size: int = 0) -> Numerics:
+    """Invariant numerics for a model whose TP layouts use the degrees `tp_sizes` (an EP layout holds its
+    experts whole and cuts them at the same bounds)."""
     tp_sizes = tuple(tp_sizes)
     return Numerics("invariant", row_multiple, slice_bounds(num_heads, tp_sizes),
-                    slice_bounds(intermediate_size, tp_sizes))
+                    slice_bounds(intermediate_size, tp_sizes),
+                    slice_bounds(moe_intermediate_size, tp_sizes) if moe_intermediate_size else ())
+
+
+def padded_linear(x: torch.Tensor, weight: torch.Tensor, row_multiple: int) -> torch.Tensor:
+    """F.linear(x, weight) with x's rows padded to a multiple of row_multiple (the GEMM rows rule)."""
+    if x.shape[0] % row_multiple:
+        return F.linear(F.pad(x, (0, 0, 0, -x.shape[0] % row_multiple)), weight)[: x.shape[0]]
+    return F.linear(x, weight)
 
 
 def choose_row_multiple(device: torch.device, dtype: torch.dtype) -> int:
@@ -102,7 +112,7 @@ def ordered_sum(partials: torch.Tensor, num_pieces: int, dtype: torch.dtype) -> 
     """partials [N, num_pieces * out] (piece p in columns [p * out, (p + 1) * out)) -> [N, out] in `dtype`: the
     pieces added in float32, one after the other in piece order."""
     rows = partials.shape[0]
-    pieces = partials.view(rows, num_pieces, -1)
+    pieces = partials.view(rows, num_pieces, partials.shape[1] // num_pieces)
     total = pieces[:, 0].to(torch.float32, copy=True)  # [N, out]
     for p in range(1, num_pieces):
         total += pieces[:, p]

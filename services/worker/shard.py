@@ -71,7 +71,7 @@ def shard_numerics(config: WorkerConfig, spec: ModelSpec, device: torch.device, 
     num_workers = max(config.world_size, INVARIANT_WORKERS)
     tp_sizes = {t.tp for t in candidate_topologies(spec.shape, num_workers) if not t.is_expert_parallel}
     return invariant_numerics(spec.shape.num_heads, spec.shape.intermediate_size, sorted(tp_sizes),
-                              choose_row_multiple(device, dtype))
+                              choose_row_multiple(device, dtype), spec.shape.moe_intermediate_size)
 
 
 class WorkerShard:

@@ -31,6 +31,7 @@ from services.model.numerics import (
 )
 from services.model.spec import ModelSpec
 from services.topology import Topology, place
+from services.topology.eplb import initial_expert_maps
 
 CPU = torch.device("cpu")
 DTYPES = (torch.float32, torch.bfloat16)
@@ -132,13 +133,13 @@ def test_invariant_attention_agrees_with_the_fast_one(dtype):
 
 # ---- the whole model, TP ranks as threads ---------------------------------------------------------------------------
 class _ThreadGroup:
-    """A TP group whose ranks are threads of this process: what one rank contributes, every rank reads."""
+    """A TP or EP group whose ranks are threads of this process: what one rank contributes, every rank reads."""
 
     def __init__(self, shared: _Shared, rank: int) -> None:
         self.shared, self.rank, self.size = shared, rank, shared.size
 
-    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        self.shared.slots[self.rank] = tensor
+    def _exchange(self, value):
+        self.shared.slots[self.rank] = value
         self.shared.barrier.wait()
         parts = list(self.shared.slots)
         self.shared.barrier.wait()  # nobody overwrites a slot before every rank has read
@@ -154,45 +155,71 @@ class _ThreadGroup:
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.cat(self._exchange(tensor), dim=-1)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                   input_splits: list[int]) -> torch.Tensor:
+        parts = self._exchange(list(input.split(input_splits)))
+        return output.copy_(torch.cat([parts[peer][self.rank] for peer in range(self.size)]))
+
 
 class _Shared:
     def __init__(self, size: int) -> None:
         self.size, self.slots, self.barrier = size, [None] * size, threading.Barrier(size)
 
 
-class _TPModel:
-    """One model of `tp` shards, each stepping on its own thread; `step` returns rank 0's logits."""
+class _StageModel:
+    """One stage of shards in `topology` (TP or EP), each stepping on its own thread. `step` returns each
+    sequence's logits: in TP rank 0's, in EP (data-parallel attention) those of the rank serving the sequence,
+    which is picked by its block table (sequence i owns blocks from i * 16)."""
 
-    def __init__(self, model_dir: Path, tp: int, dtype: torch.dtype, numerics: Numerics) -> None:
+    def __init__(self, model_dir: Path, tp: int, dtype: torch.dtype, numerics: Numerics, ep: int = 1) -> None:
         spec = ModelSpec.from_dir(model_dir)
         tensors = load_file(model_dir / "model.safetensors")
-        shared = _Shared(tp)
+        topology = Topology(tp=tp, pp=1) if ep == 1 else Topology(ep=ep, pp=1)
+        placement = place(topology, spec.shape)
+        expert_maps = initial_expert_maps(spec.shape, placement) if spec.shape.is_moe else None
+        shared = _Shared(len(placement.workers))
+        self.is_expert_parallel = ep > 1
         self.ranks = []
-        for wp in place(Topology(tp, 1), spec.shape).workers:
-            group = _ThreadGroup(shared, wp.tp_rank) if tp > 1 else SingleRankGroup()
-            model = ShardedCausalLM(spec, wp, ShardLoader(tensors.__getitem__, set(tensors), dtype, CPU), group,
-                                    numerics=numerics)
+        for wp in placement.workers:
+            group = _ThreadGroup(shared, wp.index) if len(placement.workers) > 1 else SingleRankGroup()
+            tp_group, ep_group = (SingleRankGroup(), group) if self.is_expert_parallel else (group, None)
+            model = ShardedCausalLM(spec, wp, ShardLoader(tensors.__getitem__, set(tensors), dtype, CPU), tp_group,
+                                    ep_group=ep_group, expert_maps=expert_maps, numerics=numerics)
             caches = [torch.zeros(2, 1024, BLOCK, len(wp.kv_heads), spec.head_dim, dtype=dtype) for _ in wp.layers]
             self.ranks.append((model, caches))
 
     def step(self, starts: list[int], token_lists: list[list[int]], tables: list[list[int]]) -> torch.Tensor:
-        results: list[torch.Tensor | None] = [None] * len(self.ranks)
+        size = len(self.ranks)
+        mine = [[j for j, table in enumerate(tables) if not self.is_expert_parallel or table[0] // 16 % size == r]
+                for r in range(size)]
+        results: list[torch.Tensor | None] = [None] * size
 
         def run(rank: int) -> None:
             model, caches = self.ranks[rank]
-            meta = AttentionMetadata.build(starts, [len(t) for t in token_lists], tables, BLOCK, CPU)
-            positions = torch.tensor([s + i for s, t in zip(starts, token_lists) for i in range(len(t))])
-            hidden = model.forward(torch.tensor([t for ts in token_lists for t in ts]), positions, caches, meta)
+            rows = mine[rank]
+            if not rows:  # an EP rank without a sequence: its sparse layers still join the stage's all-to-alls
+                model.forward_empty()
+                return
+            meta = AttentionMetadata.build([starts[j] for j in rows], [len(token_lists[j]) for j in rows],
+                                           [tables[j] for j in rows], BLOCK, CPU)
+            positions = torch.tensor([starts[j] + i for j in rows for i in range(len(token_lists[j]))])
+            hidden = model.forward(torch.tensor([t for j in rows for t in token_lists[j]]), positions, caches, meta)
             last = torch.tensor([s.token_start + s.num_new_tokens - 1 for s in meta.sequences])
             results[rank] = model.compute_logits(hidden.index_select(0, last))
 
-        threads = [threading.Thread(target=run, args=(rank,)) for rank in range(1, len(self.ranks))]
+        threads = [threading.Thread(target=run, args=(rank,)) for rank in range(1, size)]
         for thread in threads:
             thread.start()
         run(0)
         for thread in threads:
             thread.join()
-        return results[0]
+        if not self.is_expert_parallel:
+            return results[0]
+        logits = [None] * len(tables)
+        for rank, rows in enumerate(mine):
+            for row, j in enumerate(rows):
+                logits[j] = results[rank][row]
+        return torch.stack(logits)
 
 
 PROMPTS = [[5, 17, 33, 2, 9, 100, 41], [7, 8], [250, 3, 3, 3, 60, 61, 62, 63, 64, 65, 11], [42]]
@@ -236,9 +263,9 @@ def test_invariant_logits_are_bitwise_the_same_in_any_batch_chunking_and_tp_degr
     spec = ModelSpec.from_dir(llama_dir)
     numerics = invariant_numerics(spec.shape.num_heads, spec.shape.intermediate_size, (1, 2, 4),
                                   choose_row_multiple(CPU, dtype))  # what a worker takes
-    reference = _serve(_TPModel(llama_dir, 1, dtype, numerics).step, "together")
+    reference = _serve(_StageModel(llama_dir, 1, dtype, numerics).step, "together")
     for tp in (1, 2, 4):
-        model = _TPModel(llama_dir, tp, dtype, numerics)
+        model = _StageModel(llama_dir, tp, dtype, numerics)
         for schedule in ("together", "alone", "chunked"):
             served = _serve(model.step, schedule)
             for prompt, (got, want) in enumerate(zip(served, reference)):
@@ -256,7 +283,7 @@ def test_64_random_prompts_get_the_same_bf16_logits_alone_and_together(tmp_path)
     spec = ModelSpec.from_dir(llama_dir)
     numerics = invariant_numerics(spec.shape.num_heads, spec.shape.intermediate_size, (1,),
                                   choose_row_multiple(CPU, torch.bfloat16))
-    model = _TPModel(llama_dir, 1, torch.bfloat16, numerics)
+    model = _StageModel(llama_dir, 1, torch.bfloat16, numerics)
     alone = _serve(model.step, "alone", prompts, 3)
     for schedule in ("together", "chunked"):
         served = _serve(model.step, schedule, prompts, 3)
@@ -267,8 +294,8 @@ def test_64_random_prompts_get_the_same_bf16_logits_alone_and_together(tmp_path)
 def test_fast_numerics_is_not_tp_invariant_in_bfloat16(llama_dir):
     """The contrast that makes the test above mean something: the default mode's bf16 logits change with TP."""
     spec = ModelSpec.from_dir(llama_dir)
-    together = _serve(_TPModel(llama_dir, 1, torch.bfloat16, FAST).step, "together")
-    tp2 = _serve(_TPModel(llama_dir, 2, torch.bfloat16, FAST).step, "together")
+    together = _serve(_StageModel(llama_dir, 1, torch.bfloat16, FAST).step, "together")
+    tp2 = _serve(_StageModel(llama_dir, 2, torch.bfloat16, FAST).step, "together")
     assert spec.shape.num_heads == 4
     assert not all(torch.equal(a, b) for got, want in zip(tp2, together) for a, b in zip(got, want))
 
@@ -276,16 +303,24 @@ def test_fast_numerics_is_not_tp_invariant_in_bfloat16(llama_dir):
 def test_a_mixed_batch_run_100_times_gives_one_output(llama_dir):
     spec = ModelSpec.from_dir(llama_dir)
     numerics = invariant_numerics(spec.shape.num_heads, spec.shape.intermediate_size, (1, 2, 4))
-    model = _TPModel(llama_dir, 1, torch.bfloat16, numerics)
+    model = _StageModel(llama_dir, 1, torch.bfloat16, numerics)
     tables = [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
     outputs = {model.step([0, 0, 0], [PROMPTS[0], PROMPTS[1], PROMPTS[2]], tables).view(torch.int16)
                .numpy().tobytes() for _ in range(100)}
     assert len(outputs) == 1
 
 
-def test_invariant_numerics_refuses_a_mixture_of_experts_model(hf_moe_checkpoint):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_logits_are_bitwise_the_same_in_tp_and_ep_layouts_and_any_batch(hf_moe_checkpoint, dtype):
+    """Issue 39's MoE case: tp1, tp2, tp4, ep2 and ep4 (experts whole on a rank, attention data-parallel, tokens
+    dispatched by all-to-all) give every token the same bits, together, alone and chunked."""
     spec = ModelSpec.from_dir(hf_moe_checkpoint)
-    wp = place(Topology(1, 1), spec.shape).workers[0]
-    with pytest.raises(ValueError, match="not built for mixture-of-experts models yet"):
-        ShardedCausalLM(spec, wp, ShardLoader(None, set(), torch.float32, CPU), SingleRankGroup(),
-                        numerics=invariant_numerics(spec.shape.num_heads, spec.shape.intermediate_size, (1,)))
+    numerics = invariant_numerics(spec.shape.num_heads, spec.shape.intermediate_size, (1, 2, 4),
+                                  choose_row_multiple(CPU, dtype), spec.shape.moe_intermediate_size)
+    reference = _serve(_StageModel(hf_moe_checkpoint, 1, dtype, numerics).step, "together")
+    for tp, ep in ((2, 1), (4, 1), (1, 2), (1, 4)):
+        model = _StageModel(hf_moe_checkpoint, tp, dtype, numerics, ep=ep)
+        for schedule in ("together", "alone", "chunked"):
+            served = _serve(model.step, schedule)
+            for prompt, (got, want) in enumerate(zip(served, reference)):
+                assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (tp, ep, schedule, prompt)
