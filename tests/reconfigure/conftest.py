@@ -105,17 +105,19 @@ async def generated_tokens(engine: Engine, request) -> list[int]:
     return [t for delta in [d async for d in engine.generate(request)] for t in delta.token_ids]
 
 
-def _random_requests(tag: str, count: int) -> list[GenerationRequest]:
+def _random_requests(tag: str, count: int, max_tokens: int | None = None) -> list[GenerationRequest]:
     rng = random.Random(39)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(1, 40))] for _ in range(count)]
-    return [GenerationRequest(f"{tag}-{i}", tuple(p), rng.randrange(100, 140)) for i, p in enumerate(prompts)]
+    return [GenerationRequest(f"{tag}-{i}", tuple(p), min(rng.randrange(100, 140), max_tokens or 1 << 30))
+            for i, p in enumerate(prompts)]
 
 
-async def serve_alone_together_and_switched(stack: LiveStack, count: int, chain: list[str]):
-    """`count` greedy requests (random prompts of 1-39 tokens, 100-139 new tokens) served one at a time, then
-    together, then together again through live switches to each layout of `chain`: the three runs' tokens."""
+async def serve_alone_together_and_switched(stack: LiveStack, count: int, chain: list[str], alone_tokens: int):
+    """`count` greedy requests (random prompts of 1-39 tokens, 100-139 new tokens) served one at a time (only their
+    first `alone_tokens` tokens: greedy, so a prefix of the whole), then together, then together again through live
+    switches to each layout of `chain`: the three runs' tokens."""
     engine = stack.engine
-    alone = [await generated_tokens(engine, request) for request in _random_requests("alone", count)]
+    alone = [await generated_tokens(engine, r) for r in _random_requests("alone", count, alone_tokens)]
     together = await asyncio.gather(*(generated_tokens(engine, r) for r in _random_requests("together", count)))
     tasks = [asyncio.ensure_future(generated_tokens(engine, r)) for r in _random_requests("switched", count)]
     await until(lambda: engine.stats().num_running == count, what="every request running before a switch",
