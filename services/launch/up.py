@@ -264,7 +264,7 @@ def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights, activations and KV cache [auto: float32 on CPU, the checkpoint's on a GPU]")
     parser.add_argument("--numerics", choices=MODES,
                         help="invariant: no bit of a token's result depends on its batch, its prompt's chunking or "
-                             "the layout, so a live switch changes no token (slower; dense models) [fast]")
+                             "the layout, so a live switch changes no token (slower) [fast]")
 
 
 def up(config: UpConfig) -> int:
