@@ -1,17 +1,18 @@
 """Numerics modes of the model: `fast` (the default: each op as its kernel computes it) and `invariant`, in which
 no bit of a token's hidden state depends on the batch it shares a step with, on how its prompt was chunked, or on
-the layout (TP degree, PP stages) serving it, so a live switch provably changes no token.
+the layout (TP degree, PP stages, EP) serving it, so a live switch provably changes no token.
 
-Invariant mode rests on three rules, each enforced in one place:
+Invariant mode rests on these rules, each enforced in one place:
 - GEMM rows (`Linear.row_multiple`): a product's rows are padded to a multiple of `row_multiple`, the smallest
   of ROW_MULTIPLES under which the device's BLAS reduces each output element of an [M, K] x [K, N] product in one
   order whatever M, N and the row's position (`choose_row_multiple`, at a worker's start; a worker refuses the
   mode where none holds). MKL in float32 computes a block of one row, and of two or three, in other orders than a
   block of four or more (a product of 11 rows differs from one of 12 in its last three), and oneDNN's bfloat16
   GEMM adds a lone row in another order than a block: 4 for both on this project's CPUs.
-- TP reductions (`reduction_pieces`): a row-parallel layer's reduction dimension is cut at every shard boundary
-  of every TP degree the stack allows; each piece's partial product is computed on its own, the partials are
-  gathered in rank order (which is piece order) and added in piece order in float32, on one worker as on many.
+- TP reductions (`reduction_pieces`): a row-parallel layer's reduction dimension (and each expert's, in an MoE
+  model: services/model/moe.py) is cut at every shard boundary of every TP degree the model allows on
+  INVARIANT_WORKERS workers; each piece's partial product is computed on its own, the partials are gathered in
+  rank order (which is piece order) and added in piece order in float32, on one worker as on many.
 - attention (`services/model/invariant_attention.py`): keys in chunks of KEY_CHUNK positions counted from
   position 0, the row maximum (exact in any order), sums over fixed-size chunks, chunks folded in order; a chunk
   past a row's context adds exact zeros, so padding and batch composition change nothing.
