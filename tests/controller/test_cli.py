@@ -51,7 +51,8 @@ async def test_table_of_a_frozen_stack_with_requests(stack, capsys):
                                   stack.token_file)
     assert code == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["topology:", TOPOLOGY, "state:", "FROZEN", "model:", MODEL]
+    assert lines[0].split() == ["topology:", TOPOLOGY, "state:", "FROZEN", "model:", MODEL, "numerics:", "fast,",
+                                "float32"]
     assert lines[1] == "reason: the router is frozen: no step is scheduled"
     header = lines[3].split()
     assert header[:4] == ["RANK", "PID", "STATE", "DEVICE"] and "ADDRESS" in header
