@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from services.model.numerics import ordered_sum, whole_vectors
+from services.model.numerics import ordered_sum, pad_rows, whole_vectors
 from services.model.spec import RopeSpec
 
 
@@ -188,7 +188,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in] -> [N, out]."""
         if x.shape[0] % self.row_multiple:
-            return self(F.pad(x, (0, 0, 0, -x.shape[0] % self.row_multiple)))[: x.shape[0]]
+            return self(pad_rows(x, self.row_multiple))[: x.shape[0]]
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, x.shape[0])

@@ -91,11 +91,15 @@ def invariant_numerics(num_heads: int, intermediate_size: int, tp_sizes: Iterabl
                     slice_bounds(moe_intermediate_size, tp_sizes) if moe_intermediate_size else ())
 
 
+def pad_rows(x: torch.Tensor, row_multiple: int) -> torch.Tensor:
+    """x [N, ...] with zero rows appended up to a multiple of row_multiple (the GEMM rows rule); x itself when N is
+    one already."""
+    return F.pad(x, (0, 0, 0, -x.shape[0] % row_multiple)) if x.shape[0] % row_multiple else x
+
+
 def padded_linear(x: torch.Tensor, weight: torch.Tensor, row_multiple: int) -> torch.Tensor:
-    """F.linear(x, weight) with x's rows padded to a multiple of row_multiple (the GEMM rows rule)."""
-    if x.shape[0] % row_multiple:
-        return F.linear(F.pad(x, (0, 0, 0, -x.shape[0] % row_multiple)), weight)[: x.shape[0]]
-    return F.linear(x, weight)
+    """F.linear(x, weight) with x's rows padded to a multiple of row_multiple."""
+    return F.linear(pad_rows(x, row_multiple), weight)[: x.shape[0]]
 
 
 def choose_row_multiple(device: torch.device, dtype: torch.dtype) -> int:
