@@ -80,7 +80,7 @@ def _blocks_for(num_tokens: int, block_size: int) -> int:
 
 async def _run_once(driver, prompts: list[list[int]], new_tokens: int, tag: str):
     """One prefill step, then new_tokens - 1 timed decode steps; each prompt owns a contiguous block range."""
-    from services.worker.step import SequenceStep
+    from services.contracts.step import SequenceStep
 
     need = _blocks_for(len(prompts[0]) + new_tokens, driver.block_size)
     tables = [tuple(range(i * need, (i + 1) * need)) for i in range(len(prompts))]
@@ -108,7 +108,7 @@ async def _run_once(driver, prompts: list[list[int]], new_tokens: int, tag: str)
 
 async def _measure_layout(addresses: list[str], topology: str, num_workers: int, config: BenchConfig,
                           prompts: dict[int, list[list[int]]]) -> list[Measurement]:
-    from services.launch.driver import Driver
+    from services.router.driver import Driver
 
     results = []
     async with Driver(addresses) as driver:

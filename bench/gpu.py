@@ -139,7 +139,7 @@ def bench_worker_step(model_dir: Path, batches: list[int], new_tokens: int) -> d
     from services.topology import Topology, place
     from services.worker.kv_cache import KVCache
     from services.worker.model_runner import ModelRunner
-    from services.worker.step import SequenceStep, StepBatch
+    from services.contracts.step import SequenceStep, StepBatch
     from safetensors.torch import load_file
 
     device = torch.device("cuda")

@@ -18,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from services.router.kv_scheduler import POLICY_NAMES  # noqa: E402
+from services.placement import POLICY_NAMES  # noqa: E402
 from services.simulator.engine import InstanceProfile, SimulationConfig, build_events, simulate  # noqa: E402
 from services.simulator.report import format_table, plot_timelines, savings, workload_json  # noqa: E402
 from services.simulator.trace import load_trace, poisson_workload  # noqa: E402

@@ -380,7 +380,7 @@ def simulate_policy(run: LiveRun, workload, block_size: int, bytes_per_token: in
     exact tokens, as the front feeds its policy), (decode, prefill) rates, instance cap (None: none), batching
     window (0: every event its own operation), the front's policy period, move time and move limit (0: none), and
     each request's own pace (`timing`; None: the rates)."""
-    from services.router.kv_scheduler.types import KVSchedulerConfig
+    from services.placement.types import KVSchedulerConfig
     from services.simulator.engine import InstanceProfile, SimulationConfig, build_events, simulate
 
     profile = InstanceProfile(kv_capacity_tokens=run.capacity_tokens, kv_bytes_per_token=bytes_per_token,

@@ -102,7 +102,7 @@ def make_prompts(config: BenchConfig, count: int, length: int, seed_offset: int 
 
 async def _measure_layout(addresses: list[str], topology: str, num_workers: int, config: BenchConfig,
                           prompts: list[list[int]]) -> list[Decode]:
-    from services.launch.driver import Driver
+    from services.router.driver import Driver
     from services.launch.generate import generate
 
     results = []
@@ -208,7 +208,7 @@ def measure_eplb(config: BenchConfig) -> Eplb:
 
     from services.launch.cluster import ClusterConfig, LocalCluster
     from services.model.presets import resolve_model
-    from services.model.skew import skew_router
+    from skew import skew_router  # bench/skew.py, beside this script
     from services.model.spec import ModelSpec
 
     transformers.utils.logging.disable_progress_bar()

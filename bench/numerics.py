@@ -34,7 +34,7 @@ def measure(args: argparse.Namespace, dtype: str, numerics: str, topology: str, 
     """Decode tok/s and tokens at each batch size, in one cluster of this dtype, mode and layout."""
     import forward
     from services.launch.cluster import ClusterConfig, LocalCluster
-    from services.launch.driver import Driver
+    from services.router.driver import Driver
 
     async def run(addresses: list[str]) -> list[dict]:
         rows = []

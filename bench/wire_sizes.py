@@ -1,6 +1,6 @@
 """The bytes of a steady decode step on the wire between the router and a worker, built with the router's own
 wire code (bench/serving_cpu.py reports them at several context lengths): the full form every step had before the
-delta form (services/worker/step_rows.py), and the delta form once the rows are on the workers."""
+delta form (services/contracts/step_rows.py), and the delta form once the rows are on the workers."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ BLOCK_SIZE = 16
 def decode_step_bytes(batch: int, context: int) -> dict:
     """A decode step of `batch` requests, each `context` tokens into its KV: the request's bytes and the result's,
     in both forms."""
-    from services.worker.step import SequenceOutput, SequenceStep, StepBatch, StepOutput
-    from services.worker.step_rows import RowEncoder, rows_result
+    from services.contracts.step import SequenceOutput, SequenceStep, StepBatch, StepOutput
+    from services.contracts.step_rows import RowEncoder, rows_result
 
     def steps(position: int) -> tuple[SequenceStep, ...]:
         num_blocks = -(-(position + 1) // BLOCK_SIZE)
@@ -37,12 +37,12 @@ def step_work_us(batch: int, num_steps: int = 300, prompt_len: int = 64) -> dict
     import time
 
     from services.router.config import SchedulerConfig
-    from services.router.dp import DataParallelBlocks
+    from services.router.dp_blocks import DataParallelBlocks
     from services.router.async_scheduler import AsyncScheduler
     from services.router.sequence import Sequence
     from services.rpc.reconfig.v1 import worker_pb2
-    from services.worker.step import SequenceOutput, StepOutput
-    from services.worker.step_rows import RowEncoder, RowTable, rows_result
+    from services.contracts.step import SequenceOutput, StepOutput
+    from services.contracts.step_rows import RowEncoder, RowTable, rows_result
 
     max_tokens = num_steps + 16
     scheduler = AsyncScheduler(SchedulerConfig(max_model_len=prompt_len + max_tokens, max_num_seqs=batch),

@@ -55,7 +55,7 @@ def _metadata(info):
 
 
 def _reconfigctl(env, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.controller.cli", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "services.ctl", *args], env=env, capture_output=True,
                           text=True, timeout=60)
 
 

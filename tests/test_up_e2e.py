@@ -145,13 +145,13 @@ def test_32_concurrent_streams_are_all_correct(stack, checkpoint):
 
 def test_reconfigctl_status_table_and_json(stack):
     _, info, env = stack
-    result = subprocess.run([sys.executable, "-m", "services.controller.cli", "status", "--json"], env=env,
+    result = subprocess.run([sys.executable, "-m", "services.ctl", "status", "--json"], env=env,
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
     assert status["topology"] == "tp2pp2"
     assert len(status["workers"]) == 4
-    table = subprocess.run([sys.executable, "-m", "services.controller.cli", "status"], env=env,
+    table = subprocess.run([sys.executable, "-m", "services.ctl", "status"], env=env,
                            capture_output=True, text=True, timeout=30)
     assert table.returncode == 0 and "tp2pp2" in table.stdout
 

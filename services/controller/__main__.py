@@ -10,7 +10,7 @@ from pathlib import Path
 
 from services.controller.server import serve_controller
 from services.controller.state import ControllerConfig
-from services.launch.process import run_service
+from services.runtime.process import run_service
 from services.rpc.auth import read_token_file
 from services.rpc.tls import add_tls_arguments, from_args
 

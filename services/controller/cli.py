@@ -1,6 +1,6 @@
-"""`reconfigctl`: the operator's command line for the controller: `status`, `plan`, `reconfigure`, `add-worker`,
-`eplb status|rebalance` (MoE expert load balancing), `autopilot status|set`, `calibrate` and `intent check|draft`
-(SLO intents)."""
+"""The controller's commands of `reconfigctl` (services.ctl puts them beside the front router's): `status`, `plan`,
+`reconfigure`, `add-worker`, `eplb status|rebalance` (MoE expert load balancing), `autopilot status|set`,
+`calibrate` and `intent check|draft` (SLO intents)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from services.controller.autopilot import cli as autopilot_cli
@@ -30,7 +31,6 @@ from services.controller.client import (
 from services.controller.eplb_view import balance_line, format_expert_status, format_rebalance, message_to_json
 from services.controller.progress import PhaseDisplay, format_bytes, operation_lines, ordered_phases, outcome_line
 from services.controller.status import OperationState, OperationStatus, StackStatus, WorkerState, WorkerStatus
-from services.front import cli as front_cli
 from services.rpc.reconfig.v1 import controller_pb2, router_pb2
 from services.rpc.tls import add_tls_arguments
 
@@ -53,7 +53,11 @@ def _layer_partition(text: str) -> tuple[int, ...]:
     return layers
 
 
-def build_parser() -> argparse.ArgumentParser:
+# A command another layer adds (services.ctl: the front router's `instances`): its sub-parser, and what runs it.
+ExtraCommand = tuple[Callable[[argparse._SubParsersAction], None], Callable[[argparse.Namespace], int]]
+
+
+def build_parser(extra: Sequence[ExtraCommand] = ()) -> argparse.ArgumentParser:
     """Command-line flags."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--controller", default=os.environ.get("RECONFIG_CONTROLLER"),
@@ -110,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--json", action="store_true", help="print the result as JSON")
     autopilot_cli.add_parsers(commands, common)
     add_intent_parser(commands)
-    front_cli.add_parser(commands)
+    for add_parser, _ in extra:
+        add_parser(commands)
     return parser
 
 
@@ -341,7 +346,7 @@ _COMMANDS = {"status": _status_command, "plan": _plan_command, "reconfigure": _r
 
 
 def _stacks_command(args: argparse.Namespace) -> int:
-    from services.launch.stacks import list_stacks
+    from services.runtime.stacks import list_stacks
 
     stacks = list_stacks()
     rows = [{"name": s.name, "launcher_pid": s.claim.pid, "state": "up" if s.stack else "starting",
@@ -360,15 +365,17 @@ def _stacks_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry of the `reconfigctl` console script: 0 ok; 1 unreachable or failed; 2 usage, or a refused request."""
-    args = build_parser().parse_args(argv)  # exits 2 on a usage error
+def main(argv: list[str] | None = None, extra: Mapping[str, ExtraCommand] | None = None) -> int:
+    """Run one command: 0 ok; 1 unreachable or failed; 2 usage, or a refused request. `extra`: commands of other
+    layers, by name, that need no controller."""
+    extra = extra or {}
+    args = build_parser(tuple(extra.values())).parse_args(argv)  # exits 2 on a usage error
     if args.command == "intent":  # needs no controller
         return intent_command(args)
     if args.command == "stacks":
         return _stacks_command(args)
-    if args.command == "instances":  # the front router's
-        return front_cli.instances_command(args)
+    if args.command in extra:
+        return extra[args.command][1](args)
     try:
         target = resolve_target(args.controller, args.token_file, args.stack, tls_from_args(args))
         return _COMMANDS[args.command](args, target)

@@ -10,8 +10,8 @@ import grpc
 
 from services.controller.progress import PhaseDisplay
 from services.controller.status import OperationStatus, StackStatus
-from services.launch.stackfile import StackFile, StackNotFoundError
-from services.launch.stacks import select_stack
+from services.runtime.stackfile import StackFile, StackNotFoundError
+from services.runtime.stacks import select_stack
 from services.rpc.auth import InsecureTokenError, auth_metadata, read_token_file
 from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc, router_pb2
 from services.rpc.tls import TLSConfig, TLSError, from_args, sync_channel

@@ -161,7 +161,7 @@ async def serve_controller(config: ControllerConfig, on_ready: Callable[[int], N
 
 def run_controller(config: ControllerConfig, ready: Connection | None = None) -> None:
     """Process target (LocalCluster.spawn_service): serve, and send {"port": bound_port} over `ready` once up."""
-    from services.launch.process import run_service
+    from services.runtime.process import run_service
 
     on_ready = (lambda port: ready.send({"port": port})) if ready is not None else None
     run_service("controller", serve_controller(config, on_ready), ready)

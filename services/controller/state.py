@@ -29,7 +29,7 @@ from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2, wo
 from services.rpc.tls import TLSConfig, aio_channel
 from services.model.spec import ModelSpec
 from services.topology import Topology, candidate_topologies
-from services.worker.pacing import DEFAULT_STAGING_DUTY
+from services.contracts.phases import DEFAULT_STAGING_DUTY
 
 log = structlog.get_logger(__name__)
 

@@ -37,7 +37,7 @@ from services.rpc.auth import auth_metadata
 from services.rpc.errors import describe_error
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.topology import Topology, TopologyError, validate
-from services.worker.pacing import DEFAULT_STAGING_DUTY
+from services.contracts.phases import DEFAULT_STAGING_DUTY
 
 log = structlog.get_logger(__name__)
 # In order; STAGING and PRECOPY run while the router serves (strategy "staged"), the others inside the freeze.

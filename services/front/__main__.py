@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 
 from services.front.server import FrontConfig, serve_front
-from services.launch.process import run_service
-from services.router.kv_scheduler import POLICY_NAMES
+from services.runtime.process import run_service
+from services.placement import POLICY_NAMES
 from services.rpc.tls import TLSError, add_tls_arguments, from_args
 
 

@@ -1,6 +1,6 @@
 """The front router's engine: one OpenAI API over several instances, MELL placement, live moves between them.
 
-Each request is placed by the kv_scheduler policy (`mell`, `bf`, `wf`, `lb`: the same pure code `reconfig simulate`
+Each request is placed by the placement policy (`mell`, `bf`, `wf`, `lb`: the same pure code `reconfig simulate`
 runs) and forwarded to that instance's router as token ids; the text (detokenization, stop strings) is made here,
 so a request keeps one text stream whichever instance computes it. Every `interval_s` the policy sees each
 request's KV size and may ask for moves; each runs live (services.front.mover) and the request's stream goes on
@@ -25,7 +25,7 @@ import structlog
 
 from services.front.instances import Instance, free_name, request_to_pb
 from services.front.metrics import front_metrics
-from services.front.order import Outgoing, free_tokens, leaving_first
+from services.front.move_order import Outgoing, free_tokens, leaving_first
 from services.front.rates import FrontTotals, average, choose_modes
 from services.front.route import Route
 from services.front.slots import Slots
@@ -35,12 +35,12 @@ from services.router.block_manager import num_blocks_for
 from services.router.contracts import (
     EngineDrainingError, EngineStats, GenerationDelta, GenerationRequest, QueueFullError, RequestError, SwitchTotals,
 )
-from services.router.kv_scheduler import KVSchedulerConfig, Request, SchedulerError, make_policy
+from services.placement import KVSchedulerConfig, Request, SchedulerError, make_policy
 from services.router.output import RequestStream
 from services.router.sequence import Sequence, SequenceStatus
-from services.router.migration import MIGRATED
+from services.router.instance_moves import MIGRATED
 from services.rpc.reconfig.v1 import router_pb2
-from services.worker.step import TokenLogprob
+from services.contracts.step import TokenLogprob
 
 log = structlog.get_logger(__name__)
 
@@ -442,7 +442,7 @@ class FrontEngine:
         self._outgoing.begin(source, this)
         try:
             if leaving_target and free_tokens(target, self._routes.values(), self._policy_tokens, route) \
-                    < self._policy_tokens(route):  # its room comes as those moves commit (services/front/order.py)
+                    < self._policy_tokens(route):  # its room comes as those moves commit (services/front/move_order.py)
                 self.totals.waited_for_room += 1
                 await asyncio.wait(leaving_target, timeout=self.settings.move.stop_timeout_s)
             result = await move_request(route.wire, source, target, self.settings.move,

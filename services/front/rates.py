@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.router.kv_scheduler import Migration
-from services.router.kv_scheduler.migration_choice import MigrationBudgets, choose_migration_modes
+from services.placement import Move
+from services.placement.move_choice import MoveBudgets, choose_move_modes
 
 
 @dataclass(slots=True)
@@ -37,15 +37,15 @@ def average(old: float, sample: float, weight: float = 0.2) -> float:
     return sample if old <= 0 else (1 - weight) * old + weight * sample
 
 
-def choose_modes(migrations: Sequence[Migration], totals: FrontTotals, window_s: float) -> dict[str, bool | None]:
+def choose_modes(migrations: Sequence[Move], totals: FrontTotals, window_s: float) -> dict[str, bool | None]:
     """The adaptive choice over a tick's moves from the measured link and prefill rates: request id -> True
     (re-prefill), False (move the KV) or None (wait: neither budget of the window has room). Until both rates
     are measured every move carries its KV ({})."""
     if not (migrations and totals.link_bytes_per_s > 0 and totals.prefill_tokens_per_s > 0
             and totals.kv_bytes_per_token >= 1):
         return {}
-    budgets = MigrationBudgets.from_profile(window_s, totals.link_bytes_per_s, totals.prefill_tokens_per_s,
+    budgets = MoveBudgets.from_profile(window_s, totals.link_bytes_per_s, totals.prefill_tokens_per_s,
                                             round(totals.kv_bytes_per_token))
-    plan = choose_migration_modes(migrations, budgets)
+    plan = choose_move_modes(migrations, budgets)
     return {**{m.request_id: False for m in plan.kv_transfers}, **{m.request_id: True for m in plan.reprefills},
             **{m.request_id: None for m in plan.deferred}}

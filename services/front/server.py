@@ -18,7 +18,7 @@ from services.front.launcher import InstanceLauncher, LaunchError, Launches, Pip
 from services.front.mover import MoveSettings
 from services.model.tokenizer import Tokenizer
 from services.router.api.server import DEFAULT_KEEP_ALIVE_S, serve_until_signal
-from services.router.kv_scheduler import POLICY_NAMES
+from services.placement import POLICY_NAMES
 from services.rpc.auth import TokenAuthInterceptor, generate_token, protect_all
 from services.rpc.errors import ErrorInterceptor
 from services.rpc.reconfig.v1 import front_pb2, front_pb2_grpc
@@ -177,7 +177,7 @@ async def serve_front(config: FrontConfig, on_ready: Callable[[dict], None] | No
 def run_front(config: FrontConfig, launcher_connection=None, keep: tuple[str, ...] = (), ready=None) -> None:
     """Process target (LocalCluster.spawn_service): serve and report readiness over `ready`; with the launcher's
     pipe, start and stop instances (all but `keep`)."""
-    from services.launch.process import run_service
+    from services.runtime.process import run_service
 
     launcher = PipeLauncher(launcher_connection) if launcher_connection is not None else None
     run_service("front", serve_front(config, on_ready=ready.send if ready else None, launcher=launcher, keep=keep),

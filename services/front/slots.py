@@ -1,4 +1,4 @@
-"""Policy instances ("slots", the kv_scheduler's instance ids) bound to real instances: the one owner of that map.
+"""Policy instances ("slots", the placement policy's instance ids) bound to real instances: the one owner of that map.
 
 The policy opens and releases instances as numbers; a slot is bound to an in-service instance no other slot holds
 (a standby one) when the policy first uses it, and unbound once the policy released it and no request runs there.

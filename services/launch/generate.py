@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.launch.driver import Driver
+from services.router.driver import Driver
 from services.router.block_manager import num_blocks_for
-from services.worker.step import GREEDY, SamplingParams, SequenceStep
+from services.contracts.step import GREEDY, SamplingParams, SequenceStep
 
 
 @dataclass(slots=True)

@@ -151,7 +151,7 @@ def up_instances(config, claim) -> int:
 
 def _serve(config, layouts: list[str], instances: InstanceSet, session) -> int:
     from services.front.server import FrontConfig, run_front
-    from services.launch.stackfile import StackFile
+    from services.runtime.stackfile import StackFile
 
     started = time.perf_counter()
     for layout in layouts:

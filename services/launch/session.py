@@ -10,8 +10,8 @@ import sys
 from collections.abc import Callable
 
 from services.launch.cluster import ClusterError
-from services.launch.stackfile import StackFile
-from services.launch.stacks import StackClaim
+from services.runtime.stackfile import StackFile
+from services.runtime.stacks import StackClaim
 from services.rpc.auth import generate_token, write_token_file
 
 

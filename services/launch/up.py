@@ -17,9 +17,10 @@ import structlog
 from services.contracts.numerics import DTYPES, MODES, check_compute
 from services.launch.cluster import ClusterConfig, LocalCluster
 from services.launch.session import StackSession
-from services.launch.stacks import StackClaim, check_name
+from services.runtime.stacks import StackClaim, check_name
 from services.topology import parse_gpus
-from services.worker.pacing import DEFAULT_STAGING_DUTY, check_duty
+from services.contracts.phases import DEFAULT_STAGING_DUTY
+from services.worker.pacing import check_duty
 
 log = structlog.get_logger(__name__)
 
@@ -99,7 +100,7 @@ class UpConfig:
             raise ValueError(f"instances must be >= 1, not {self.instances}")
         if self.fronted:
             from services.launch.instances import instance_topologies
-            from services.router.kv_scheduler import POLICY_NAMES
+            from services.placement import POLICY_NAMES
 
             instance_topologies(self.topology, self.instances, self.instance_topologies)
             if self.policy not in POLICY_NAMES:
@@ -297,7 +298,7 @@ def up(config: UpConfig) -> int:
 def _serve(config: UpConfig, cluster: LocalCluster, session: StackSession) -> int:
     """Start the stack's processes and supervise them (see up)."""
     from services.controller.server import ControllerConfig, run_controller
-    from services.launch.stackfile import StackFile
+    from services.runtime.stackfile import StackFile
     from services.router.main import RouterConfig, run_router
 
     token, token_file = session.token, session.token_file

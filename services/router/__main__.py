@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.launch.process import run_service
+from services.runtime.process import run_service
 from services.router.main import RouterConfig, serve_router
 from services.rpc.tls import TLSError, add_tls_arguments, from_args
 

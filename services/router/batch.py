@@ -1,7 +1,7 @@
 """What the scheduler hands the engine for one step, and what a finished step did: the router's side of a step.
 
 A ScheduledBatch holds one ScheduledItem per sequence, each with the SequenceStep the workers get for it
-(services.worker.step; the driver sends it in the delta form, services.worker.step_rows). on_batch_done turns the
+(services.contracts.step; the driver sends it in the delta form, services.contracts.step_rows). on_batch_done turns the
 workers' result back into one SequenceUpdate per sequence, which the engine pushes to the request's stream.
 """
 
@@ -11,10 +11,10 @@ from collections import Counter
 from dataclasses import dataclass
 
 from services.router.sequence import Sequence
-from services.worker.step import SequenceStep, TokenLogprob
+from services.contracts.step import SequenceStep, TokenLogprob
 
 
-@dataclass(slots=True)  # not frozen, as the step path's records (services.worker.step)
+@dataclass(slots=True)  # not frozen, as the step path's records (services.contracts.step)
 class ScheduledItem:
     """One sequence's share of a micro-batch: the sequence and the step sent to the workers for it."""
 
@@ -39,7 +39,7 @@ class ScheduledBatch:
         return sum(len(item.step.token_ids) for item in self.items)
 
 
-@dataclass(slots=True)  # not frozen, as the step path's records (services.worker.step)
+@dataclass(slots=True)  # not frozen, as the step path's records (services.contracts.step)
 class SequenceUpdate:
     """What a finished step did to one sequence: its new tokens, and whether it is done (seq.status says why)."""
 

@@ -9,11 +9,13 @@ from typing import Protocol
 from services.contracts.phases import PREPARING_PHASES, SERVING_PHASES, STAGING_PHASE
 from services.model.tokenizer import Tokenizer
 from services.router.load_window import LoadSnapshot
-from services.worker.step import GREEDY, SamplingParams, TokenLogprob, WorkerTime
+from services.contracts.step import GREEDY, SamplingParams, TokenLogprob, WorkerTime
 
 
 class QueueFullError(RuntimeError):
     """The router's waiting queue is full; retry after `retry_after_s`."""
+
+    grpc_status = "RESOURCE_EXHAUSTED"  # services.rpc.errors reads it
 
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
@@ -27,6 +29,8 @@ class RequestError(ValueError):
 class EngineDrainingError(RuntimeError):
     """The router is shutting down: it finishes the requests it admitted and takes no new one (HTTP 503 with
     `Connection: close`, gRPC UNAVAILABLE): the client retries elsewhere or later."""
+
+    grpc_status = "UNAVAILABLE"  # services.rpc.errors reads it
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +47,7 @@ class GenerationRequest:
     prompt_logprobs: bool = False      # echo: the prompt tokens' logprobs (sampling.num_logprobs alternatives)
 
 
-@dataclass(slots=True)  # made per token per request: not frozen, as the step path's records (services.worker.step)
+@dataclass(slots=True)  # made per token per request: not frozen, as the step path's records (services.contracts.step)
 class GenerationDelta:
     """What a request produced since its previous delta; the last one carries finish_reason."""
 

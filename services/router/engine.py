@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from services.launch.driver import Driver, StepError
+from services.router.driver import Driver, StepError
 from services.model.tokenizer import Tokenizer
 from services.router.async_scheduler import scheduler_for
 from services.router.batch import ScheduledBatch
@@ -32,10 +32,10 @@ from services.router.contracts import (
     SwitchTotals,
 )
 from services.router.doorbell import Doorbell
-from services.router.dp import BlockMaps, DataParallelBlocks
+from services.router.dp_blocks import BlockMaps, DataParallelBlocks
 from services.router.expert_balance import EplbSettings, ExpertBalancer
 from services.router.load_window import LoadWindow, RequestTimer
-from services.router.migration import InstanceMigrations
+from services.router.instance_moves import InstanceMoves
 from services.router.output import OutputStream, RequestStream
 from services.router.precopy import PrecopyRound
 from services.router.sequence import Sequence, SequenceStatus
@@ -94,7 +94,7 @@ class Engine:
         self.failures = StepFailures(self, recovery_timeout_s)  # a failed step's stall
         self.experts = ExpertBalancer(self, eplb)  # MoE: EPLB's trigger, status and commit
         self.load = LoadWindow()  # arrivals and latencies of the last minute (RouterStats.window: the autopilot)
-        self.migrations = InstanceMigrations(self)  # requests moving to or from other instances (MELL)
+        self.migrations = InstanceMoves(self)  # requests moving to or from other instances (MELL)
 
     def bind_driver(self, driver: Driver) -> None:
         """Step through `driver` from now on (at start, and a rebind to a new layout's workers)."""
@@ -152,7 +152,7 @@ class Engine:
                     migrated: tuple[list[int], int] | None = None) -> None:
         """Admit the request (QueueFullError / RequestError / EngineDrainingError raise here); `stream` gets its
         tokens from now on, until close_stream. migrated: (tokens it generated, tokens cached) of a request moving in
-        from another instance (InstanceMigrations.admit): with its KV reserved and filled here it continues with no
+        from another instance (InstanceMoves.admit): with its KV reserved and filled here it continues with no
         prefill, with 0 cached it re-prefills what it had; a first delta with no tokens says it runs here."""
         if self.is_draining:
             raise EngineDrainingError("the server is shutting down and takes no new requests; retry on another "

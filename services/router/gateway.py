@@ -23,7 +23,7 @@ from services.router.contracts import EngineDrainingError, GenerationRequest, Qu
 from services.router.load_window import RequestTimer
 from services.router.metrics_merge import MergedRequestMetrics
 from services.router.sequence import Sequence, SequenceStatus
-from services.worker.step import TokenLogprob
+from services.contracts.step import TokenLogprob
 
 log = structlog.get_logger(__name__)
 

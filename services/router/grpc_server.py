@@ -9,11 +9,11 @@ from typing import Protocol
 import grpc
 import structlog
 
-from services.launch.driver import WorkerUnreachable
+from services.router.driver import WorkerUnreachable
 from services.router.api.limits import encode_text
 from services.router.contracts import EngineProtocol, SwitchReport
 from services.router.expert_balance import ExpertBalanceAborted, ExpertBalanceError
-from services.router.migration import MigrationRefused, RouterFrozen
+from services.router.instance_moves import MigrationRefused, RouterFrozen
 from services.router.wire import (
     block_maps_to_pb,
     check_freeze,

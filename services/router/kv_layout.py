@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.router.dp import BlockMaps, DataParallelBlocks, Reserved, repartition
+from services.router.dp_blocks import BlockMaps, DataParallelBlocks, Reserved, repartition
 from services.router.sequence import Sequence
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import structlog
 
-from services.launch.driver import Driver
+from services.router.driver import Driver
 from services.model.spec import ModelSpec
 from services.model.tokenizer import Tokenizer
 from services.router.api.server import DEFAULT_KEEP_ALIVE_S, serve_until_signal
@@ -82,7 +82,7 @@ async def build_engine(config: RouterConfig) -> Engine:
 async def serve_router(config: RouterConfig, on_ready: Callable[[dict], None] | None = None) -> None:
     """Serve HTTP + gRPC until SIGTERM/SIGINT; then drain (services.router.api.server), and stop the engine. HTTP is
     served by config.api_servers processes of their own (services.router.api_servers), or by this one with 0."""
-    from services.launch.process import settle_heap
+    from services.runtime.process import settle_heap
     from services.router.grpc_server import start_router_grpc
 
     engine = await build_engine(config)
@@ -111,6 +111,6 @@ async def serve_router(config: RouterConfig, on_ready: Callable[[dict], None] | 
 
 def run_router(config: RouterConfig, ready=None) -> None:
     """Process target (LocalCluster.spawn_service): serve and report readiness over `ready`."""
-    from services.launch.process import run_service
+    from services.runtime.process import run_service
 
     run_service("router", serve_router(config, on_ready=ready.send if ready else None), ready)

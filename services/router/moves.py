@@ -1,6 +1,6 @@
 """The scheduler's side of live request migration between instances (MELL): sequences that hold KV blocks but are
 not scheduled, moving out (parked: stopped, until the move commits or aborts) or in (blocks reserved, until adopt).
-services.router.migration.InstanceMigrations drives these for the front router; the Scheduler owns one
+services.router.instance_moves.InstanceMoves drives these for the front router; the Scheduler owns one
 (`scheduler.moves`) and skips what it parks.
 """
 

@@ -11,7 +11,7 @@ from services.model.tokenizer import Tokenizer
 from services.router.contracts import GenerationDelta, GenerationRequest
 from services.router.load_window import RequestTimer
 from services.router.sequence import Sequence
-from services.worker.step import TokenLogprob
+from services.contracts.step import TokenLogprob
 
 
 class OutputStream(Protocol):

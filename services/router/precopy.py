@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from services.router.dp import BlockMaps, DataParallelBlocks, Reserved
+from services.router.dp_blocks import BlockMaps, DataParallelBlocks, Reserved
 from services.router.sequence import Sequence
 
 

@@ -6,7 +6,7 @@ then the rest of running chunked prefills (each pass oldest first), then new pre
 num_inflight_batches (= pp) disjoint micro-batches are in flight; with `spread_decodes` the running decodes are
 spread over them (at most ceil(running / pp) in each), so that every stage works on its share while the others work
 on theirs, instead of one micro-batch of every decode passing the stages one at a time while they idle. With
-data-parallel attention (EP layouts) each DP rank has its own KV pool (services.router.dp): a request is bound to
+data-parallel attention (EP layouts) each DP rank has its own KV pool (services.router.dp_blocks): a request is bound to
 one while it holds blocks, and everything below about blocks holds per rank (a victim frees blocks only for
 sequences of its own rank).
 
@@ -42,11 +42,11 @@ from services.router.batch import ScheduledBatch, ScheduledItem, SequenceUpdate,
 from services.router.block_manager import BlockManager, num_blocks_for
 from services.router.config import SchedulerConfig
 from services.router.contracts import QueueFullError, RequestError
-from services.router.dp import DataParallelBlocks
+from services.router.dp_blocks import DataParallelBlocks
 from services.router.kv_layout import KVLayout
 from services.router.moves import RequestMoves
 from services.router.sequence import Sequence, SequenceStatus
-from services.worker.step import SequenceOutput
+from services.contracts.step import SequenceOutput
 
 __all__ = ["ScheduledBatch", "ScheduledItem", "Scheduler", "SequenceUpdate"]
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.router.contracts import GenerationRequest
-from services.worker.step import GREEDY, SamplingParams, TokenLogprob
+from services.contracts.step import GREEDY, SamplingParams, TokenLogprob
 
 
 class SequenceStatus(enum.Enum):

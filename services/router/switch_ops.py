@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from services.launch.driver import Driver
+from services.router.driver import Driver
 from services.router.contracts import SwitchReport, SwitchTotals
-from services.router.dp import BlockMaps, plan_placements
+from services.router.dp_blocks import BlockMaps, plan_placements
 from services.router.precopy import KVPrecopy, PoolPrecopy, PrecopyRound
 
 if TYPE_CHECKING:

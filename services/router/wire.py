@@ -13,7 +13,7 @@ from services.router.contracts import EngineStats, GenerationDelta, GenerationRe
 from services.router.load_window import LoadSnapshot
 from services.rpc.errors import check_address
 from services.rpc.reconfig.v1 import router_pb2, worker_pb2
-from services.worker.step import SamplingParams, WorkerTime
+from services.contracts.step import SamplingParams, WorkerTime
 
 MAX_KV_BLOCKS = 1 << 22       # the block manager lists its free ids: a larger capacity is a bad request, not a GiB
 

@@ -11,14 +11,12 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from services.router.contracts import EngineDrainingError, QueueFullError
-
 log = structlog.get_logger(__name__)
 
-# Checked in order: the first matching type decides the code (RequestError is a ValueError).
+# An exception type may name its own code in a class attribute `grpc_status` (a grpc.StatusCode member's name:
+# the router's QueueFullError says RESOURCE_EXHAUSTED), so this bottom layer imports no service. Otherwise these are
+# checked in order: the first matching type decides the code (the router's RequestError is a ValueError).
 STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (EngineDrainingError, grpc.StatusCode.UNAVAILABLE),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (KeyError, grpc.StatusCode.NOT_FOUND),
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
@@ -79,7 +77,8 @@ def check_address(address: str, what: str = "worker address") -> None:
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a client sees for `exc`."""
-    for exc_type, code in STATUS_CODES:
+    named = getattr(type(exc), "grpc_status", None)
+    for exc_type, code in ((type(exc), grpc.StatusCode[named]),) if named else STATUS_CODES:
         if isinstance(exc, exc_type):
             # KeyError's str() is the repr of its key; its first argument reads better.
             message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)

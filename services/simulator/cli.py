@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from services.router.kv_scheduler.policy import POLICY_NAMES
-from services.router.kv_scheduler.types import KVSchedulerConfig
+from services.placement.policy import POLICY_NAMES
+from services.placement.types import KVSchedulerConfig
 from services.simulator.engine import InstanceProfile, SimulationConfig, build_events, simulate
 from services.simulator.report import format_table, plot_timelines, workload_json
 from services.simulator.trace import Workload, load_trace, poisson_workload

@@ -19,9 +19,9 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from services.router.kv_scheduler.migration_choice import MigrationBudgets, choose_migration_modes
-from services.router.kv_scheduler.policy import make_policy
-from services.router.kv_scheduler.types import KVSchedulerConfig, Request, SchedulerError
+from services.placement.move_choice import MoveBudgets, choose_move_modes
+from services.placement.policy import make_policy
+from services.placement.types import KVSchedulerConfig, Request, SchedulerError
 from services.simulator.events import ALLOCATE, DEPART, UPDATE, Events, InstanceProfile, build_events
 
 __all__ = ["InstanceProfile", "SimulationConfig", "SimulationResult", "build_events", "simulate"]
@@ -107,7 +107,7 @@ class _Run:
         self.policy = make_policy(policy_name, config.scheduler_config())
         self.events, self.config = events, config
         profile = config.profile
-        self.budgets = MigrationBudgets.from_profile(
+        self.budgets = MoveBudgets.from_profile(
             config.migration_interval_s, profile.link_bytes_per_s, profile.prefill_tokens_per_s,
             profile.kv_bytes_per_token, config.prefill_share)
         self.pending: list = []
@@ -182,7 +182,7 @@ class _Run:
                 else:  # beyond one interval's budgets either way: its KV streams over several intervals
                     self.migrated_bytes += migration.kv_tokens * bytes_per_token
                     self.oversized += 1
-            plan = choose_migration_modes(fits, budgets)
+            plan = choose_move_modes(fits, budgets)
             self.migrated_bytes += plan.transferred_bytes
             self.reprefill_tokens += plan.reprefill_tokens
             self.pending = list(plan.deferred)

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     on_ready = (lambda port: write_port_file(args.port_file, port)) if args.port_file else None
     store = None
     if args.store_port:
-        from services.launch.store import host_tcp_store
+        from services.runtime.store import host_tcp_store
 
         store = host_tcp_store(args.store_port)  # lives as long as this process
         log.info("weightstore.tcp_store", port=args.store_port)

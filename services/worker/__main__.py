@@ -109,7 +109,7 @@ class PortFileReporter:
 def host_store(config: WorkerConfig):
     """The torch.distributed TCPStore of the world, served from this process (the worker joins it as a client).
     The world cannot be re-formed once this worker is gone: prefer the weight store's --store-port."""
-    from services.launch.store import host_tcp_store
+    from services.runtime.store import host_tcp_store
 
     return host_tcp_store(config.store_port, config.collective_timeout_s)
 

@@ -30,7 +30,7 @@ import torch
 from services.model.attention import AttentionMetadata
 from services.model.llama import ShardedCausalLM
 from services.worker.kv_cache import KVCache
-from services.worker.step import SequenceStep
+from services.contracts.step import SequenceStep
 
 log = structlog.get_logger(__name__)
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.worker.step import SequenceStep
+from services.contracts.step import SequenceStep
 
 
 def needs_processing(step: SequenceStep) -> bool:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.worker.step import TokenLogprob
+from services.contracts.step import TokenLogprob
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]) -> list[TokenLogprob]:

@@ -12,7 +12,7 @@ from multiprocessing.connection import Connection
 import structlog
 import torch
 
-from services.launch.process import run_service
+from services.runtime.process import run_service
 from services.model.spec import ModelSpec
 from services.topology import Topology
 from services.worker.config import WorkerConfig

@@ -16,7 +16,7 @@ from services.worker.kv_cache import KVCache
 from services.worker.logits_processor import needs_processing
 from services.worker.parallel import ParallelState
 from services.worker.sampler import sample_outputs
-from services.worker.step import PENDING_TOKEN, SequenceOutput, StepBatch, StepOutput
+from services.contracts.step import PENDING_TOKEN, SequenceOutput, StepBatch, StepOutput
 
 
 class PendingTokenMissing(ValueError):

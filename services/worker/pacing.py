@@ -15,12 +15,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
-# The duty a switch's staging and KV pre-copy run at unless the operator says otherwise (reconfig up --staging-duty):
-# bench/cutover.py, SmolLM2 on 2 cores, 10 to 200 live requests: TPOT while staging +5% on average and +24% at
-# worst at 0.5, against +14% and +42% unpaced; staging ~2x longer at 16 requests, up to 6x at 200.
-DEFAULT_STAGING_DUTY = 0.5
-
-
 def check_duty(duty: float, name: str = "staging duty") -> None:
     """ValueError unless 0 < duty <= 1."""
     if not (math.isfinite(duty) and 0 < duty <= 1):

@@ -19,8 +19,8 @@ from services.worker.faults import FAULTS
 from services.worker.kv_import import ImportRefused
 from services.worker.model_runner import PendingTokenMissing
 from services.worker.shard import WorkerShard
-from services.worker.step import StepBatch, StepOutput
-from services.worker.step_rows import RowTable, UnknownRow
+from services.contracts.step import StepBatch, StepOutput
+from services.contracts.step_rows import RowTable, UnknownRow
 from services.worker.switch import SwitchFailed
 
 log = structlog.get_logger(__name__)

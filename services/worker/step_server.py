@@ -13,8 +13,8 @@ from services.rpc.frames import FrameError, FrameProtocol, token_accepted
 from services.rpc.reconfig.v1 import worker_pb2
 from services.rpc.tls import TLSConfig
 from services.worker.server import WorkerServicer
-from services.worker.step import StepOutput
-from services.worker.step_rows import rows_result
+from services.contracts.step import StepOutput
+from services.contracts.step_rows import rows_result
 
 log = structlog.get_logger(__name__)
 

@@ -20,9 +20,10 @@ from services.controller import (
     WorkerState,
     WorkerStatus,
 )
-from services.controller.cli import format_table, main
-from services.launch.stackfile import StackFile
-from services.launch.stacks import StackClaim
+from services.controller.cli import format_table
+from services.ctl import main
+from services.runtime.stackfile import StackFile
+from services.runtime.stacks import StackClaim
 from services.router.contracts import EngineStats
 from services.rpc.auth import write_token_file
 from tests.controller.conftest import MODEL, NUM_WORKERS, TOPOLOGY, closed_port, frozen_router
@@ -103,12 +104,12 @@ async def test_finds_the_stack_by_itself(stack, capsys):
 
 @pytest.mark.multiprocess
 def test_the_module_runs_as_a_command(stack, tmp_path):
-    """`python -m services.controller.cli status --json`, finding the stack through $RECONFIG_RUN_DIR."""
+    """`python -m services.ctl status --json`, finding the stack through $RECONFIG_RUN_DIR."""
     with StackClaim.take("test", "127.0.0.1", {}) as claim:
         StackFile(controller_address=stack.controller_address, router_http_address="", token_file=stack.token_file,
                   router_grpc_address=stack.router_address, pids={"test": os.getpid()}, model=MODEL,
                   topology=TOPOLOGY, started_at=time.time()).write(claim.stack_file)
-        result = subprocess.run([sys.executable, "-m", "services.controller.cli", "status", "--json"],
+        result = subprocess.run([sys.executable, "-m", "services.ctl", "status", "--json"],
                                 capture_output=True, text=True, timeout=60, env=dict(os.environ))
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
@@ -228,7 +229,7 @@ def test_a_plan_to_an_ep_layout_shows_where_the_running_requests_kv_goes():
 
 def test_reconfigctl_imports_no_torch():
     """Every call of the CLI pays its imports: torch alone took 2 s of each `reconfigctl status` and `--help`."""
-    code = ("import sys; from services.controller.cli import build_parser, main; build_parser(); "
+    code = ("import sys; from services.ctl import build_parser, main; build_parser(); "
             "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'scipy', 'statsmodels', 'pydantic', "
             "'transformers', 'fastapi'}); print(heavy)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.controller.cli import build_parser, format_table, main
+from services.controller.cli import format_table
+from services.ctl import build_parser, main
 from services.controller.eplb_view import (
     balance_line,
     format_expert_status,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.front.engine import FrontEngine, FrontSettings
 from services.front.instances import Instance
-from services.router.kv_scheduler import Migration
+from services.placement import Move
 
 
 def _front(link_bytes_per_s: float, prefill_tokens_per_s: float, adaptive: bool = True) -> FrontEngine:
@@ -14,8 +14,8 @@ def _front(link_bytes_per_s: float, prefill_tokens_per_s: float, adaptive: bool 
     return front
 
 
-def _moves(*sizes: int) -> list[Migration]:
-    return [Migration(f"r{i}", tokens, "instance-0", "instance-1", "overflow", i) for i, tokens in enumerate(sizes)]
+def _moves(*sizes: int) -> list[Move]:
+    return [Move(f"r{i}", tokens, "instance-0", "instance-1", "overflow", i) for i, tokens in enumerate(sizes)]
 
 
 def test_a_slow_link_re_prefills_a_fast_one_moves_kv_and_no_room_waits():

@@ -64,7 +64,7 @@ async def test_seeded_sampling_moves_exactly_by_kv_and_by_reprefill(instances):
     """A sampled request (temperature, top-p, a seed) keeps its tokens through a KV move and a re-prefill move
     (its sampling state is the router's: seed and generated count travel with it); the re-prefill costs the
     target one prefill and carries no KV."""
-    from services.worker.step import SamplingParams
+    from services.contracts.step import SamplingParams
 
     a, b, c = instances.instances
     sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)

@@ -1,5 +1,5 @@
 """A move into an instance that is still moving a request out waits for that move to commit when the instance has
-no room for it before (services/front/order.py): the chain X: s -> t, Y: u -> s, started together, both move."""
+no room for it before (services/front/move_order.py): the chain X: s -> t, Y: u -> s, started together, both move."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest_asyncio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.front.order import Outgoing, leaving_first
+from services.front.move_order import Outgoing, leaving_first
 from tests.conftest import until
 from tests.front.conftest import open_front, open_instances, start_clusters
 from tests.front.test_live_moves import _reference, _request

@@ -18,7 +18,7 @@ import pytest
 from services.controller.recovery import Recoverer
 from services.controller.status import OperationState
 from services.launch.cluster import ClusterConfig, LocalCluster
-from services.launch.driver import Driver
+from services.router.driver import Driver
 from services.launch.generate import generate
 from services.model.spec import ModelSpec
 from services.router.contracts import GenerationRequest

@@ -61,7 +61,7 @@ def _free_ports(count: int) -> list[int]:
 
 
 def _reconfigctl(env, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.controller.cli", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "services.ctl", *args], env=env, capture_output=True,
                           text=True, timeout=120)
 
 

@@ -11,7 +11,7 @@ from services.model.spec import ModelSpec
 from services.topology import Topology, place
 from services.worker.kv_cache import KVCache
 from services.worker.model_runner import ModelRunner
-from services.worker.step import SequenceStep, StepBatch
+from services.contracts.step import SequenceStep, StepBatch
 from tests.conftest import hf_greedy, make_checkpoint
 
 

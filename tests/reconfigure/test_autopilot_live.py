@@ -16,7 +16,7 @@ from services.controller.autopilot.calibrate import CalibrationPlan
 from services.controller.autopilot.loop import Autopilot, AutopilotConfig
 from services.controller.autopilot.policy import PolicyConfig
 from services.controller.autopilot.profile import Profile
-from services.controller.cli import main
+from services.ctl import main
 from services.controller.server import start_controller_grpc
 from services.controller.servicer import ControllerServicer
 from services.router.contracts import GenerationRequest

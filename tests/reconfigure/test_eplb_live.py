@@ -5,12 +5,13 @@ request lost; a rank that fails to stage the map aborts the rebalance with the o
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import random
+from pathlib import Path
 
 import pytest
 
 from services.launch.cluster import ClusterConfig, LocalCluster
-from services.model.skew import skew_router
 from services.router.contracts import GenerationRequest
 from services.router.expert_balance import ExpertBalanceAborted
 from services.router.main import RouterConfig, build_engine
@@ -19,6 +20,13 @@ from tests.conftest import make_checkpoint, until
 from tests.reconfigure.conftest import generated_tokens
 
 pytestmark = pytest.mark.multiprocess
+
+# The skewed-router workload lives with the benches that also use it (bench/skew.py); loaded from its file, as
+# bench/ on sys.path would shadow packages named like its scripts.
+_SKEW = importlib.util.spec_from_file_location("bench_skew", Path(__file__).resolve().parents[2] / "bench" / "skew.py")
+_skew_module = importlib.util.module_from_spec(_SKEW)
+_SKEW.loader.exec_module(_skew_module)
+skew_router = _skew_module.skew_router
 
 NUM_EXPERTS, NUM_REDUNDANT, EP = 8, 2, 2
 _rng = random.Random(13)

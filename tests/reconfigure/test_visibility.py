@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.controller.cli import main
+from services.ctl import main
 from services.controller.progress import PhaseDisplay, format_bytes
 from services.controller.status import OperationState, OperationStatus
 from services.controller.plan import plan_switch

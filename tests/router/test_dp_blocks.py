@@ -20,11 +20,11 @@ from services.router.api.metrics import ApiMetrics
 from services.router.block_manager import BlockManager, num_blocks_for
 from services.router.config import SchedulerConfig
 from services.router.contracts import EngineStats, RequestError, SwitchTotals
-from services.router.dp import DataParallelBlocks, assign_requests
+from services.router.dp_blocks import DataParallelBlocks, assign_requests
 from services.router.engine import Engine
 from services.router.scheduler import ScheduledBatch, Scheduler
 from services.router.sequence import Sequence, SequenceStatus
-from services.worker.step_rows import RowEncoder
+from services.contracts.step_rows import RowEncoder
 from tests.router.test_scheduler import expected_output, next_token, prompt_of, seq_of
 
 

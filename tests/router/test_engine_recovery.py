@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import pytest
 
 from services.launch.cluster import ClusterConfig, LocalCluster
-from services.launch.driver import Driver
+from services.router.driver import Driver
 from services.router.api.metrics import ApiMetrics
 from services.router.contracts import GenerationRequest
 from services.router.engine import Engine

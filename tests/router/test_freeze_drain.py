@@ -14,8 +14,8 @@ import pytest
 
 from services.router.config import SchedulerConfig
 from services.router.engine import Engine
-from services.worker.step import SequenceOutput, StepOutput
-from services.worker.step_rows import RowEncoder
+from services.contracts.step import SequenceOutput, StepOutput
+from services.contracts.step_rows import RowEncoder
 from tests.router.test_scheduler import prompt_of, seq_of
 
 

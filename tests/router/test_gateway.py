@@ -20,8 +20,8 @@ from services.router.contracts import EngineDrainingError, GenerationRequest, Qu
 from services.router.engine import SHUTDOWN_ABORT, Engine
 from services.router.gateway import ApiGateway
 from services.router.ipc import EngineInfo
-from services.worker.step import SequenceOutput, StepOutput
-from services.worker.step_rows import RowEncoder
+from services.contracts.step import SequenceOutput, StepOutput
+from services.contracts.step_rows import RowEncoder
 from tests.conftest import until
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 4

@@ -20,7 +20,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from services.router.block_manager import num_blocks_for
-from services.router.dp import DataParallelBlocks, repartition
+from services.router.dp_blocks import DataParallelBlocks, repartition
 from services.router.precopy import PoolPrecopy
 from services.worker.kv_migration import check_block_maps
 from tests.router.test_precopy import engine_over_fake_workers, running

@@ -24,7 +24,7 @@ from services.router.config import SchedulerConfig
 from services.router.engine import Engine
 from services.router.precopy import KVPrecopy, full_blocks
 from services.router.sequence import Sequence, SequenceStatus
-from services.worker.step_rows import RowEncoder
+from services.contracts.step_rows import RowEncoder
 from tests.router.test_scheduler import PagedWorkers, check_every_request_done, prompt_of, seq_of
 
 

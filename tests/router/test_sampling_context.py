@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from services.router.contracts import GenerationRequest
 from services.router.sequence import Sequence, SequenceStatus
-from services.worker.step import SamplingParams, SequenceOutput, TokenLogprob
+from services.contracts.step import SamplingParams, SequenceOutput, TokenLogprob
 from tests.router.test_scheduler import PagedWorkers, make_scheduler, prompt_of
 
 

@@ -21,7 +21,7 @@ from services.router.config import SchedulerConfig
 from services.router.contracts import GenerationRequest, QueueFullError, RequestError
 from services.router.scheduler import ScheduledBatch, Scheduler
 from services.router.sequence import Sequence, SequenceStatus
-from services.worker.step import PENDING_TOKEN, SamplingParams
+from services.contracts.step import PENDING_TOKEN, SamplingParams
 
 VOCAB = 97
 

@@ -20,7 +20,7 @@ def _copy_kv(source: PagedWorkers, target: PagedWorkers, src_ids: list[int], dst
 
 
 def _move(a: Scheduler, wa: PagedWorkers, b: Scheduler, wb: PagedWorkers, request_id: str) -> Sequence:
-    """What services.router.migration and the front's mover do, at the scheduler level."""
+    """What services.router.instance_moves and the front's mover do, at the scheduler level."""
     assert a.moves.park(request_id)  # between steps here
     return _move_parked(a, wa, b, wb, request_id)
 
@@ -155,7 +155,7 @@ def test_a_preempted_request_parks_without_kv_and_moves_by_reprefill():
     seq = a.get("x")
     moved = Sequence("x", list(seq.prompt_token_ids), seq.max_tokens, seq.sampling, seq.stop_token_ids,
                      output_token_ids=list(seq.output_token_ids))
-    b.add(moved)  # what InstanceMigrations.admit does for a move without KV
+    b.add(moved)  # what InstanceMoves.admit does for a move without KV
     a.finish("x", SequenceStatus.FINISHED_ABORTED)
     outputs = {}
     for scheduler, worker in ((a, wa), (b, wb)):

@@ -17,7 +17,7 @@ from services.router.async_scheduler import AsyncScheduler
 from services.router.contracts import GenerationRequest
 from services.router.main import RouterConfig, build_engine
 from services.router.scheduler import Scheduler
-from services.worker.step import SamplingParams
+from services.contracts.step import SamplingParams
 from tests.conftest import hf_greedy, until
 
 pytestmark = pytest.mark.multiprocess

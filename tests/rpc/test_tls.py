@@ -9,7 +9,7 @@ import stat
 import grpc
 import pytest
 
-from services.launch.driver import WorkerUnreachable, _WorkerStream
+from services.router.driver import WorkerUnreachable, _WorkerStream
 from services.rpc.auth import InsecureTokenError, check_token_transport, is_local_target, target_host
 from services.rpc.certs import check_hosts, write_dev_certs
 from services.rpc.reconfig.v1 import weightstore_pb2, weightstore_pb2_grpc

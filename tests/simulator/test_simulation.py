@@ -9,7 +9,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from services.router.kv_scheduler import POLICY_NAMES
+from services.placement import POLICY_NAMES
 from services.simulator import cli
 from services.simulator.engine import (
     ALLOCATE, DEPART, UPDATE, InstanceProfile, SimulationConfig, build_events, simulate,
@@ -159,7 +159,7 @@ def test_slow_links_make_the_migration_choice_re_prefill(events):
 def test_an_instance_cap_makes_requests_wait_and_every_one_still_departs(events, name):
     """With max_instances below what the load needs, no more instances are ever in use; requests that found no
     room wait (retried oldest first at departures) and run later by their wait; none is lost."""
-    from services.router.kv_scheduler.types import KVSchedulerConfig
+    from services.placement.types import KVSchedulerConfig
 
     free = simulate(name, events, SimulationConfig(profile=PROFILE))
     assert free.peak_instances > 2 and free.num_waited == 0
@@ -172,7 +172,7 @@ def test_an_instance_cap_makes_requests_wait_and_every_one_still_departs(events,
 
 
 def test_an_instance_cap_is_simulated_event_by_event():
-    from services.router.kv_scheduler.types import KVSchedulerConfig
+    from services.placement.types import KVSchedulerConfig
 
     events = build_events(poisson_workload(2.0, 20, 100, 50, seed=1), PROFILE)
     with pytest.raises(ValueError, match="batch_interval_s"):
@@ -183,8 +183,8 @@ def test_an_instance_cap_is_simulated_event_by_event():
 def _front_tick_migrations(name: str, events, period: float) -> int:
     """The front router's loop, written out: arrivals and departures reach the policy when they happen, growth and
     the moves decided meanwhile at each period's end (one `grow` step draining them, coalesced)."""
-    from services.router.kv_scheduler import make_policy
-    from services.router.kv_scheduler.types import KVSchedulerConfig, Request
+    from services.placement import make_policy
+    from services.placement.types import KVSchedulerConfig, Request
 
     policy = make_policy(name, KVSchedulerConfig(capacity=PROFILE.kv_capacity_tokens))
     grown: dict[str, int] = {}

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from services.launch.cluster import ClusterConfig, LocalCluster
-from services.launch.driver import Driver
+from services.router.driver import Driver
 from services.launch.generate import generate
 from services.rpc.auth import auth_metadata
 from services.rpc.frames import frame

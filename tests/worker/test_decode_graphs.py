@@ -16,7 +16,7 @@ from services.topology import Topology, place
 from services.worker.decode_graphs import MIN_KEYS, DecodeGraphs, batch_bucket, key_blocks
 from services.worker.kv_cache import KVCache
 from services.worker.model_runner import ModelRunner
-from services.worker.step import SamplingParams, SequenceStep, StepBatch
+from services.contracts.step import SamplingParams, SequenceStep, StepBatch
 from tests.conftest import hf_greedy, make_checkpoint
 
 CPU = torch.device("cpu")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from services.launch.cluster import ClusterConfig, LocalCluster
-from services.launch.driver import Driver
-from services.worker.step import GREEDY, SamplingParams, SequenceStep
+from services.router.driver import Driver
+from services.contracts.step import GREEDY, SamplingParams, SequenceStep
 
 pytestmark = pytest.mark.multiprocess
 

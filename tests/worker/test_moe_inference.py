@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from services.launch.cluster import ClusterConfig, LocalCluster
-from services.launch.driver import Driver
+from services.router.driver import Driver
 from services.launch.generate import generate
 from services.model.spec import ModelSpec
 from services.topology import Topology, place

@@ -10,7 +10,7 @@ import torch
 from services.worker.logits_processor import process_logits
 from services.worker.logprobs import token_logprobs
 from services.worker.sampler import sample, sample_outputs
-from services.worker.step import GREEDY, SamplingParams, SequenceStep
+from services.contracts.step import GREEDY, SamplingParams, SequenceStep
 
 
 def test_greedy_is_argmax():

@@ -10,7 +10,7 @@ import pytest
 from services.model.spec import ModelSpec
 from services.topology import Topology
 from services.worker.model_runner import PendingTokenMissing
-from services.worker.step import PENDING_TOKEN, SequenceStep, StepBatch
+from services.contracts.step import PENDING_TOKEN, SequenceStep, StepBatch
 from tests.conftest import hf_greedy, make_checkpoint
 from tests.worker.test_decode_graphs import _runner
 

@@ -39,7 +39,7 @@ from services.router.api.protocol import (
 )
 from services.router.api.streaming import GenerationRun, guarded_events, sse_event, unless_disconnected
 from services.router.contracts import EngineProtocol, GenerationRequest
-from services.worker.step import SamplingParams
+from services.contracts.step import SamplingParams
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description}

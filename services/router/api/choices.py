@@ -14,7 +14,7 @@ from services.router.api.protocol import (
     CompletionChunk, CompletionLogprobs, StreamOptions,
 )
 from services.router.api.streaming import GenerationRun, sse_event
-from services.worker.step import TokenLogprob
+from services.contracts.step import TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)

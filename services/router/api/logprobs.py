@@ -13,7 +13,7 @@ from services.model.tokenizer import Tokenizer
 from services.router.api.protocol import (
     ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs,
 )
-from services.worker.step import TokenLogprob
+from services.contracts.step import TokenLogprob
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 

@@ -52,7 +52,7 @@ async def serve_api(config: ApiServerConfig, listen_socket: socket.socket, engin
 
     from services.router.api.app import ApiConfig, create_app
     from services.router.api.engine_client import EngineClient
-    from services.launch.process import settle_heap
+    from services.runtime.process import settle_heap
     from services.router.api.server import HttpServer
 
     log = structlog.get_logger("api")

@@ -16,7 +16,7 @@ from services.router.api.errors import ApiError, ClientDisconnected, error_body,
 from services.router.api.metrics import RequestTimer
 from services.router.api.protocol import UsageInfo
 from services.router.contracts import EngineProtocol, GenerationDelta, GenerationRequest
-from services.worker.step import TokenLogprob
+from services.contracts.step import TokenLogprob
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")

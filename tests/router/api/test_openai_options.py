@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.router.contracts import GenerationRequest
-from services.worker.step import SamplingParams
+from services.contracts.step import SamplingParams
 from tests.router.api.conftest import EOS_PROMPT, MODEL, PROMPT, parse_sse
 
 pytestmark = pytest.mark.multiprocess

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import heapq
 
-from services.router.kv_scheduler.types import (
-    InstanceState, KVSchedulerConfig, Migration, SchedulerError, SizeClass, size_class,
+from services.placement.types import (
+    InstanceState, KVSchedulerConfig, Move, SchedulerError, SizeClass, size_class,
 )
 
 Unit = tuple[tuple[str, ...], int]  # (request ids moved together, their KV tokens)
@@ -175,7 +175,7 @@ class Cluster:
             self._release_if_empty(source)
 
     # -- outputs ---------------------------------------------------------------------------
-    def drain(self) -> list[Migration]:
+    def drain(self) -> list[Move]:
         """Moves since the last drain, coalesced per request: A->B->C is A->C, A->B->A and departed vanish."""
         if not self._log:
             return []
@@ -189,7 +189,7 @@ class Cluster:
         for request_id, (source, destination, reason, item) in first.items():
             if source == destination or self.location.get(request_id) != destination:
                 continue  # back where it started, or departed (its KV is gone)
-            migrations.append(Migration(
+            migrations.append(Move(
                 request_id, self.members[destination][request_id], instance_name(source),
                 instance_name(destination), reason, item,
             ))

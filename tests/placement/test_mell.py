@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.router.kv_scheduler import (
+from services.placement import (
     KVSchedulerConfig, SizeClass, deficient_instances, invariant_violations, make_policy, size_class,
 )
-from tests.router.kv_scheduler.streams import apply_operation, operation_streams, placements, replay
+from tests.placement.streams import apply_operation, operation_streams, placements, replay
 
 
 def test_size_classes_at_their_boundaries():

@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from services.launch.stackfile import StackFile, StackNotFoundError, run_dir
+from services.runtime.stackfile import StackFile, StackNotFoundError, run_dir
 
 
 def _stack(**overrides) -> StackFile:

@@ -19,7 +19,7 @@ from array import array
 from dataclasses import dataclass
 
 from services.rpc.reconfig.v1 import worker_pb2
-from services.worker.step import SamplingParams, SequenceOutput, SequenceStep, StepOutput
+from services.contracts.step import SamplingParams, SequenceOutput, SequenceStep, StepOutput
 
 
 class UnknownRow(ValueError):

@@ -35,10 +35,10 @@ T-, S-, M-instance are <= C/4, C/3, C/2 against free room >= C/4, C/3, C/2). The
 
 from __future__ import annotations
 
-from services.router.kv_scheduler.cluster import Unit, group_items, instance_name
-from services.router.kv_scheduler.invariants import REPAIRED_CATEGORIES, is_deficient
-from services.router.kv_scheduler.policy import BasePolicy
-from services.router.kv_scheduler.types import KVSchedulerConfig, SizeClass, size_class
+from services.placement.cluster import Unit, group_items, instance_name
+from services.placement.invariants import REPAIRED_CATEGORIES, is_deficient
+from services.placement.policy import BasePolicy
+from services.placement.types import KVSchedulerConfig, SizeClass, size_class
 
 
 class MellPolicy(BasePolicy):

@@ -60,7 +60,7 @@ class PullStats:
     seconds: float
 
 
-class InstanceMigrations:
+class InstanceMoves:
     """The engine's part in moving requests between instances; the front router (services.front) drives it."""
 
     def __init__(self, engine: Engine) -> None:

@@ -7,8 +7,8 @@ from collections import defaultdict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.router.kv_scheduler import Migration
-from services.router.kv_scheduler.migration_choice import MigrationBudgets, choose_migration_modes
+from services.placement import Move
+from services.placement.move_choice import MoveBudgets, choose_move_modes
 
 INSTANCES = ["instance-0", "instance-1", "instance-2"]
 
@@ -19,7 +19,7 @@ def migrations(draw):
     result = []
     for index in range(count):
         source, destination = draw(st.permutations(INSTANCES))[:2]
-        result.append(Migration(f"r{index}", draw(st.integers(1, 4000)), source, destination, "repair", index))
+        result.append(Move(f"r{index}", draw(st.integers(1, 4000)), source, destination, "repair", index))
     return result
 
 
@@ -27,10 +27,10 @@ def migrations(draw):
 @given(moves=migrations(), link=st.integers(0, 40_000), prefill=st.integers(0, 6000),
        slow_link=st.integers(0, 10_000))
 def test_budgets_are_respected_and_each_migration_is_decided_once(moves, link, prefill, slow_link):
-    budgets = MigrationBudgets(kv_bytes_per_token=4, link_bytes=link, prefill_tokens=prefill,
+    budgets = MoveBudgets(kv_bytes_per_token=4, link_bytes=link, prefill_tokens=prefill,
                                link_overrides={("instance-0", "instance-1"): slow_link},
                                prefill_overrides={"instance-2": prefill // 2})
-    plan = choose_migration_modes(moves, budgets)
+    plan = choose_move_modes(moves, budgets)
     decided = plan.kv_transfers + plan.reprefills + plan.deferred
     assert sorted(m.request_id for m in decided) == sorted(m.request_id for m in moves)
     sent = defaultdict(int)
@@ -44,7 +44,7 @@ def test_budgets_are_respected_and_each_migration_is_decided_once(moves, link, p
     assert plan.transferred_bytes == sum(sent.values())
     assert plan.reprefill_tokens == sum(recomputed.values())
     # Greedy, largest first: a deferred migration fit neither bin after those decided before it.
-    def before(m: Migration, other: Migration) -> bool:
+    def before(m: Move, other: Move) -> bool:
         return (-m.kv_tokens, m.request_id) < (-other.kv_tokens, other.request_id)
 
     for migration in plan.deferred:
@@ -57,16 +57,16 @@ def test_budgets_are_respected_and_each_migration_is_decided_once(moves, link, p
         assert migration.kv_tokens > budgets.prefill_budget(migration.destination) - used_prefill
 
 
-def _move(request_id: str, tokens: int, destination: str = "instance-1") -> Migration:
-    return Migration(request_id, tokens, "instance-0", destination, "consolidate", 0)
+def _move(request_id: str, tokens: int, destination: str = "instance-1") -> Move:
+    return Move(request_id, tokens, "instance-0", destination, "consolidate", 0)
 
 
 def test_ample_link_moves_kv_and_a_cut_link_re_prefills():
     moves = [_move("a", 1000), _move("b", 100)]
-    fast = choose_migration_modes(moves, MigrationBudgets(kv_bytes_per_token=10, link_bytes=10**9,
+    fast = choose_move_modes(moves, MoveBudgets(kv_bytes_per_token=10, link_bytes=10**9,
                                                           prefill_tokens=5000))
     assert [m.request_id for m in fast.kv_transfers] == ["a", "b"] and fast.deferred == ()
-    cut = choose_migration_modes(moves, MigrationBudgets(kv_bytes_per_token=10, link_bytes=0,
+    cut = choose_move_modes(moves, MoveBudgets(kv_bytes_per_token=10, link_bytes=0,
                                                          prefill_tokens=5000))
     assert [m.request_id for m in cut.reprefills] == ["a", "b"] and cut.transferred_bytes == 0
 
@@ -75,7 +75,7 @@ def test_the_two_bins_share_the_work_when_neither_holds_it_all():
     # Each bin holds 1,000 tokens, 1,800 need both: a takes the link (a tie keeps compute free), b does
     # not fit what the link has left so re-prefills, and c takes the smaller share: 100 of 200, not 100 of 100.
     moves = [_move("c", 100), _move("b", 800), _move("a", 900)]
-    plan = choose_migration_modes(moves, MigrationBudgets(kv_bytes_per_token=1, link_bytes=1000,
+    plan = choose_move_modes(moves, MoveBudgets(kv_bytes_per_token=1, link_bytes=1000,
                                                           prefill_tokens=1000))
     assert plan.deferred == ()
     assert [m.request_id for m in plan.kv_transfers] == ["a"]
@@ -83,14 +83,14 @@ def test_the_two_bins_share_the_work_when_neither_holds_it_all():
 
 
 def test_what_fits_no_bin_waits_for_the_next_interval():
-    plan = choose_migration_modes([_move("a", 5000), _move("b", 10)],
-                                  MigrationBudgets(kv_bytes_per_token=1, link_bytes=100, prefill_tokens=100))
+    plan = choose_move_modes([_move("a", 5000), _move("b", 10)],
+                                  MoveBudgets(kv_bytes_per_token=1, link_bytes=100, prefill_tokens=100))
     assert [m.request_id for m in plan.deferred] == ["a"]
     assert [m.request_id for m in plan.kv_transfers + plan.reprefills] == ["b"]
 
 
 def test_budgets_from_a_profile():
-    budgets = MigrationBudgets.from_profile(interval_s=0.5, link_bytes_per_s=2e9, prefill_tokens_per_s=8000,
+    budgets = MoveBudgets.from_profile(interval_s=0.5, link_bytes_per_s=2e9, prefill_tokens_per_s=8000,
                                             kv_bytes_per_token=1000, prefill_share=0.25)
     assert budgets.link_budget("instance-0", "instance-1") == 10**9
     assert budgets.prefill_budget("instance-1") == 1000

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from services.router.kv_scheduler.types import InstanceState, SizeClass, size_class
+from services.placement.types import InstanceState, SizeClass, size_class
 
 REPAIRED_CATEGORIES = (SizeClass.M, SizeClass.S, SizeClass.T)
 

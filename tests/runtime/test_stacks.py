@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from services.launch.stackfile import StackFile, StackNotFoundError
-from services.launch.stacks import StackClaim, StackConflict, check_name, list_stacks, select_stack, stacks_dir
+from services.runtime.stackfile import StackFile, StackNotFoundError
+from services.runtime.stacks import StackClaim, StackConflict, check_name, list_stacks, select_stack, stacks_dir
 
 HOST = "127.0.0.1"
 
@@ -84,7 +84,7 @@ def test_a_port_another_program_holds_is_named():
 
 def test_what_a_killed_launcher_left_is_not_running_and_is_cleaned_by_the_next_claim():
     launcher = subprocess.Popen([sys.executable, "-c", (
-        "import sys; from services.launch.stacks import StackClaim\n"
+        "import sys; from services.runtime.stacks import StackClaim\n"
         "claim = StackClaim.take('old', '127.0.0.1', {})\n"
         "claim.token_file.write_text('token')\n"
         "print('claimed', flush=True)\n"

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from services.launch.stackfile import STACK_FILE_NAME, StackFile, StackNotFoundError, run_dir
+from services.runtime.stackfile import STACK_FILE_NAME, StackFile, StackNotFoundError, run_dir
 
 STACKS_DIR = "stacks"
 LOCK_FILE = "lock"

@@ -1,5 +1,5 @@
 """The stack file: where `reconfig up` tells `reconfigctl` (same user) how to reach a running stack (one per stack,
-in its directory: services/launch/stacks.py)."""
+in its directory: services/runtime/stacks.py)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from services.router.kv_scheduler import InstanceState, Migration
-from services.router.kv_scheduler.policy import BasePolicy
+from services.placement import InstanceState, Move
+from services.placement.policy import BasePolicy
 
 
 @st.composite
@@ -53,7 +53,7 @@ def placements(instances: dict[str, InstanceState]) -> dict[str, str]:
     return {request_id: instance_id for instance_id, state in instances.items() for request_id in state.requests}
 
 
-def replay(before: dict[str, str], migrations: list[Migration]) -> dict[str, str]:
+def replay(before: dict[str, str], migrations: list[Move]) -> dict[str, str]:
     """Where requests are after applying migrations to a placement (each source must match)."""
     after = dict(before)
     for migration in migrations:

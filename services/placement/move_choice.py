@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from services.router.kv_scheduler.types import Migration
+from services.placement.types import Move
 
 
 @dataclass(frozen=True, slots=True)
-class MigrationBudgets:
+class MoveBudgets:
     """What one interval may spend on migrations: bytes per directed link, prefill tokens per instance."""
 
     kv_bytes_per_token: int
@@ -32,7 +32,7 @@ class MigrationBudgets:
 
     @classmethod
     def from_profile(cls, interval_s: float, link_bytes_per_s: float, prefill_tokens_per_s: float,
-                     kv_bytes_per_token: int, prefill_share: float = 0.25) -> MigrationBudgets:
+                     kv_bytes_per_token: int, prefill_share: float = 0.25) -> MoveBudgets:
         """Budgets of an interval from bandwidth and prefill throughput; re-prefill may use `prefill_share`."""
         if interval_s <= 0 or not 0 <= prefill_share <= 1:
             raise ValueError("need interval_s > 0 and prefill_share in [0, 1]")
@@ -47,7 +47,7 @@ class MigrationBudgets:
         """Tokens an instance may re-prefill for migrated requests this interval."""
         return self.prefill_overrides.get(instance_id, self.prefill_tokens)
 
-    def can_carry(self, migration: Migration) -> bool:
+    def can_carry(self, migration: Move) -> bool:
         """Whether an interval with nothing else to do could carry the migration either way."""
         return (migration.kv_tokens * self.kv_bytes_per_token <= self.link_budget(migration.source,
                                                                                  migration.destination)
@@ -58,9 +58,9 @@ class MigrationBudgets:
 class MigrationPlan:
     """How each migration of an interval is carried out; deferred ones wait for the next interval."""
 
-    kv_transfers: tuple[Migration, ...]
-    reprefills: tuple[Migration, ...]
-    deferred: tuple[Migration, ...]
+    kv_transfers: tuple[Move, ...]
+    reprefills: tuple[Move, ...]
+    deferred: tuple[Move, ...]
     kv_bytes_per_token: int
 
     @property
@@ -74,7 +74,7 @@ class MigrationPlan:
         return sum(m.kv_tokens for m in self.reprefills)
 
 
-def choose_migration_modes(migrations: Iterable[Migration], budgets: MigrationBudgets) -> MigrationPlan:
+def choose_move_modes(migrations: Iterable[Move], budgets: MoveBudgets) -> MigrationPlan:
     """Assign each migration to KV transfer, re-prefill or deferral within the interval's budgets."""
     link_left: dict[tuple[str, str], int] = {}
     prefill_left: dict[str, int] = {}

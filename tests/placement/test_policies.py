@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.router.kv_scheduler import KVSchedulerConfig, Request, SchedulerError, make_policy
-from tests.router.kv_scheduler.streams import apply_operation, operation_streams, placements, replay
+from services.placement import KVSchedulerConfig, Request, SchedulerError, make_policy
+from tests.placement.streams import apply_operation, operation_streams, placements, replay
 
 
 def _loads(policy) -> dict[str, int]:

@@ -8,7 +8,7 @@ where the policy's own placement rule sends it; these forced moves are counted a
 
 from __future__ import annotations
 
-from services.router.kv_scheduler.policy import BasePolicy
+from services.placement.policy import BasePolicy
 
 
 class _FitPolicy(BasePolicy):

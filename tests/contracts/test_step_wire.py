@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.rpc.reconfig.v1 import worker_pb2
-from services.worker.step import (GREEDY, PENDING_TOKEN, SamplingParams, SequenceOutput, SequenceStep, StepBatch,
+from services.contracts.step import (GREEDY, PENDING_TOKEN, SamplingParams, SequenceOutput, SequenceStep, StepBatch,
                                   StepOutput, TokenLogprob)
 
 ids = st.lists(st.integers(0, 50_000), max_size=6).map(tuple)

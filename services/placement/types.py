@@ -113,7 +113,7 @@ class InstanceState:
 
 
 @dataclass(frozen=True, slots=True)
-class Migration:
+class Move:
     """Move one request's KV from `source` to `destination`; requests moved together share `item`."""
 
     request_id: str
@@ -137,4 +137,4 @@ class StepResult:
     """What one batched scheduler step decided: new placements and the coalesced migrations."""
 
     placements: tuple[Placement, ...]
-    migrations: tuple[Migration, ...]
+    migrations: tuple[Move, ...]

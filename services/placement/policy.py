@@ -7,9 +7,9 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
-from services.router.kv_scheduler.cluster import Cluster, instance_index, instance_name
-from services.router.kv_scheduler.types import (
-    InstanceState, KVSchedulerConfig, Migration, Placement, Request, SchedulerError, StepResult,
+from services.placement.cluster import Cluster, instance_index, instance_name
+from services.placement.types import (
+    InstanceState, KVSchedulerConfig, Move, Placement, Request, SchedulerError, StepResult,
 )
 
 POLICY_NAMES = ("mell", "bf", "wf", "lb")
@@ -30,7 +30,7 @@ class KVPlacementPolicy(Protocol):
     def step(self, departs: Iterable[str], updates: Iterable[Request], allocates: Iterable[Request]) -> StepResult:
         """A batch of operations: departs, then updates, then allocates; migrations coalesced."""
 
-    def drain_migrations(self) -> list[Migration]:
+    def drain_migrations(self) -> list[Move]:
         """Moves decided since the last call, redundant ones cancelled, at most one per request."""
 
     def instances(self) -> Mapping[str, InstanceState]:
@@ -94,11 +94,11 @@ class BasePolicy:
         )
         return StepResult(placements, tuple(self.drain_migrations()))
 
-    def drain_migrations(self) -> list[Migration]:
+    def drain_migrations(self) -> list[Move]:
         """Moves decided since the last call, redundant ones cancelled, at most one per request."""
         return self.cluster.drain()
 
-    def grow(self, updates: Sequence[Request]) -> list[Migration]:
+    def grow(self, updates: Sequence[Request]) -> list[Move]:
         """A period's growth of the requests as one step (a front router's policy tick); when a growth has no room
         (every instance in use under the cap) and the step raises, each update alone, those without room left
         where they are (their instance over capacity: the instance itself preempts). Returns the moves."""
@@ -180,8 +180,8 @@ class BasePolicy:
 
 def make_policy(name: str, config: KVSchedulerConfig) -> BasePolicy:
     """A policy by name: "mell", "bf" (Best-Fit), "wf" (Worst-Fit) or "lb" (Llumnix-style load balancing)."""
-    from services.router.kv_scheduler.baselines import BestFitPolicy, LoadBalancePolicy, WorstFitPolicy
-    from services.router.kv_scheduler.mell import MellPolicy
+    from services.placement.baselines import BestFitPolicy, LoadBalancePolicy, WorstFitPolicy
+    from services.placement.mell import MellPolicy
 
     policies = {"mell": MellPolicy, "bf": BestFitPolicy, "wf": WorstFitPolicy, "lb": LoadBalancePolicy}
     if name not in policies:
