@@ -133,13 +133,13 @@ def bench_worker_step(model_dir: Path, batches: list[int], new_tokens: int) -> d
     """reconfig's ModelRunner in process: decode tok/s with CUDA graphs and eagerly (prefill excluded)."""
     import torch
 
+    from services.contracts.step import SequenceStep, StepBatch
     from services.model.layers import ShardLoader, SingleRankGroup
     from services.model.llama import ShardedCausalLM
     from services.model.spec import ModelSpec
     from services.topology import Topology, place
     from services.worker.kv_cache import KVCache
     from services.worker.model_runner import ModelRunner
-    from services.contracts.step import SequenceStep, StepBatch
     from safetensors.torch import load_file
 
     device = torch.device("cuda")

@@ -102,8 +102,8 @@ def make_prompts(config: BenchConfig, count: int, length: int, seed_offset: int 
 
 async def _measure_layout(addresses: list[str], topology: str, num_workers: int, config: BenchConfig,
                           prompts: list[list[int]]) -> list[Decode]:
-    from services.router.driver import Driver
     from services.launch.generate import generate
+    from services.router.driver import Driver
 
     results = []
     async with Driver(addresses) as driver:

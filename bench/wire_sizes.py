@@ -36,13 +36,13 @@ def step_work_us(batch: int, num_steps: int = 300, prompt_len: int = 64) -> dict
     worker's (read the rows, pack the result), the model left out. Microseconds per step at `batch` requests."""
     import time
 
-    from services.router.config import SchedulerConfig
-    from services.router.dp_blocks import DataParallelBlocks
-    from services.router.async_scheduler import AsyncScheduler
-    from services.router.sequence import Sequence
-    from services.rpc.reconfig.v1 import worker_pb2
     from services.contracts.step import SequenceOutput, StepOutput
     from services.contracts.step_rows import RowEncoder, RowTable, rows_result
+    from services.router.async_scheduler import AsyncScheduler
+    from services.router.config import SchedulerConfig
+    from services.router.dp_blocks import DataParallelBlocks
+    from services.router.sequence import Sequence
+    from services.rpc.reconfig.v1 import worker_pb2
 
     max_tokens = num_steps + 16
     scheduler = AsyncScheduler(SchedulerConfig(max_model_len=prompt_len + max_tokens, max_num_seqs=batch),

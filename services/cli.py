@@ -97,14 +97,14 @@ def read_prompts(path: Path, tokenizer) -> list[list[int]]:
 
 
 def _run_generation(args: argparse.Namespace, prompts_text: list[str] | None) -> tuple[list, object, float]:
+    from services.contracts.step import SamplingParams
     from services.launch.cluster import ClusterConfig, LocalCluster
-    from services.router.driver import Driver
     from services.launch.generate import generate
     from services.model.converted import ConsoleProgress
     from services.model.presets import resolve_model
     from services.model.tokenizer import Tokenizer
+    from services.router.driver import Driver
     from services.topology import parse_gpus
-    from services.contracts.step import SamplingParams
 
     model_dir = resolve_model(args.model, progress=ConsoleProgress())
     tokenizer = Tokenizer.from_dir(model_dir)

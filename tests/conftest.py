@@ -16,6 +16,8 @@ import torch
 CHECKPOINT_STYLES = ("llama", "qwen2", "qwen3")
 # Mixture-of-experts styles: Qwen3-MoE (a dense layer through mlp_only_layers, renormalized top-k) and Mixtral.
 MOE_CHECKPOINT_STYLES = ("qwen3_moe", "mixtral")
+# The waits' clock, bound now: a test that fakes time.monotonic (monkeypatch) must not stop their deadlines.
+_monotonic = time.monotonic
 _ROUTER_SCALE = 2.0  # router logits of std ~2: top-k choices far from ties that float rounding could flip
 
 
@@ -45,7 +47,7 @@ def _config(style: str):
     raise ValueError(style)
 
 
-def _decisive_init(model: torch.nn.Module, seed: int) -> None:
+def decisive_init(model: torch.nn.Module, seed: int) -> None:
     """Re-initialize so logits are peaked: a 0.02-std init gives near-ties that float rounding flips."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -68,7 +70,7 @@ def make_checkpoint(directory: Path, style: str, seed: int = 0) -> Path:
     config = _config(style)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    _decisive_init(model, seed)
+    decisive_init(model, seed)
     model.save_pretrained(directory, safe_serialization=True)
     from services.model.tokenizer import write_tokenizer_files
 
@@ -76,32 +78,49 @@ def make_checkpoint(directory: Path, style: str, seed: int = 0) -> Path:
     return directory
 
 
-async def until(predicate, timeout_s: float = 30.0, what: str = "the condition", interval_s: float = 0.01) -> None:
+async def until(predicate, timeout_s: float = 30.0, what: str = "the condition", interval_s: float = 0.01):
     """Poll `predicate` (plain or async) until it holds: synchronization on a state, never on a guessed delay.
     AssertionError naming `what` past `timeout_s`, which is generous: CI may run on a busy 2-core machine.
-    `interval_s=0` checks at every turn of the event loop (to act on a state before the loop moves past it)."""
-    deadline = time.monotonic() + timeout_s
+    `interval_s=0` checks at every turn of the event loop (to act on a state before the loop moves past it).
+    Returns the predicate's (truthy) result."""
+    deadline = _monotonic() + timeout_s
     while True:
         result = predicate()
         if inspect.isawaitable(result):
             result = await result
         if result:
-            return
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+            return result
+        assert _monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
         await asyncio.sleep(interval_s)
+
+
+def wait_until(predicate, timeout_s: float = 30.0, what: str = "the condition", interval_s: float = 0.01):
+    """until()'s twin for code that blocks (threads, subprocesses, a test with no event loop): poll the plain
+    `predicate` until it holds; AssertionError naming `what` past `timeout_s`. Returns the predicate's result."""
+    deadline = _monotonic() + timeout_s
+    while True:
+        if result := predicate():
+            return result
+        assert _monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(interval_s)
 
 
 def wait_for_stack_file(process, run_dir: Path, timeout_s: float = 120.0, name: str = "*") -> Path:
     """The stack file of the `reconfig up` (`process`) started with RECONFIG_RUN_DIR=`run_dir` (the only one there,
     or the one called `name`), once it is up (stacks/NAME/stack.json); fails with the launcher's stderr if it exits
     first or `timeout_s` passes."""
-    deadline = time.monotonic() + timeout_s
-    while not (found := list(run_dir.glob(f"stacks/{name}/stack.json"))):
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"reconfig up did not start: {process.communicate()[1][-3000:]}")
-        time.sleep(0.2)
-    return found[0]
+    def stack_file_or_exit():
+        return next(iter(run_dir.glob(f"stacks/{name}/stack.json")), None) or process.poll() is not None
+
+    try:
+        found = wait_until(stack_file_or_exit, timeout_s, what=f"the stack file of reconfig up in {run_dir}",
+                           interval_s=0.2)
+    except AssertionError:
+        found = None
+    if not isinstance(found, Path):  # it exited first, or timed out
+        process.kill()
+        pytest.fail(f"reconfig up did not start: {process.communicate()[1][-3000:]}")
+    return found
 
 
 def process_running(pid: int) -> bool:

@@ -7,15 +7,14 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from services.rpc.reconfig.v1 import front_pb2
-from tests.conftest import hf_greedy, make_checkpoint, process_running
-from tests.test_up_e2e import _client, _tokenizer, launch_up, stop_up
+from tests.conftest import hf_greedy, make_checkpoint, process_running, wait_until
+from tests.up_stack import launch_up, openai_client, stop_up, tokenizer_of, wait_for_exit
 
 pytestmark = pytest.mark.multiprocess
 NUM_TOKENS = 16
@@ -62,13 +61,13 @@ def _reconfigctl(env, *args) -> subprocess.CompletedProcess:
 def test_front_serves_transformers_tokens_and_drains_live(stack, checkpoint):
     _, info, env = stack
     assert [i["topology"] for i in info["instances"]] == ["tp1pp2", "tp2pp1"]
-    client = _client(info)
+    client = openai_client(info)
     model = client.models.list().data[0].id
     prompt = [1, 17, 40, 2, 99, 64, 5]
     expected, _ = hf_greedy(checkpoint, [prompt], NUM_TOKENS)
     response = client.completions.create(model=model, prompt=prompt, max_tokens=NUM_TOKENS, temperature=0,
                                          extra_body={"ignore_eos": True})
-    assert response.choices[0].text == _tokenizer(checkpoint).decode(expected[0])
+    assert response.choices[0].text == tokenizer_of(checkpoint).decode(expected[0])
     listed = json.loads(_reconfigctl(env, "instances", "--json").stdout)
     assert [i["name"] for i in listed["instances"]] == ["i0", "i1"] and listed["policy"] == "mell"
     # A stream in flight while its instance is drained: it moves live to the other layout and ends the same.
@@ -83,7 +82,7 @@ def test_front_serves_transformers_tokens_and_drains_live(stack, checkpoint):
     drained = _reconfigctl(env, "instances", "drain", busy)
     assert drained.returncode == 0 and "moved 1 requests" in drained.stdout, (drained.stdout, drained.stderr)
     text += "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
-    assert text == _tokenizer(checkpoint).decode(expected[0])
+    assert text == tokenizer_of(checkpoint).decode(expected[0])
     states = {i["name"]: i.get("state", "") for i in json.loads(_reconfigctl(env, "instances", "--json").stdout)
               ["instances"]}
     assert states[busy] == "drained"
@@ -111,7 +110,7 @@ def test_an_instance_started_at_runtime_serves_and_stops(stack, checkpoint):
     try:
         prompt = [3, 9, 27, 81, 5]
         expected, _ = hf_greedy(checkpoint, [prompt], NUM_TOKENS)
-        client = _client(info)
+        client = openai_client(info)
         chunks = iter(client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
                                                 max_tokens=NUM_TOKENS, temperature=0, stream=True,
                                                 extra_body={"ignore_eos": True}))
@@ -120,7 +119,7 @@ def test_an_instance_started_at_runtime_serves_and_stops(stack, checkpoint):
                                                                      metadata=_metadata(info)).instances}
         assert listed["i2"].state == "in_use" and listed["i2"].num_requests == 1
         text += "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
-        assert text == _tokenizer(checkpoint).decode(expected[0])
+        assert text == tokenizer_of(checkpoint).decode(expected[0])
     finally:
         for name in ("i0", "i1"):
             assert _reconfigctl(env, "instances", "undrain", name).returncode == 0
@@ -132,10 +131,7 @@ def test_an_instance_started_at_runtime_serves_and_stops(stack, checkpoint):
     stopped = _reconfigctl(env, "instances", "stop", "i2")
     assert stopped.returncode == 0, stopped.stderr
     assert [i["name"] for i in json.loads(_reconfigctl(env, "instances", "--json").stdout)["instances"]] == ["i0", "i1"]
-    deadline = time.monotonic() + 30
-    while alive := [pid for pid in pids if process_running(pid)]:
-        assert time.monotonic() < deadline, f"i2's processes outlived its stop: {alive}"
-        time.sleep(0.05)
+    wait_for_exit(pids, what="i2's processes to exit after its stop")
 
 
 def test_sigterm_stops_every_instance(stack):
@@ -143,10 +139,7 @@ def test_sigterm_stops_every_instance(stack):
     pids = list(info["pids"].values())
     process.send_signal(signal.SIGTERM)
     assert process.wait(60) == 0
-    deadline = time.monotonic() + 30
-    while alive := [pid for pid in pids if pid != process.pid and process_running(pid)]:
-        assert time.monotonic() < deadline, f"orphans left behind: {alive}"
-        time.sleep(0.05)
+    wait_for_exit([pid for pid in pids if pid != process.pid], what="the launcher's children to exit (no orphan)")
 
 
 def test_the_front_starts_an_instance_while_requests_wait_and_stops_it_once_idle(checkpoint, tmp_path):
@@ -172,7 +165,7 @@ def test_the_front_starts_an_instance_while_requests_wait_and_stops_it_once_idle
         prompt = [(13 * i) % 250 + 5 for i in range(200)]
         count = capacity // 204 + 2  # two more than fit at once (200 prompt tokens + the next one, in blocks of 4)
         expected, _ = hf_greedy(checkpoint, [prompt], NUM_TOKENS)
-        client = _client(info)
+        client = openai_client(info)
         model = client.models.list().data[0].id
 
         def complete(_: int) -> str:
@@ -181,24 +174,18 @@ def test_the_front_starts_an_instance_while_requests_wait_and_stops_it_once_idle
 
         with ThreadPoolExecutor(count) as pool:
             texts = pool.map(complete, range(count))
-            seen = set()
-            deadline = time.monotonic() + 120
-            while "i1" not in seen:
-                assert time.monotonic() < deadline, "no instance was started while requests waited"
-                seen.update(served())
-                time.sleep(0.05)
+            wait_until(lambda: "i1" in served(), 120, what="an instance started while requests waited",
+                       interval_s=0.05)
             texts = list(texts)
-        assert texts == [_tokenizer(checkpoint).decode(expected[0])] * count
+        assert texts == [tokenizer_of(checkpoint).decode(expected[0])] * count
         def scaled() -> dict[str, float]:
             metrics = httpx.get(f"{info['router_http_address']}/metrics", timeout=10).text
             return {action: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                     if line.startswith("reconfig:front_instances_autoscaled_total")
                     for action in ("start", "stop") if f'action="{action}"' in line}
 
-        deadline = time.monotonic() + 60
-        while scaled() != {"start": 1.0, "stop": 1.0}:  # counted once its processes stopped
-            assert time.monotonic() < deadline, f"the idle instance was not stopped: {served()}, {scaled()}"
-            time.sleep(0.05)
+        wait_until(lambda: scaled() == {"start": 1.0, "stop": 1.0}, 60,  # counted once its processes stopped
+                   what="the idle instance stopped (one start and one stop counted)", interval_s=0.05)
         assert served() == ["i0"]
     finally:
         stop_up(process)

@@ -14,8 +14,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 
 import grpc
 import pytest
@@ -23,6 +21,7 @@ import pytest
 from services.rpc.auth import auth_metadata, read_token_file
 from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc
 from tests.conftest import hf_greedy, make_checkpoint, wait_for_stack_file
+from tests.up_stack import wait_ready
 
 pytestmark = pytest.mark.multiprocess
 NUM_CLIENTS, MAX_REQUESTS_PER_CLIENT, NUM_SWITCHES = 200, 40, 20
@@ -40,15 +39,8 @@ def stack(tmp_path_factory):
         [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--workers", "4", "--topology", "tp2pp2",
          "--http-port", "0", "--grpc-port", "0", "--controller-port", "0", "--controller-metrics-port", "0", "--kv-cache-mb", "8", "--block-size", "4"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
     info = json.loads(wait_for_stack_file(process, run_dir).read_text())
-    while True:
-        try:
-            with urllib.request.urlopen(info["router_http_address"] + "/ready", timeout=2):
-                break
-        except OSError:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+    wait_ready(info["router_http_address"], timeout_s=120)
     yield model, info
     process.send_signal(signal.SIGTERM)
     assert process.wait(60) == 0

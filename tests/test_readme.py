@@ -9,13 +9,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import wait_for_stack_file
+from tests.up_stack import wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -76,7 +75,7 @@ def test_the_quickstart_runs_as_written(smollm2, tmp_path):
     try:
         info = json.loads(wait_for_stack_file(process, tmp_path / "run", timeout_s=300).read_text())
         assert (info["name"], info["router_http_address"]) == ("8000", "http://127.0.0.1:8000")
-        _wait_ready(info["router_http_address"], time.monotonic() + 120)
+        wait_ready(info["router_http_address"], timeout_s=120, process=process)
         for command in console_commands(text):
             result = subprocess.run(["bash", "-o", "pipefail", "-c", command], env=env, capture_output=True,
                                     text=True, timeout=300)
@@ -91,13 +90,3 @@ def test_the_quickstart_runs_as_written(smollm2, tmp_path):
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
     assert "context      " in process.stdout.read()  # the up line says how long a request may be, and why
-
-
-def _wait_ready(base: str, deadline: float) -> None:
-    while True:
-        try:
-            with urllib.request.urlopen(f"{base}/ready", timeout=2):
-                return
-        except OSError:
-            assert time.monotonic() < deadline, "the router never became ready"
-            time.sleep(0.2)

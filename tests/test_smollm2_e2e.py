@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 
 from tests.conftest import hf_greedy, wait_for_stack_file
+from tests.up_stack import wait_ready
 
 pytestmark = pytest.mark.multiprocess
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -27,13 +28,8 @@ def _post(url: str, body: dict) -> dict:
 
 def _wait_ready(process: subprocess.Popen, run_dir, deadline: float) -> dict:
     info = json.loads(wait_for_stack_file(process, run_dir, deadline - time.monotonic()).read_text())
-    while True:
-        try:
-            with urllib.request.urlopen(info["router_http_address"] + "/ready", timeout=2):
-                return info
-        except OSError:
-            assert process.poll() is None and time.monotonic() < deadline, "the router never became ready"
-            time.sleep(0.2)
+    wait_ready(info["router_http_address"], deadline - time.monotonic(), process)
+    return info
 
 
 def test_default_stack_answers_the_chat_as_transformers(smollm2, tmp_path):

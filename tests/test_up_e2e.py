@@ -9,12 +9,12 @@ import random
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
 
-from tests.conftest import hf_greedy, make_checkpoint, process_running, wait_for_stack_file
+from tests.conftest import hf_greedy, make_checkpoint, wait_until
+from tests.up_stack import launch_up, openai_client, stop_up, tokenizer_of, wait_for_exit
 
 pytestmark = pytest.mark.multiprocess
 NUM_TOKENS = 16
@@ -23,23 +23,6 @@ NUM_TOKENS = 16
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("e2e") / "llama-e2e", "llama", seed=7)
-
-
-def launch_up(args: list[str], run_dir, extra_env: dict[str, str] | None = None):
-    """Start `reconfig up ARGS` (in `run_dir`) and wait until its stack file exists and its API is ready; returns
-    the process, the stack file's content and the environment reconfigctl needs."""
-    env = {**os.environ, "RECONFIG_RUN_DIR": str(run_dir), **(extra_env or {})}
-    process = subprocess.Popen([sys.executable, "-m", "services.cli", "up", *args], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    info = json.loads(wait_for_stack_file(process, run_dir).read_text())
-    _wait_ready(info["router_http_address"])
-    return process, info, env
-
-
-def stop_up(process) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        process.wait(60)
 
 
 @pytest.fixture(scope="module")
@@ -53,36 +36,10 @@ def stack(checkpoint, tmp_path_factory):
     stop_up(process)
 
 
-def _wait_ready(base: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{base}/ready", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    pytest.fail("router never became ready")
-
-
-def _client(info, cls=None):
-    import openai
-
-    cls = cls or openai.OpenAI
-    return cls(base_url=info["router_http_address"] + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def _tokenizer(checkpoint):
-    from services.model.tokenizer import Tokenizer
-
-    return Tokenizer.from_dir(checkpoint)
-
-
 def test_completions_equal_transformers(stack, checkpoint):
     _, info, _ = stack
-    client = _client(info)
-    tokenizer = _tokenizer(checkpoint)
+    client = openai_client(info)
+    tokenizer = tokenizer_of(checkpoint)
     prompt = [1, 17, 40, 2, 99, 64]
     expected, _ = hf_greedy(checkpoint, [prompt], NUM_TOKENS)
     expected_text = tokenizer.decode(expected[0])
@@ -100,13 +57,13 @@ def test_chat_equals_transformers(stack, checkpoint):
     import transformers
 
     _, info, _ = stack
-    client = _client(info)
+    client = openai_client(info)
     messages = [{"role": "user", "content": "Hi there"}]
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
     prompt = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
     expected, _ = hf_greedy(checkpoint, [prompt], NUM_TOKENS)
-    expected_text = _tokenizer(checkpoint).decode(expected[0])
+    expected_text = tokenizer_of(checkpoint).decode(expected[0])
     model = client.models.list().data[0].id
     response = client.chat.completions.create(model=model, messages=messages, max_tokens=NUM_TOKENS,
                                               temperature=0, extra_body={"ignore_eos": True})
@@ -125,9 +82,9 @@ def test_32_concurrent_streams_are_all_correct(stack, checkpoint):
     prompts = [[rng.randrange(3, 160) for _ in range(rng.randrange(1, 40))] for _ in range(32)]
     lengths = [rng.randrange(1, 24) for _ in prompts]
     expected, _ = hf_greedy(checkpoint, prompts, max(lengths))
-    tokenizer = _tokenizer(checkpoint)
+    tokenizer = tokenizer_of(checkpoint)
 
-    model = _client(info).models.list().data[0].id
+    model = openai_client(info).models.list().data[0].id
 
     async def one(client, prompt, max_tokens):
         stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
@@ -135,7 +92,7 @@ def test_32_concurrent_streams_are_all_correct(stack, checkpoint):
         return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
 
     async def run_all():
-        async with _client(info, openai.AsyncOpenAI) as client:
+        async with openai_client(info, openai.AsyncOpenAI) as client:
             return await asyncio.gather(*(one(client, p, n) for p, n in zip(prompts, lengths)))
 
     texts = asyncio.run(run_all())
@@ -161,11 +118,8 @@ def test_sigterm_stops_everything(stack):
     pids = list(info["pids"].values())
     process.send_signal(signal.SIGTERM)
     assert process.wait(30) == 0
-    deadline = time.monotonic() + 30  # children exit on their own once the launcher is gone (no fixed delay)
-    while alive := [pid for pid in pids if pid != process.pid and process_running(pid)]:
-        assert time.monotonic() < deadline, f"orphans left behind: {alive}"
-        time.sleep(0.05)
-
+    # Children exit on their own once the launcher is gone.
+    wait_for_exit([pid for pid in pids if pid != process.pid], what="the launcher's children to exit (no orphan)")
 
 
 def test_two_api_servers_serve_what_one_does_and_one_lost_is_replaced(checkpoint, tmp_path):
@@ -183,11 +137,12 @@ def test_two_api_servers_serve_what_one_does_and_one_lost_is_replaced(checkpoint
         rng = random.Random(1)
         prompts = [[rng.randrange(3, 160) for _ in range(rng.randrange(1, 30))] for _ in range(16)]
         expected, _ = hf_greedy(checkpoint, prompts, NUM_TOKENS)
-        tokenizer = _tokenizer(checkpoint)
-        model = _client(info).models.list().data[0].id
+        tokenizer = tokenizer_of(checkpoint)
+        model = openai_client(info).models.list().data[0].id
 
         async def one(prompt):
-            async with _client(info, openai.AsyncOpenAI) as client:  # a connection of its own: spread by the kernel
+            # A connection of its own: spread by the kernel.
+            async with openai_client(info, openai.AsyncOpenAI) as client:
                 stream = await client.completions.create(model=model, prompt=prompt, max_tokens=NUM_TOKENS,
                                                          temperature=0, stream=True, extra_body={"ignore_eos": True})
                 return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
@@ -205,10 +160,9 @@ def test_two_api_servers_serve_what_one_does_and_one_lost_is_replaced(checkpoint
             return sum(float(line.rpartition(" ")[2]) for line in lines
                        if line.startswith("reconfig:request_success_total"))
 
-        deadline = time.monotonic() + 30  # each server reports its latencies within a second
-        while finished() < 4:  # the killed server's report may be lost with it; the survivor's and the new one's
-            assert time.monotonic() < deadline, finished()
-            time.sleep(0.2)
+        # Each server reports its latencies within a second; the killed server's report may be lost with it: the
+        # survivor's and the new one's.
+        wait_until(lambda: finished() >= 4, 30, what="4 requests counted on /metrics", interval_s=0.2)
     finally:
         stop_up(process)
     assert process.returncode == 0

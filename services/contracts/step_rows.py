@@ -2,7 +2,7 @@
 
 The router's RowEncoder (owned by its Driver) remembers which rows each worker holds: a request's row reaches the
 workers in full once (a SequenceStep: its tokens, sampling, block table), and every plain decode step after that
-goes as five numbers in packed arrays (slot, position, input token, a new block id or -1). A decode step of 64
+goes as four numbers in packed arrays (slot, position, input token, a new block id or -1). A decode step of 64
 requests then weighs the same at 128 and 4096 tokens of context: the block table never travels again, only the one
 block a row gains every block_size tokens. The worker's RowTable turns the arrays back into the SequenceSteps the
 model runner takes.
@@ -18,8 +18,8 @@ import secrets
 from array import array
 from dataclasses import dataclass
 
-from services.rpc.reconfig.v1 import worker_pb2
 from services.contracts.step import SamplingParams, SequenceOutput, SequenceStep, StepOutput
+from services.rpc.reconfig.v1 import worker_pb2
 
 
 class UnknownRow(ValueError):

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from services.controller.server import serve_controller
 from services.controller.state import ControllerConfig
-from services.runtime.process import run_service
 from services.rpc.auth import read_token_file
 from services.rpc.tls import add_tls_arguments, from_args
+from services.runtime.process import run_service
 
 
 def _addresses(text: str) -> tuple[str, ...]:

@@ -10,11 +10,11 @@ import grpc
 
 from services.controller.progress import PhaseDisplay
 from services.controller.status import OperationStatus, StackStatus
-from services.runtime.stackfile import StackFile, StackNotFoundError
-from services.runtime.stacks import select_stack
 from services.rpc.auth import InsecureTokenError, auth_metadata, read_token_file
 from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc, router_pb2
 from services.rpc.tls import TLSConfig, TLSError, from_args, sync_channel
+from services.runtime.stackfile import StackFile, StackNotFoundError
+from services.runtime.stacks import select_stack
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2   # 2 is also argparse's usage error
 WATCH_INTERVAL_S = 0.1     # how often the progress display hears from the controller while a phase runs

@@ -30,12 +30,12 @@ import uuid
 import grpc
 import structlog
 
+from services.controller.operation_progress import Progress
 from services.controller.status import OperationState, OperationStatus
 from services.controller.transaction import (
     OperationBusy,
     Reconfigurer,
     SwitchTarget,
-    Progress,
     apply_workers,
     prepare_workers,
 )

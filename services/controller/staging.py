@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import structlog
 
-from services.router.driver import peer_pool
 from services.model.spec import ModelSpec
+from services.router.driver import peer_pool
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.topology import Topology, WeightFlags, place, plan_weight_reload
 from services.topology.weight_plan import WeightReload

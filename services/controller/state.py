@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import grpc
 import structlog
 
+from services.contracts.phases import DEFAULT_STAGING_DUTY
 from services.controller.status import (
     OperationState,
     OperationStatus,
@@ -21,15 +22,14 @@ from services.controller.status import (
     WorkerState,
     WorkerStatus,
 )
+from services.model.spec import ModelSpec
 from services.router.contracts import EngineStats
 from services.router.wire import stats_from_pb
 from services.rpc.auth import auth_metadata
 from services.rpc.errors import describe_error
 from services.rpc.reconfig.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.rpc.tls import TLSConfig, aio_channel
-from services.model.spec import ModelSpec
 from services.topology import Topology, candidate_topologies
-from services.contracts.phases import DEFAULT_STAGING_DUTY
 
 log = structlog.get_logger(__name__)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 
 from services.front.server import FrontConfig, serve_front
-from services.runtime.process import run_service
 from services.placement import POLICY_NAMES
 from services.rpc.tls import TLSError, add_tls_arguments, from_args
+from services.runtime.process import run_service
 
 
 def build_parser() -> argparse.ArgumentParser:

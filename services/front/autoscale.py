@@ -110,7 +110,7 @@ class Autoscaler:
                 await self.act(*decision)
 
     async def act(self, action: str, name: str) -> None:
-        from services.front.engine import MoveRefused
+        from services.front.instance_admin import MoveRefused
 
         try:
             if action == "start":

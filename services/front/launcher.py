@@ -121,7 +121,7 @@ class Launches:
     async def stop(self, name: str) -> None:
         """KeyError: no such instance; MoveRefused: not drained, requests run there, or its processes are kept;
         LaunchError: it is not served any more, but its processes did not stop."""
-        from services.front.engine import MoveRefused
+        from services.front.instance_admin import MoveRefused
 
         self.engine.instance(name)  # KeyError first
         if name in self.keep:

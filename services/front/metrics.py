@@ -4,15 +4,32 @@ instance, instances the front started and stopped by itself."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from services.front.instances import Instance
+from services.front.rates import FrontTotals
+from services.front.route import Route
+
 if TYPE_CHECKING:
-    from services.front.engine import FrontEngine
+    from services.front.autoscale import Autoscaler
 
 
-def front_metrics(front: FrontEngine, labels: list[str], label_names: tuple[str, ...]) -> Iterator:
+class MeasuredFront(Protocol):
+    """What the metrics read of the front (services.front.engine.FrontEngine, which calls front_metrics): declared
+    here so that this module needs nothing of the engine's."""
+
+    instances: list[Instance]
+    totals: FrontTotals
+    autoscaler: Autoscaler | None
+
+    def in_use(self) -> list[Instance]: ...
+
+    def requests_on(self, instance: Instance) -> list[Route]: ...
+
+
+def front_metrics(front: MeasuredFront, labels: list[str], label_names: tuple[str, ...]) -> Iterator:
     """Read from the engine on every scrape."""
     gauge = GaugeMetricFamily("reconfig:front_instances_in_use", "Instances holding requests now.",
                               labels=label_names)

@@ -12,13 +12,14 @@ import grpc
 import structlog
 
 from services.front.autoscale import Autoscaler, AutoscaleSettings
-from services.front.engine import FrontEngine, FrontSettings, MoveRefused
+from services.front.engine import FrontEngine, FrontSettings
+from services.front.instance_admin import MoveRefused
 from services.front.instances import Instance
 from services.front.launcher import InstanceLauncher, LaunchError, Launches, PipeLauncher
 from services.front.mover import MoveSettings
 from services.model.tokenizer import Tokenizer
-from services.router.api.server import DEFAULT_KEEP_ALIVE_S, serve_until_signal
 from services.placement import POLICY_NAMES
+from services.router.api.server import DEFAULT_KEEP_ALIVE_S, serve_until_signal
 from services.rpc.auth import TokenAuthInterceptor, generate_token, protect_all
 from services.rpc.errors import ErrorInterceptor
 from services.rpc.reconfig.v1 import front_pb2, front_pb2_grpc

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.router.driver import Driver
-from services.router.block_manager import num_blocks_for
 from services.contracts.step import GREEDY, SamplingParams, SequenceStep
+from services.router.block_manager import num_blocks_for
+from services.router.driver import Driver
 
 
 @dataclass(slots=True)

@@ -10,9 +10,9 @@ import sys
 from collections.abc import Callable
 
 from services.launch.cluster import ClusterError
+from services.rpc.auth import generate_token, write_token_file
 from services.runtime.stackfile import StackFile
 from services.runtime.stacks import StackClaim
-from services.rpc.auth import generate_token, write_token_file
 
 
 class StopRequested(Exception):

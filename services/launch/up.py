@@ -15,11 +15,11 @@ from pathlib import Path
 import structlog
 
 from services.contracts.numerics import DTYPES, MODES, check_compute
+from services.contracts.phases import DEFAULT_STAGING_DUTY
 from services.launch.cluster import ClusterConfig, LocalCluster
 from services.launch.session import StackSession
 from services.runtime.stacks import StackClaim, check_name
 from services.topology import parse_gpus
-from services.contracts.phases import DEFAULT_STAGING_DUTY
 from services.worker.pacing import check_duty
 
 log = structlog.get_logger(__name__)
@@ -298,8 +298,8 @@ def up(config: UpConfig) -> int:
 def _serve(config: UpConfig, cluster: LocalCluster, session: StackSession) -> int:
     """Start the stack's processes and supervise them (see up)."""
     from services.controller.server import ControllerConfig, run_controller
-    from services.runtime.stackfile import StackFile
     from services.router.main import RouterConfig, run_router
+    from services.runtime.stackfile import StackFile
 
     token, token_file = session.token, session.token_file
     started = time.perf_counter()

@@ -27,17 +27,32 @@ experts; `ExpertLedger` counts it. A rollback then re-reads the layers let go fr
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from services.model.layers import TPGroup
 from services.topology import WorkerPlacement
 
-if TYPE_CHECKING:
-    from services.model.moe import ExpertWeights, SparseMoeBlock
+ExpertWeights = tuple[torch.Tensor, ...]  # (gate_up [2 * I_local, hidden], down [hidden, I_local]) of one slot
+
+
+class ExpertBlock(Protocol):
+    """What a reshard reads of a layer's block: services.model.moe.SparseMoeBlock (which imports this module)."""
+
+    layer_id: int
+    placement: WorkerPlacement
+    num_experts: int
+    is_expert_parallel: bool
+    router: torch.Tensor
+    phy2log: tuple[int, ...]
+    slots: range
+    intermediate: range
+    experts: list[ExpertWeights]
+
+    def release_experts(self, keep: Container[int] = frozenset()) -> int: ...
 
 # How a TP <-> EP switch moves experts: "on" (all-to-all), "off" (re-cut from the weight store), "auto" (default:
 # all-to-all over NCCL; on CPU the shared-memory store is faster: its build copies each byte once, the all-to-all
@@ -244,11 +259,11 @@ def unpack_whole(recv: torch.Tensor, plan: ReshardPlan, width: int, hidden: int)
     return whole
 
 
-def _placement(previous: WorkerPlacement | SparseMoeBlock) -> WorkerPlacement:
+def _placement(previous: WorkerPlacement | ExpertBlock) -> WorkerPlacement:
     return previous if isinstance(previous, WorkerPlacement) else previous.placement
 
 
-def can_reshard(previous: WorkerPlacement | SparseMoeBlock, new_wp: WorkerPlacement) -> bool:
+def can_reshard(previous: WorkerPlacement | ExpertBlock, new_wp: WorkerPlacement) -> bool:
     """Whether a layer's experts can go from `previous` (a placement, or the block built with it) to `new_wp` by
     one all-to-all: one is TP, the other EP, over the same stage (pp_rank of the same pp), the same group size
     P > 1 (tp == ep) and the same rank in it; the TP slices tile the EP experts' whole intermediate dimension.
@@ -269,7 +284,7 @@ def can_reshard(previous: WorkerPlacement | SparseMoeBlock, new_wp: WorkerPlacem
             and ep.expert_slots == rank_slots(len(ep.expert_slots) * size, size, ep.ep_rank))
 
 
-def reshard_experts(previous: SparseMoeBlock, new_wp: WorkerPlacement, new_phy2log: Sequence[int],
+def reshard_experts(previous: ExpertBlock, new_wp: WorkerPlacement, new_phy2log: Sequence[int],
                     group: TPGroup, switch: ExpertSwitch = ALONGSIDE) -> list[ExpertWeights]:
     """The new block's experts by local slot, from `previous` (the other form, same stage) by ONE all-to-all over
     `group` (the stage's ranks, in the same order: every rank of the stage must call this for the same layer).

@@ -9,15 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from services.model.expert_reshard import (
-    ALONGSIDE, ExpertLedger, ExpertSwitch, can_reshard, expert_bytes, reshard_experts, reshard_wanted,
+    ALONGSIDE, ExpertLedger, ExpertSwitch, ExpertWeights, can_reshard, expert_bytes, reshard_experts, reshard_wanted,
 )
 from services.model.layers import ShardLoader, TPGroup
 from services.model.numerics import FAST, Numerics, ordered_sum, padded_linear, reduction_pieces, whole_vectors
 from services.model.spec import ModelSpec
 from services.topology import WorkerPlacement
 from services.topology.experts import expert_copies, expert_tensor_names, router_tensor_name
-
-ExpertWeights = tuple[torch.Tensor, ...]  # (gate_up [2 * I_local, hidden], down [hidden, I_local]) of one slot
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,

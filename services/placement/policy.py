@@ -177,13 +177,3 @@ class BasePolicy:
             return min(enough)[1]
         return max((tokens, request_id) for request_id, tokens in members.items())[1]
 
-
-def make_policy(name: str, config: KVSchedulerConfig) -> BasePolicy:
-    """A policy by name: "mell", "bf" (Best-Fit), "wf" (Worst-Fit) or "lb" (Llumnix-style load balancing)."""
-    from services.placement.baselines import BestFitPolicy, LoadBalancePolicy, WorstFitPolicy
-    from services.placement.mell import MellPolicy
-
-    policies = {"mell": MellPolicy, "bf": BestFitPolicy, "wf": WorstFitPolicy, "lb": LoadBalancePolicy}
-    if name not in policies:
-        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
-    return policies[name](config)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from services.runtime.process import run_service
 from services.router.main import RouterConfig, serve_router
 from services.rpc.tls import TLSError, add_tls_arguments, from_args
+from services.runtime.process import run_service
 
 
 def positive_int(text: str) -> int:

@@ -20,13 +20,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection
 
+from services.contracts.step import PENDING_TOKEN, SequenceStep
 from services.router.batch import ScheduledBatch, ScheduledItem
 from services.router.block_manager import BlockManager
 from services.router.config import SchedulerConfig
 from services.router.dp_blocks import DataParallelBlocks
 from services.router.scheduler import Scheduler
 from services.router.sequence import Sequence, SequenceStatus
-from services.contracts.step import PENDING_TOKEN, SequenceStep
 
 _PENDING = (PENDING_TOKEN,)
 _NO_REQUESTS: frozenset[str] = frozenset()

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from services.router.sequence import Sequence
 from services.contracts.step import SequenceStep, TokenLogprob
+from services.router.sequence import Sequence
 
 
 @dataclass(slots=True)  # not frozen, as the step path's records (services.contracts.step)

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.contracts.phases import PREPARING_PHASES, SERVING_PHASES, STAGING_PHASE
+from services.contracts.step import GREEDY, SamplingParams, TokenLogprob, WorkerTime
 from services.model.tokenizer import Tokenizer
 from services.router.load_window import LoadSnapshot
-from services.contracts.step import GREEDY, SamplingParams, TokenLogprob, WorkerTime
 
 
 class QueueFullError(RuntimeError):

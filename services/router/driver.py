@@ -8,13 +8,13 @@ import itertools
 import grpc
 from google.protobuf.message import DecodeError
 
+from services.contracts.step import StepOutput, WorkerTime
+from services.contracts.step_rows import RowEncoder
 from services.rpc.auth import auth_metadata
 from services.rpc.errors import describe_error
 from services.rpc.frames import FrameProtocol
 from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
 from services.rpc.tls import TLSConfig, aio_channel
-from services.contracts.step import StepOutput, WorkerTime
-from services.contracts.step_rows import RowEncoder
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 

@@ -3,8 +3,8 @@ output streams.
 
 Beside the loop, collaborators the engine owns: the scheduler (AsyncScheduler with async scheduling on), the switch
 operations the controller drives (`switch_ops`: freeze, pre-copy, rebind), a failed step's stall (`failures`),
-instance moves (`migrations`) and EPLB (`experts`). A failed step (a worker died or errored) stalls the engine until
-the controller recovers the workers, or fails its requests (services.router.step_failures).
+instance moves (`instance_moves`) and EPLB (`experts`). A failed step (a worker died or errored) stalls the engine
+until the controller recovers the workers, or fails its requests (services.router.step_failures).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import structlog
 
-from services.router.driver import Driver, StepError
 from services.model.tokenizer import Tokenizer
 from services.router.async_scheduler import scheduler_for
 from services.router.batch import ScheduledBatch
@@ -33,9 +32,10 @@ from services.router.contracts import (
 )
 from services.router.doorbell import Doorbell
 from services.router.dp_blocks import BlockMaps, DataParallelBlocks
+from services.router.driver import Driver, StepError
 from services.router.expert_balance import EplbSettings, ExpertBalancer
-from services.router.load_window import LoadWindow, RequestTimer
 from services.router.instance_moves import InstanceMoves
+from services.router.load_window import LoadWindow, RequestTimer
 from services.router.output import OutputStream, RequestStream
 from services.router.precopy import PrecopyRound
 from services.router.sequence import Sequence, SequenceStatus
@@ -94,7 +94,7 @@ class Engine:
         self.failures = StepFailures(self, recovery_timeout_s)  # a failed step's stall
         self.experts = ExpertBalancer(self, eplb)  # MoE: EPLB's trigger, status and commit
         self.load = LoadWindow()  # arrivals and latencies of the last minute (RouterStats.window: the autopilot)
-        self.migrations = InstanceMoves(self)  # requests moving to or from other instances (MELL)
+        self.instance_moves = InstanceMoves(self)  # requests moving to or from other instances (MELL)
 
     def bind_driver(self, driver: Driver) -> None:
         """Step through `driver` from now on (at start, and a rebind to a new layout's workers)."""
@@ -165,7 +165,7 @@ class Engine:
             self.scheduler.add(Sequence.from_request(request))
             self.num_prompt_tokens += len(request.prompt_token_ids)
         else:
-            seq = self.migrations.admit(request, list(migrated[0]), migrated[1])
+            seq = self.instance_moves.admit(request, list(migrated[0]), migrated[1])
             stream.push((), seq)  # no tokens: the first delta says it runs here
         stream.timer = RequestTimer(time.monotonic())
         self.streams[request.request_id] = stream

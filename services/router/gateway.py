@@ -18,12 +18,12 @@ from collections.abc import Callable
 
 import structlog
 
+from services.contracts.step import TokenLogprob
 from services.router import ipc
 from services.router.contracts import EngineDrainingError, GenerationRequest, QueueFullError, RequestError
 from services.router.load_window import RequestTimer
 from services.router.metrics_merge import MergedRequestMetrics
 from services.router.sequence import Sequence, SequenceStatus
-from services.contracts.step import TokenLogprob
 
 log = structlog.get_logger(__name__)
 

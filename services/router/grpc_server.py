@@ -9,11 +9,11 @@ from typing import Protocol
 import grpc
 import structlog
 
-from services.router.driver import WorkerUnreachable
 from services.router.api.limits import encode_text
 from services.router.contracts import EngineProtocol, SwitchReport
+from services.router.driver import WorkerUnreachable
 from services.router.expert_balance import ExpertBalanceAborted, ExpertBalanceError
-from services.router.instance_moves import MigrationRefused, RouterFrozen
+from services.router.instance_moves import MoveRefused, RouterFrozen
 from services.router.wire import (
     block_maps_to_pb,
     check_freeze,
@@ -116,25 +116,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def MigrateOut(self, request, context):  # noqa: N802
         """The source side of a live move to another instance: export, stop, commit or abort."""
-        migrations = self.engine.migrations
+        moves = self.engine.instance_moves
         action, request_id = request.action, request.request_id
         try:
             if action == router_pb2.MigrateOutRequest.COMMIT:
-                migrations.commit(request_id)
+                moves.commit(request_id)
                 return router_pb2.MigrateOutResponse()
             if action == router_pb2.MigrateOutRequest.ABORT:
-                migrations.abort(request_id)
+                moves.abort(request_id)
                 return router_pb2.MigrateOutResponse()
             if action == router_pb2.MigrateOutRequest.STOP:
                 timeout_s = request.timeout_seconds if request.timeout_seconds > 0 else DEFAULT_FREEZE_TIMEOUT_S
-                state, source = await migrations.stop(request_id, timeout_s)
+                state, source = await moves.stop(request_id, timeout_s)
             else:
-                state, source = await migrations.export(request_id)
+                state, source = await moves.export(request_id)
         except KeyError:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {request_id!r} is running or moving here")
         except RouterFrozen as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except MigrationRefused as exc:
+        except MoveRefused as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except TimeoutError as exc:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
@@ -145,16 +145,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def MigrateIn(self, request, context):  # noqa: N802
         """The target side of a live move from another instance: reserve, pull or release."""
-        migrations = self.engine.migrations
+        moves = self.engine.instance_moves
         try:
             if request.action == router_pb2.MigrateInRequest.RELEASE:
-                await migrations.release(request.request_id)
+                await moves.release(request.request_id)
                 return router_pb2.MigrateInResponse()
             if request.action == router_pb2.MigrateInRequest.PULL:
                 if len(request.src_block_ids) != len(request.dst_block_ids):
                     raise ValueError("src_block_ids and dst_block_ids must have the same length")
                 try:
-                    pulled = await migrations.pull(request.request_id, request.source, request.src_block_ids,
+                    pulled = await moves.pull(request.request_id, request.source, request.src_block_ids,
                                                    request.dst_block_ids)
                 except grpc.aio.AioRpcError as exc:  # a worker's refusal keeps its code (the mover reads it)
                     if exc.code() not in _WORKER_REFUSALS:
@@ -162,7 +162,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     await context.abort(exc.code(), f"worker: {exc.details()}")
                 return router_pb2.MigrateInResponse(kv_bytes=pulled.kv_bytes, seconds=pulled.seconds)
             generation = request_from_pb(request.request, self.engine.tokenizer)
-            return router_pb2.MigrateInResponse(block_ids=migrations.reserve(generation, request.num_tokens))
+            return router_pb2.MigrateInResponse(block_ids=moves.reserve(generation, request.num_tokens))
         except KeyError:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV is reserved for {request.request_id!r} here")
         except RouterFrozen as exc:

@@ -1,4 +1,4 @@
-"""The instance side of live request migration between instances (MELL): what a source and a target router do
+"""The instance side of live request moves between instances (MELL): what a source and a target router do
 when the front router moves a running request.
 
 Source: `export` (serving goes on) tells where the request's KV lives and which of its blocks are full, for a
@@ -18,23 +18,42 @@ import socket
 import time
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from services.router.contracts import GenerationRequest, RequestError
 from services.router.sequence import Sequence, SequenceStatus
 from services.rpc.reconfig.v1 import worker_pb2
 
 if TYPE_CHECKING:
-    from services.router.engine import Engine
+    from services.router.driver import Driver
+    from services.router.scheduler import Scheduler
+    from services.topology import Topology
+
+
+class _Freezes(Protocol):
+    num_freezes: int  # a switch may give the workers new pools: a move out copies again
+
+
+class MoveHost(Protocol):
+    """What InstanceMoves uses of the engine that owns it (services.router.engine.Engine)."""
+
+    scheduler: Scheduler
+    driver: Driver
+    topology: Topology
+    switch_ops: _Freezes  # services.router.switch_ops.SwitchOps
+
+    async def wait_step(self, timeout_s: float) -> None: ...
+    def end_stream(self, request_id: str, reason: str) -> None: ...
+    def wake(self) -> None: ...
 
 MIGRATED = "migrated"  # the finish_reason of a request's stream on the instance it left
 
 
-class MigrationRefused(RuntimeError):
+class MoveRefused(RuntimeError):
     """The request cannot move now (not decoding, frozen for a switch, several KV pools): FAILED_PRECONDITION."""
 
 
-class RouterFrozen(MigrationRefused):
+class RouterFrozen(MoveRefused):
     """A layout switch holds the router: UNAVAILABLE, retry after it."""
 
 
@@ -63,7 +82,7 @@ class PullStats:
 class InstanceMoves:
     """The engine's part in moving requests between instances; the front router (services.front) drives it."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: MoveHost) -> None:
         self.engine = engine
         self._pulls = 0
         self._no_pulls = asyncio.Event()
@@ -80,7 +99,7 @@ class InstanceMoves:
         self._check_not_frozen()
         seq = self._sequence(request_id)
         if request_id in self.engine.scheduler.moves.parked:
-            raise MigrationRefused(f"{request_id} is already moving")
+            raise MoveRefused(f"{request_id} is already moving")
         return self._state(seq), await self.kv_source()
 
     async def stop(self, request_id: str, timeout_s: float) -> tuple[RequestKV, worker_pb2.KVSource]:
@@ -92,7 +111,7 @@ class InstanceMoves:
         try:
             parked = scheduler.moves.park(request_id)
         except ValueError as exc:
-            raise MigrationRefused(str(exc)) from None
+            raise MoveRefused(str(exc)) from None
         deadline = time.monotonic() + timeout_s
         while not parked and request_id not in scheduler.moves.parked and not seq.is_finished:
             remaining = deadline - time.monotonic()
@@ -212,7 +231,7 @@ class InstanceMoves:
         if seq is None:
             raise KeyError(request_id)
         if self.engine.scheduler.block_manager.num_ranks > 1:
-            raise MigrationRefused("moving a request needs one KV pool: this layout is expert parallel")
+            raise MoveRefused("moving a request needs one KV pool: this layout is expert parallel")
         return seq
 
     def _check_not_frozen(self) -> None:

@@ -7,19 +7,40 @@ of the switch (services.router.switch_ops) calls it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
 
 from services.router.dp_blocks import BlockMaps, DataParallelBlocks, Reserved, repartition
 from services.router.sequence import Sequence
 
 if TYPE_CHECKING:
-    from services.router.scheduler import Scheduler
+    from services.router.moves import RequestMoves
+
+
+class LayoutHost(Protocol):
+    """What KVLayout reads and changes of the scheduler that owns it (services.router.scheduler.Scheduler)."""
+
+    block_manager: DataParallelBlocks
+    moves: RequestMoves
+    running: list[Sequence]
+    num_switch_preemptions: int
+
+    @property
+    def is_frozen(self) -> bool: ...
+    @property
+    def num_inflight_batches(self) -> int: ...
+    def unfinished(self) -> Iterable[Sequence]: ...
+    def max_blocks(self, seq: Sequence) -> int: ...
+    def get(self, request_id: str) -> Sequence | None: ...
+    def preempt(self, seq: Sequence) -> None: ...
+    def newest_running(self, newer_than: Sequence | None = None, among: set[str] | None = None,
+                       rank: int | None = None) -> Sequence | None: ...
 
 
 class KVLayout:
     """Rebind, repartition (with its undo) and preempt_all over one scheduler's requests and pools."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: LayoutHost) -> None:
         self.scheduler = scheduler
         # Set between repartition() and its commit or restore: the old pools and the moved requests' old ids.
         self._old_partition: tuple[DataParallelBlocks, dict[str, list[int]]] | None = None

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import structlog
 
-from services.router.driver import Driver
 from services.model.spec import ModelSpec
 from services.model.tokenizer import Tokenizer
 from services.router.api.server import DEFAULT_KEEP_ALIVE_S, serve_until_signal
 from services.router.config import SchedulerConfig
+from services.router.driver import Driver
 from services.router.engine import Engine
 from services.router.expert_balance import EplbSettings
 from services.rpc.tls import TLSConfig
@@ -82,8 +82,8 @@ async def build_engine(config: RouterConfig) -> Engine:
 async def serve_router(config: RouterConfig, on_ready: Callable[[dict], None] | None = None) -> None:
     """Serve HTTP + gRPC until SIGTERM/SIGINT; then drain (services.router.api.server), and stop the engine. HTTP is
     served by config.api_servers processes of their own (services.router.api_servers), or by this one with 0."""
-    from services.runtime.process import settle_heap
     from services.router.grpc_server import start_router_grpc
+    from services.runtime.process import settle_heap
 
     engine = await build_engine(config)
     grpc_server, grpc_port = await start_router_grpc(engine, config.host, config.grpc_port, config.token,

@@ -1,4 +1,4 @@
-"""The scheduler's side of live request migration between instances (MELL): sequences that hold KV blocks but are
+"""The scheduler's side of live request moves between instances (MELL): sequences that hold KV blocks but are
 not scheduled, moving out (parked: stopped, until the move commits or aborts) or in (blocks reserved, until adopt).
 services.router.instance_moves.InstanceMoves drives these for the front router; the Scheduler owns one
 (`scheduler.moves`) and skips what it parks.
@@ -6,22 +6,42 @@ services.router.instance_moves.InstanceMoves drives these for the front router; 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from services.router.batch import ScheduledBatch
 from services.router.block_manager import num_blocks_for
 from services.router.contracts import QueueFullError, RequestError
+from services.router.dp_blocks import DataParallelBlocks
 from services.router.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from services.router.scheduler import Scheduler
+    from collections import deque
+
+    from services.router.config import SchedulerConfig
+
+
+class MovesHost(Protocol):
+    """What RequestMoves reads and changes of the scheduler that owns it (services.router.scheduler.Scheduler)."""
+
+    config: SchedulerConfig
+    block_manager: DataParallelBlocks
+    waiting: deque[Sequence]
+    running: list[Sequence]
+
+    def get(self, request_id: str) -> Sequence | None: ...
+    def in_flight(self, seq: Sequence) -> bool: ...
+    def drop_kv(self, seq: Sequence) -> None: ...
+    def insert_running(self, seq: Sequence) -> None: ...
+    def check_fits(self, seq: Sequence) -> None: ...
+    def register(self, seq: Sequence) -> None: ...
+    def finish(self, request_id: str, status: SequenceStatus = SequenceStatus.FINISHED_STOPPED) -> bool: ...
 
 
 class RequestMoves:
     """Parked and reserved sequences of one scheduler: park/unpark a request moving out, reserve/adopt one moving
     in, and cancel_all when a layout change ends every move."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: MovesHost) -> None:
         self.scheduler = scheduler
         self.parked: dict[str, Sequence] = {}  # moving out (stopped) or in (reserved), by request_id
         self.moving_in: set[str] = set()

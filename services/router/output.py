@@ -7,11 +7,11 @@ import asyncio
 from collections import deque
 from typing import Protocol
 
+from services.contracts.step import TokenLogprob
 from services.model.tokenizer import Tokenizer
 from services.router.contracts import GenerationDelta, GenerationRequest
 from services.router.load_window import RequestTimer
 from services.router.sequence import Sequence
-from services.contracts.step import TokenLogprob
 
 
 class OutputStream(Protocol):

@@ -38,6 +38,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
 
+from services.contracts.step import SequenceOutput
 from services.router.batch import ScheduledBatch, ScheduledItem, SequenceUpdate, step_for
 from services.router.block_manager import BlockManager, num_blocks_for
 from services.router.config import SchedulerConfig
@@ -46,7 +47,6 @@ from services.router.dp_blocks import DataParallelBlocks
 from services.router.kv_layout import KVLayout
 from services.router.moves import RequestMoves
 from services.router.sequence import Sequence, SequenceStatus
-from services.contracts.step import SequenceOutput
 
 __all__ = ["ScheduledBatch", "ScheduledItem", "Scheduler", "SequenceUpdate"]
 

@@ -6,8 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from services.router.contracts import GenerationRequest
 from services.contracts.step import GREEDY, SamplingParams, TokenLogprob
+from services.router.contracts import GenerationRequest
 
 
 class SequenceStatus(enum.Enum):

@@ -10,14 +10,31 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
 from services.router.batch import ScheduledBatch
 
 if TYPE_CHECKING:
-    from services.router.engine import Engine
+    from services.router.driver import Driver
+    from services.router.output import OutputStream
+    from services.router.scheduler import Scheduler
+
+
+class _Hold(Protocol):
+    is_held: bool  # the controller holds the freeze
+
+
+class FailureHost(Protocol):
+    """What StepFailures uses of the engine that owns it (services.router.engine.Engine)."""
+
+    scheduler: Scheduler
+    driver: Driver
+    streams: dict[str, OutputStream]
+    switch_ops: _Hold  # services.router.switch_ops.SwitchOps
+
+    def wake(self) -> None: ...
 
 log = structlog.get_logger(__name__)
 
@@ -25,7 +42,7 @@ log = structlog.get_logger(__name__)
 class StepFailures:
     """The engine's stall: its first error, its timer, and the requests a failure ends."""
 
-    def __init__(self, engine: Engine, recovery_timeout_s: float) -> None:
+    def __init__(self, engine: FailureHost, recovery_timeout_s: float) -> None:
         self.engine = engine
         self.recovery_timeout_s = recovery_timeout_s  # 0: a failed step fails its requests at once (no stall)
         self.stalled = ""  # the first error of the current stall; "" while steps can run

@@ -10,17 +10,36 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
-from services.router.driver import Driver
 from services.router.contracts import SwitchReport, SwitchTotals
 from services.router.dp_blocks import BlockMaps, plan_placements
+from services.router.driver import Driver
 from services.router.precopy import KVPrecopy, PoolPrecopy, PrecopyRound
 
 if TYPE_CHECKING:
-    from services.router.engine import Engine
+    from services.router.scheduler import Scheduler
+
+
+class _Pulls(Protocol):
+    async def wait_no_pulls(self) -> None: ...
+
+
+class SwitchHost(Protocol):
+    """What SwitchOps uses of the engine that owns it (services.router.engine.Engine)."""
+
+    scheduler: Scheduler
+    driver: Driver
+    instance_moves: _Pulls  # services.router.instance_moves.InstanceMoves
+
+    @property
+    def has_steps_in_flight(self) -> bool: ...
+    async def wait_idle(self, timeout_s: float) -> None: ...
+    def bind_driver(self, driver: Driver) -> None: ...
+    def cancel_expert_commit(self) -> None: ...
+    def resume(self) -> None: ...
 
 log = structlog.get_logger(__name__)
 
@@ -28,7 +47,7 @@ log = structlog.get_logger(__name__)
 class SwitchOps:
     """Freeze (lease), pre-copy, rebind and record_switch for one engine; `engine.freeze()` etc. delegate here."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: SwitchHost) -> None:
         self.engine = engine
         self.num_freezes = 0  # a switch (even rolled back) may give the workers new pools: moves out copy again
         self.switches = SwitchTotals()  # layout switches the controller reported (record_switch)
@@ -65,7 +84,7 @@ class SwitchOps:
         if lease_s > 0:
             self._lease_timer = asyncio.get_running_loop().call_later(lease_s, self._lease_expired, lease_s)
         await engine.wait_idle(timeout_s)
-        await asyncio.wait_for(engine.migrations.wait_no_pulls(), timeout_s)  # no worker writes a block it moves
+        await asyncio.wait_for(engine.instance_moves.wait_no_pulls(), timeout_s)  # no worker writes a block it moves
         if self._held_at is None:  # idle: every step came back (the loop notes the first)
             self._held_at = time.monotonic()
         return self._held_at - self._frozen_at

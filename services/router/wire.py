@@ -8,12 +8,12 @@ import math
 import uuid
 from collections.abc import Sequence
 
+from services.contracts.step import SamplingParams, WorkerTime
 from services.model.tokenizer import Tokenizer
 from services.router.contracts import EngineStats, GenerationDelta, GenerationRequest, SwitchReport
 from services.router.load_window import LoadSnapshot
 from services.rpc.errors import check_address
 from services.rpc.reconfig.v1 import router_pb2, worker_pb2
-from services.contracts.step import SamplingParams, WorkerTime
 
 MAX_KV_BLOCKS = 1 << 22       # the block manager lists its free ids: a larger capacity is a bad request, not a GiB
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.placement.move_choice import MoveBudgets, choose_move_modes
-from services.placement.policy import make_policy
+from services.placement.registry import make_policy
 from services.placement.types import KVSchedulerConfig, Request, SchedulerError
 from services.simulator.events import ALLOCATE, DEPART, UPDATE, Events, InstanceProfile, build_events
 

@@ -9,10 +9,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from services.topology import Topology, TopologyError
+from services.contracts.numerics import DTYPES, MODES
 from services.rpc.auth import read_token_file
 from services.rpc.tls import add_tls_arguments, from_args
-from services.contracts.numerics import DTYPES, MODES
+from services.topology import Topology, TopologyError
 from services.worker.config import WorkerConfig
 
 

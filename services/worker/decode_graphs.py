@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from services.contracts.step import SequenceStep
 from services.model.attention import AttentionMetadata
 from services.model.llama import ShardedCausalLM
 from services.worker.kv_cache import KVCache
-from services.contracts.step import SequenceStep
 
 log = structlog.get_logger(__name__)
 

@@ -12,18 +12,18 @@ from multiprocessing.connection import Connection
 import structlog
 import torch
 
-from services.runtime.process import run_service
 from services.model.spec import ModelSpec
+from services.runtime.process import run_service
 from services.topology import Topology
-from services.worker.config import WorkerConfig
 from services.weightstore.client import fetch_manifest
+from services.worker.config import WorkerConfig
 from services.worker.cuda_ipc import preload_cuda_ipc
 from services.worker.faults import FAULTS
 from services.worker.kv_cache import cleanup_stale_kv_segments
-from services.worker.shm_exchange import cleanup_stale_exchange_segments
-from services.worker.shard import WorkerShard, worker_device
 from services.worker.parallel import ParallelState, device_backend
 from services.worker.server import WorkerServicer, start_server
+from services.worker.shard import WorkerShard, worker_device
+from services.worker.shm_exchange import cleanup_stale_exchange_segments
 from services.worker.step_server import start_step_server
 
 log = structlog.get_logger(__name__)

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from services.contracts.step import PENDING_TOKEN, SequenceOutput, StepBatch, StepOutput
 from services.model.attention import AttentionMetadata
 from services.model.llama import ShardedCausalLM
 from services.topology import Placement, WorkerPlacement
@@ -16,7 +17,6 @@ from services.worker.kv_cache import KVCache
 from services.worker.logits_processor import needs_processing
 from services.worker.parallel import ParallelState
 from services.worker.sampler import sample_outputs
-from services.contracts.step import PENDING_TOKEN, SequenceOutput, StepBatch, StepOutput
 
 
 class PendingTokenMissing(ValueError):

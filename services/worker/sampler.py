@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from services.contracts.step import SamplingParams, SequenceOutput, SequenceStep
 from services.worker.logits_processor import process_logits
 from services.worker.logprobs import token_logprobs
-from services.contracts.step import SamplingParams, SequenceOutput, SequenceStep
 
 _SEED_STRIDE = 1_000_003  # mixes (seed, position) into one generator seed
 

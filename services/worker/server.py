@@ -3,25 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import structlog
 
+from services.contracts.step import StepBatch, StepOutput
+from services.contracts.step_rows import RowTable, UnknownRow
 from services.rpc.auth import TokenAuthInterceptor, protect_all
 from services.rpc.errors import ErrorInterceptor
-from services.rpc.tls import TLSConfig
 from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
 from services.rpc.server import listen, new_server
+from services.rpc.tls import TLSConfig
 from services.worker.expert_balance import ExpertMapError
 from services.worker.faults import FAULTS
 from services.worker.kv_import import ImportRefused
 from services.worker.model_runner import PendingTokenMissing
 from services.worker.shard import WorkerShard
-from services.contracts.step import StepBatch, StepOutput
-from services.contracts.step_rows import RowTable, UnknownRow
-from services.worker.switch import SwitchFailed
+from services.worker.switch import SwitchFailed, apply_switch
 
 log = structlog.get_logger(__name__)
 
@@ -135,7 +136,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Switch layout: groups, KV migration, shard reload. Runs on the model thread, between steps."""
         log.info("worker.switch_start", rank=self.rank, operation_id=request.operation_id, topology=request.topology)
         try:
-            return await self._on_model_thread(self._with_faults, "ApplySwitch", request, self.shard.apply_switch)
+            return await self._on_model_thread(self._with_faults, "ApplySwitch", request,
+                                               functools.partial(apply_switch, self.shard))
         except SwitchFailed as exc:  # every worker is in the old layout again
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
         except ValueError as exc:

@@ -1,4 +1,5 @@
-"""WorkerShard: the one owner of what a worker holds (topology, model shard, KV cache) and of switching it."""
+"""WorkerShard: the one owner of what a worker holds (topology, model shard, KV cache). A switch of its layout
+(ApplySwitch) runs in services/worker/switch.py, over what the shard holds and builds."""
 
 from __future__ import annotations
 
@@ -37,7 +38,6 @@ from services.worker.decode_graphs import WARM_BATCHES
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel import ParallelState
 from services.worker.staging import Staging, lower_thread_priority
-from services.worker.switch import SwitchFailed, run_switch
 from services.worker.threads import set_threads, threads_per_worker, usable_cores
 
 log = structlog.get_logger(__name__)
@@ -235,44 +235,6 @@ class WorkerShard:
             kv_dtype_bytes=self.dtype.itemsize, num_kv_blocks_now=self.runner.kv_cache.num_blocks if self.runner else 0,
         )
 
-    def apply_switch(self, request: worker_pb2.ApplySwitchRequest) -> worker_pb2.ApplySwitchResponse:
-        """APPLYING_TOPOLOGY + MIGRATING (KV ‖ weights). Collective over the world; all or nothing: on any rank's
-        failure every rank restores the old layout (the KV of layers already moved is moved back)."""
-        target = Topology.parse(request.topology)
-        partition = tuple(request.layer_partition) or None
-        rank, old = self.rank, self.runner
-        if not self.parallel.in_world:
-            raise ValueError("this worker is in no world yet: it needs a Regroup first")
-        self.is_waking = old is None and rank < target.num_workers
-        self.is_switching = True
-        try:
-            response = run_switch(self, request, target, partition, rank, old)
-        except SwitchFailed:
-            raise  # every rank moved its KV back: the old layout is whole
-        except Exception as exc:
-            # Cut off mid-way (a peer died, a collective failed): what this worker holds is no layout any more,
-            # but its old shard is whole again (a recovery may keep it).
-            if self.new_cache is not None:
-                self.new_cache.close()
-            # Leave first: peers blocked on this worker fail now, and the frames holding the failed build go with
-            # the traceback it drops, before the old experts come back.
-            self.leave_world(exc)
-            try:
-                self.restore_experts(old)
-            except Exception:  # noqa: BLE001 (the cut-off is what the caller must hear of)
-                log.exception("worker.experts_restore_failed", rank=rank)
-            raise
-        finally:
-            self.is_waking = self.is_switching = False
-            self.new_cache = None
-        self.needs_apply = False
-        if old is not None and old is not self.runner and self.device.type == "cpu":
-            # The old shard's own weights go back to the OS (~10-20 ms of munmap) there, after the answer. (A GPU
-            # shard goes back to the caching allocator, at once, on the model thread: it may capture graphs.)
-            self.freeing.submit(_let_go, old)
-            del old
-        return response
-
     def leave_world(self, failure: BaseException) -> None:
         """After `failure`, which may involve a peer: leave the world at once, so that peers blocked on this worker
         fail now instead of at their collective timeout. Only a Regroup makes the worker usable again."""
@@ -353,7 +315,3 @@ class WorkerShard:
         self.staging.drop()
         if self.runner is not None:
             self.runner.kv_cache.close()
-
-
-def _let_go(_: object) -> None:
-    """Run on the freeing thread: the last reference to the argument dies there, with its memory."""

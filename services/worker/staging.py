@@ -11,14 +11,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
 from services.model.expert_reshard import FROM_STORE
 from services.model.llama import ShardedCausalLM
 from services.rpc.reconfig.v1 import worker_pb2
-from services.topology import Topology, plan_kv_migration
+from services.topology import Placement, Topology, plan_kv_migration
 from services.weightstore.client import MappedCheckpoint
 from services.worker.channel import channel_kind, peer_channel
 from services.worker.decode_graphs import WARM_BATCHES
@@ -30,9 +30,46 @@ from services.worker.model_runner import ModelRunner
 from services.worker.pacing import Pacer
 
 if TYPE_CHECKING:
-    from services.worker.shard import WorkerShard
+    import torch
+
+    from services.model.expert_reshard import ExpertSwitch
+    from services.model.spec import ModelSpec
+    from services.weightstore.manifest import Manifest
+    from services.worker.config import WorkerConfig
+    from services.worker.parallel import ParallelState
 
 log = structlog.get_logger(__name__)
+
+
+class LiveShard(Protocol):
+    """What staging uses of the worker's shard (services.worker.shard.WorkerShard, which owns its Staging): the live
+    layout and world, and how the shard builds a layout's model and runner. Declared here so that the shard's module
+    is the one that imports: staging sits below it."""
+
+    config: WorkerConfig
+    spec: ModelSpec
+    manifest: Manifest
+    parallel: ParallelState
+    device: torch.device
+    dtype: torch.dtype
+    topology: Topology
+    layer_partition: tuple[int, ...] | None
+    runner: ModelRunner | None
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def placement(self, topology: Topology, partition) -> Placement: ...
+
+    def build(self, topology: Topology, partition, checkpoint: MappedCheckpoint, previous: ModelRunner | None,
+              kv_cache: KVCache | None, model: ShardedCausalLM | None = ...,
+              experts: ExpertSwitch = ...) -> ModelRunner | None: ...
+
+    def build_model(self, topology: Topology, partition, checkpoint: MappedCheckpoint, previous: ModelRunner | None,
+                    experts: ExpertSwitch = ..., pacer: Pacer = ...) -> ShardedCausalLM: ...
 
 
 @dataclass(slots=True)
@@ -86,7 +123,7 @@ class Staging:
     """The one owner of what a worker has staged (one switch's shard, pool and runner at a time). StageSwitch and
     PreCopyKV run on the stage thread; `take` and `drop` on the model thread (ApplySwitch, Regroup)."""
 
-    def __init__(self, shard: WorkerShard) -> None:
+    def __init__(self, shard: LiveShard) -> None:
         self.shard = shard
         self._staged: StagedShard | None = None
 

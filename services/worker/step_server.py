@@ -9,12 +9,12 @@ from collections import deque
 import structlog
 from google.protobuf.message import DecodeError
 
+from services.contracts.step import StepOutput
+from services.contracts.step_rows import rows_result
 from services.rpc.frames import FrameError, FrameProtocol, token_accepted
 from services.rpc.reconfig.v1 import worker_pb2
 from services.rpc.tls import TLSConfig
 from services.worker.server import WorkerServicer
-from services.contracts.step import StepOutput
-from services.contracts.step_rows import rows_result
 
 log = structlog.get_logger(__name__)
 

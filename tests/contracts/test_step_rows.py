@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.rpc.reconfig.v1 import worker_pb2
 from services.contracts.step import GREEDY, PENDING_TOKEN, SamplingParams, SequenceOutput, SequenceStep, StepOutput
 from services.contracts.step_rows import RowEncoder, RowTable, UnknownRow, rows_result
+from services.rpc.reconfig.v1 import worker_pb2
 
 BLOCK_SIZE = 4
 SAMPLINGS = (GREEDY, SamplingParams(temperature=0.75, seed=5), SamplingParams(temperature=1.0, top_k=3))

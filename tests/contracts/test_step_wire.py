@@ -7,9 +7,9 @@ import dataclasses
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.rpc.reconfig.v1 import worker_pb2
 from services.contracts.step import (GREEDY, PENDING_TOKEN, SamplingParams, SequenceOutput, SequenceStep, StepBatch,
                                   StepOutput, TokenLogprob)
+from services.rpc.reconfig.v1 import worker_pb2
 
 ids = st.lists(st.integers(0, 50_000), max_size=6).map(tuple)
 sampling = st.one_of(st.just(GREEDY), st.builds(

@@ -22,10 +22,10 @@ from services.controller import (
 )
 from services.controller.cli import format_table
 from services.ctl import main
-from services.runtime.stackfile import StackFile
-from services.runtime.stacks import StackClaim
 from services.router.contracts import EngineStats
 from services.rpc.auth import write_token_file
+from services.runtime.stackfile import StackFile
+from services.runtime.stacks import StackClaim
 from tests.controller.conftest import MODEL, NUM_WORKERS, TOPOLOGY, closed_port, frozen_router
 
 

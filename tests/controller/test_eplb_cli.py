@@ -16,7 +16,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.controller.cli import format_table
-from services.ctl import build_parser, main
 from services.controller.eplb_view import (
     balance_line,
     format_expert_status,
@@ -30,6 +29,7 @@ from services.controller.servicer import ControllerServicer
 from services.controller.state import ControllerConfig, ControllerState
 from services.controller.status import StackState, StackStatus
 from services.controller.transaction import Reconfigurer
+from services.ctl import build_parser, main
 from services.rpc.auth import TokenAuthInterceptor, auth_metadata, generate_token, protect_all, write_token_file
 from services.rpc.errors import ErrorInterceptor
 from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc, router_pb2, router_pb2_grpc

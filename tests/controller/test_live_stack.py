@@ -3,13 +3,12 @@ GetStatus and WatchStatus as an operator's client sees them."""
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 
 from services.rpc.auth import auth_metadata
 from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc, router_pb2, router_pb2_grpc
+from tests.conftest import wait_until
 from tests.controller.conftest import MODEL, PROMPT, TOPOLOGY, Stack
 
 pytestmark = pytest.mark.multiprocess
@@ -22,15 +21,6 @@ def _status(stack: Stack) -> controller_pb2.StackStatus:
     with grpc.insecure_channel(stack.controller_address) as channel:
         return controller_pb2_grpc.ControllerStub(channel).GetStatus(
             controller_pb2.GetStatusRequest(), metadata=auth_metadata(stack.token), timeout=10)
-
-
-def _wait_for(stack: Stack, predicate, timeout_s: float = 20.0) -> controller_pb2.StackStatus:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status = _status(stack)
-        if predicate(status) or time.monotonic() > deadline:
-            return status
-        time.sleep(0.1)
 
 
 def test_get_status_reports_the_worker_table(stack):
@@ -74,7 +64,12 @@ def test_status_follows_requests_and_freezes(stack):
             watch.cancel()
             generation.cancel()  # the client goes away: its blocks are freed
             router.Resume(router_pb2.ResumeRequest(), metadata=metadata, timeout=10)
-    status = _wait_for(stack, lambda s: s.router.num_running == 0 and s.router.num_kv_blocks_used == 0)
+
+    def freed() -> controller_pb2.StackStatus | None:
+        status = _status(stack)
+        return status if (status.router.num_running, status.router.num_kv_blocks_used) == (0, 0) else None
+
+    status = wait_until(freed, timeout_s=20, what="the router to free the cancelled request's blocks", interval_s=0.1)
     assert status.state == STACK_STATE.STACK_STATE_SERVING
     assert (status.router.num_running, status.router.num_kv_blocks_used) == (0, 0)
     assert [w.num_kv_blocks_used for w in status.workers] == [0, 0, 0]

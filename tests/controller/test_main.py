@@ -13,6 +13,7 @@ import pytest
 
 from services.rpc.auth import auth_metadata
 from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc
+from tests.conftest import until
 from tests.controller.conftest import MODEL, TOPOLOGY
 
 
@@ -29,10 +30,8 @@ async def test_controller_process_serves_until_sigterm(stack, tmp_path):
                          stack.token_file, "--router-grpc", stack.router_address, "--model", MODEL, "--port", "0",
                          "--port-file", str(port_file), "--interval", "0.2")
     try:
-        for _ in range(300):
-            if port_file.exists() or process.returncode is not None:
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: port_file.exists() or process.returncode is not None,
+                    what="the controller to write its port file (or exit)", interval_s=0.05)
         assert port_file.exists(), (await process.stderr.read()).decode()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{int(port_file.read_text())}") as channel:
             status = await controller_pb2_grpc.ControllerStub(channel).GetStatus(

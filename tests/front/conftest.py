@@ -1,5 +1,6 @@
 """Three real instances (each: weight store, workers, engine, router gRPC) for the front router's tests:
-two of one layout (tp1pp1, one worker each) and one of another (tp2pp1... tp1pp2 over two workers)."""
+two of one layout (tp1pp1, one worker each) and one of another (tp2pp1... tp1pp2 over two workers); the requests
+that live moves carry, and their reference tokens."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from services.launch.cluster import ClusterConfig, LocalCluster
 from services.model.tokenizer import Tokenizer
 from services.router.engine import Engine
 from services.router.grpc_server import start_router_grpc
+from services.router.contracts import GenerationRequest
 from services.router.main import RouterConfig, build_engine
 from tests.conftest import make_checkpoint
 
@@ -93,3 +95,29 @@ async def open_front(opened: Instances, **settings):
         yield front
     finally:
         await front.stop()
+
+
+# Requests for live moves: greedy, with no stop token, so every run of one gives the same max_tokens tokens.
+PROMPTS = [[5, 9, 2, 7, 1], list(range(3, 16)), [(7 * i) % 97 + 3 for i in range(30)], list(range(40, 87))]
+MAX_TOKENS = 160  # far past the last move: a move never races the end of its request
+
+
+def greedy_request(request_id: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> GenerationRequest:
+    return GenerationRequest(request_id, tuple(prompt), max_tokens)  # greedy, no stop token: all max_tokens
+
+
+async def reference_tokens(engine, prompt: list[int], request_id: str, max_tokens: int = MAX_TOKENS) -> list[int]:
+    """The tokens of an unmoved run, straight on an instance's engine."""
+    request = greedy_request(request_id, prompt, max_tokens)
+    return [t for delta in [d async for d in engine.generate(request)] for t in delta.token_ids]
+
+
+async def run_with_moves(front, request: GenerationRequest, hops: list[tuple], reprefill: bool = False):
+    """Stream the request through the front; after hops[i][0] tokens, move it to hops[i][1] (and wait)."""
+    tokens, results = [], []
+    async for delta in front.generate(request):
+        tokens.extend(delta.token_ids)
+        while hops and len(tokens) >= hops[0][0]:
+            _, target = hops.pop(0)
+            results.append(await front.move(request.request_id, target, reprefill))
+    return tokens, results

@@ -8,44 +8,27 @@ import pytest
 
 from services.router.contracts import GenerationRequest
 from tests.conftest import until
-from tests.front.conftest import open_front
+from tests.front.conftest import (
+    MAX_TOKENS,
+    PROMPTS,
+    TOKEN,
+    greedy_request,
+    open_front,
+    reference_tokens,
+    run_with_moves,
+)
 
 pytestmark = pytest.mark.asyncio
-
-PROMPTS = [[5, 9, 2, 7, 1], list(range(3, 16)), [(7 * i) % 97 + 3 for i in range(30)], list(range(40, 87))]
-MAX_TOKENS = 160  # far past the last move: a move never races the end of its request
-
-
-def _request(request_id: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> GenerationRequest:
-    return GenerationRequest(request_id, tuple(prompt), max_tokens)  # greedy, no stop token: all max_tokens
-
-
-async def _reference(engine, prompt: list[int], request_id: str, max_tokens: int = MAX_TOKENS) -> list[int]:
-    """The tokens of an unmoved run, straight on an instance's engine."""
-    request = _request(request_id, prompt, max_tokens)
-    return [t for delta in [d async for d in engine.generate(request)] for t in delta.token_ids]
-
-
-async def _run_with_moves(front, request: GenerationRequest, hops: list[tuple], reprefill: bool = False):
-    """Stream the request through the front; after hops[i][0] tokens, move it to hops[i][1] (and wait)."""
-    tokens, results = [], []
-    async for delta in front.generate(request):
-        tokens.extend(delta.token_ids)
-        while hops and len(tokens) >= hops[0][0]:
-            _, target = hops.pop(0)
-            results.append(await front.move(request.request_id, target, reprefill))
-    return tokens, results
-
 
 async def test_moves_between_layouts_keep_every_token(instances):
     """a (tp1pp1) -> b (tp1pp1, same layout) -> c (tp1pp2) -> a, mid-generation: the tokens of an unmoved run,
     no prefill on the instances they moved to, every move stopping the request only for its delta."""
     a, b, c = instances.instances
-    reference = [await _reference(instances.engines[0], p, f"ref-{i}") for i, p in enumerate(PROMPTS)]
+    reference = [await reference_tokens(instances.engines[0], p, f"ref-{i}") for i, p in enumerate(PROMPTS)]
     prefills = [engine.num_full_prefills for engine in instances.engines]
     async with open_front(instances, migrate=False) as front:
         runs = await asyncio.gather(*(
-            _run_with_moves(front, _request(f"live-{i}", p), [(6, b), (16, c), (27, a)])
+            run_with_moves(front, greedy_request(f"live-{i}", p), [(6, b), (16, c), (27, a)])
             for i, p in enumerate(PROMPTS)))
         assert front.totals.moves["moved"] == 3 * len(PROMPTS)
     for (tokens, results), expected in zip(runs, reference):
@@ -54,7 +37,7 @@ async def test_moves_between_layouts_keep_every_token(instances):
         assert all(r.kv_bytes_delta > 0 and r.downtime_s > 0 for r in results)
     # Only instance a prefilled (the front placed every request there first); b and c only adopted.
     assert [e.num_full_prefills - p for e, p in zip(instances.engines, prefills)] == [len(PROMPTS), 0, 0]
-    assert [e.migrations.num_in for e in instances.engines] == [len(PROMPTS), len(PROMPTS), len(PROMPTS)]
+    assert [e.instance_moves.num_in for e in instances.engines] == [len(PROMPTS), len(PROMPTS), len(PROMPTS)]
     for engine in instances.engines:  # every block came back
         assert engine.scheduler.block_manager.num_used == 0
         assert not engine.scheduler.moves.parked
@@ -73,10 +56,10 @@ async def test_seeded_sampling_moves_exactly_by_kv_and_by_reprefill(instances):
         GenerationRequest("seeded-ref", tuple(PROMPTS[2]), MAX_TOKENS, sampling=sampling))] for t in d.token_ids]
     prefills = [engine.num_full_prefills for engine in instances.engines]
     async with open_front(instances, migrate=False) as front:
-        tokens, kv_moves = await _run_with_moves(front, request, [(5, c)])
+        tokens, kv_moves = await run_with_moves(front, request, [(5, c)])
         assert tokens == expected and kv_moves[0].moved and not kv_moves[0].reprefilled
         again = GenerationRequest("seeded-2", tuple(PROMPTS[2]), MAX_TOKENS, sampling=sampling)
-        tokens, reprefills = await _run_with_moves(front, again, [(5, b), (20, c)], reprefill=True)
+        tokens, reprefills = await run_with_moves(front, again, [(5, b), (20, c)], reprefill=True)
         assert tokens == expected
         assert all(r.moved and r.reprefilled and r.kv_bytes_precopied + r.kv_bytes_delta == 0 for r in reprefills)
         assert front.totals.reprefilled == 2
@@ -88,17 +71,17 @@ async def test_a_request_moves_before_the_front_saw_its_first_token(instances):
     or already decoding on the source (whichever the move finds there: the scheduler's tests cover each), it ends
     on the target with the tokens of an unmoved run, and nothing stays behind."""
     a, b, _ = instances.instances
-    expected = await _reference(instances.engines[0], PROMPTS[3], "early-ref")
+    expected = await reference_tokens(instances.engines[0], PROMPTS[3], "early-ref")
     async with open_front(instances, migrate=False) as front:
-        stream = front.generate(_request("early", PROMPTS[3]))
+        stream = front.generate(greedy_request("early", PROMPTS[3]))
         first = asyncio.ensure_future(anext(stream))  # places it (on a) and reads its first delta
         # At the turn of the event loop in which instance a admitted it (its router runs in this loop): its first
         # token needs a's step and the worker's reply (many turns and a round trip to another process), so the
         # front has none yet. (Moved before a has it, the move fails: NOT_FOUND, and it goes on at a.)
         source = instances.engines[0].scheduler
         await until(lambda: source.get("early") is not None, what="the request admitted on a", interval_s=0)
-        route = front._routes["early"]
-        assert route.instance is a and not route.seq.output_token_ids
+        [route] = [r for r in front.requests_on(a) if r.request.request_id == "early"]  # placed on a
+        assert not route.seq.output_token_ids
         result = await front.move("early", b)
         tokens = list((await first).token_ids) + [t async for d in stream for t in d.token_ids]
     assert result.moved, result.error
@@ -125,7 +108,7 @@ async def test_migration_rpcs_refuse_with_precise_codes(instances):
             await a.migrate_in(router_pb2.MigrateInRequest(request_id="nobody",
                                                            action=router_pb2.MigrateInRequest.PULL))
         assert error.value.code() is grpc.StatusCode.NOT_FOUND
-        wire = request_to_pb(_request("x", PROMPTS[0]))
+        wire = request_to_pb(greedy_request("x", PROMPTS[0]))
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await a.migrate_in(router_pb2.MigrateInRequest(request_id="x", action=router_pb2.MigrateInRequest.RESERVE,
                                                            request=wire, num_tokens=500))
@@ -154,10 +137,10 @@ async def test_an_instance_added_at_runtime_serves_and_a_drained_one_is_removed(
     that does not answer."""
     import grpc
 
-    from services.front.engine import MoveRefused
+    from services.front.instance_admin import MoveRefused
 
     a, b, c = instances.instances
-    reference = await _reference(instances.engines[0], PROMPTS[1], "ref-added")
+    reference = await reference_tokens(instances.engines[0], PROMPTS[1], "ref-added")
     opened = type(instances)(instances.engines, [a, b], instances.model_dir, instances.servers)
     async with open_front(opened, migrate=False) as front:
         added = await front.add_instance(c.address)
@@ -165,7 +148,7 @@ async def test_an_instance_added_at_runtime_serves_and_a_drained_one_is_removed(
         with pytest.raises(grpc.aio.AioRpcError):
             await front.add_instance("127.0.0.1:9")  # nothing listens there
         tokens = []
-        async for delta in front.generate(_request("added", PROMPTS[1])):
+        async for delta in front.generate(greedy_request("added", PROMPTS[1])):
             tokens.extend(delta.token_ids)
             if len(tokens) >= 5 and not front.totals.moves["moved"]:
                 assert (await front.move("added", added)).moved
@@ -201,14 +184,14 @@ async def test_a_move_whose_kv_the_target_cannot_read_goes_by_reprefill(instance
 
     monkeypatch.setattr(a, "migrate_out", elsewhere)
     monkeypatch.setattr(b, "migrate_in", counted)
-    expected = [await _reference(instances.engines[0], p, f"far-ref-{i}") for i, p in enumerate(PROMPTS[2:])]
+    expected = [await reference_tokens(instances.engines[0], p, f"far-ref-{i}") for i, p in enumerate(PROMPTS[2:])]
     async with open_front(instances, migrate=False) as front:
-        first, first_moves = await _run_with_moves(front, _request("far-1", PROMPTS[2]), [(9, b)])
+        first, first_moves = await run_with_moves(front, greedy_request("far-1", PROMPTS[2]), [(9, b)])
         assert first == expected[0]
         assert first_moves[0].moved and first_moves[0].reprefilled and first_moves[0].kv_unreachable
         assert asked_b.count(IN.PULL) == 1  # refused once
         asked_b.clear()
-        second, second_moves = await _run_with_moves(front, _request("far-2", PROMPTS[3]), [(9, b)])
+        second, second_moves = await run_with_moves(front, greedy_request("far-2", PROMPTS[3]), [(9, b)])
         assert second == expected[1]
         assert second_moves[0].moved and second_moves[0].reprefilled and not second_moves[0].kv_unreachable
         assert IN.RESERVE not in asked_b and IN.PULL not in asked_b  # straight to re-prefill
@@ -228,7 +211,7 @@ async def test_a_source_that_froze_during_a_move_has_its_kv_copied_again(instanc
 
     a, b, _ = instances.instances
     source_engine = instances.engines[0]
-    expected = await _reference(source_engine, PROMPTS[2], "froze-ref")
+    expected = await reference_tokens(source_engine, PROMPTS[2], "froze-ref")
     pulled: list[list[int]] = []
     froze: list[int] = []  # the pulls made before the source froze
     migrate_out, migrate_in = a.migrate_out, b.migrate_in
@@ -248,7 +231,7 @@ async def test_a_source_that_froze_during_a_move_has_its_kv_copied_again(instanc
     monkeypatch.setattr(a, "migrate_out", freezing)
     monkeypatch.setattr(b, "migrate_in", recorded)
     async with open_front(instances, migrate=False) as front:
-        tokens, moves = await _run_with_moves(front, _request("froze", PROMPTS[2]), [(9, b)])
+        tokens, moves = await run_with_moves(front, greedy_request("froze", PROMPTS[2]), [(9, b)])
     assert tokens == expected and moves[0].moved and not moves[0].reprefilled
     # The pre-copy's rounds (as many as the request's growth asked for), then the delta after the stop, which
     # started over from block 0.
@@ -257,7 +240,7 @@ async def test_a_source_that_froze_during_a_move_has_its_kv_copied_again(instanc
     await a.connect()
     try:
         async with open_front(instances, migrate=False) as front:
-            stream = front.generate(_request("frozen-commit", PROMPTS[0]))
+            stream = front.generate(greedy_request("frozen-commit", PROMPTS[0]))
             await anext(stream)
             await migrate_out("frozen-commit", OUT.STOP)
             await source_engine.freeze(10)
@@ -281,7 +264,6 @@ async def test_a_front_started_alone_cannot_start_or_stop_instances(instances):
     from services.front.server import start_front_grpc
     from services.rpc.auth import auth_metadata
     from services.rpc.reconfig.v1 import front_pb2, front_pb2_grpc
-    from tests.front.conftest import TOKEN
 
     async with open_front(instances, migrate=False) as front:
         server, port = await start_front_grpc(front, "127.0.0.1", 0, TOKEN)

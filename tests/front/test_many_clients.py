@@ -8,10 +8,11 @@ import random
 
 import pytest
 
-from services.front.engine import MoveRefused
+from services.front.instance_admin import MoveRefused
+from services.front.route import Route
 from services.router.contracts import GenerationRequest
-from tests.front.conftest import open_front
-from tests.front.test_live_moves import _reference
+from tests.conftest import until
+from tests.front.conftest import open_front, reference_tokens
 
 pytestmark = pytest.mark.asyncio
 
@@ -24,7 +25,8 @@ MOVE_ROOM = 48     # the mover picks requests with at least this many tokens sti
 
 async def test_200_streaming_clients_while_requests_move(instances):
     # Greedy: a shorter request's tokens are the first ones of a longer one's.
-    reference = [await _reference(instances.engines[0], p, f"ref-{k}", LONG_TOKENS) for k, p in enumerate(PROMPTS)]
+    reference = [await reference_tokens(instances.engines[0], p, f"ref-{k}", LONG_TOKENS)
+                 for k, p in enumerate(PROMPTS)]
     rng = random.Random(3)
     async with open_front(instances, policy="mell") as front:
         done = asyncio.Event()
@@ -33,21 +35,25 @@ async def test_200_streaming_clients_while_requests_move(instances):
             request = GenerationRequest(f"c{i}", tuple(PROMPTS[i % len(PROMPTS)]), _max_tokens(i))
             return [t for delta in [d async for d in front.generate(request)] for t in delta.token_ids]
 
+        def candidates() -> list[Route]:
+            """The requests decoding far from their end, not moving already."""
+            return [route for instance in front.instances for route in front.requests_on(instance)
+                    if 0 < len(route.seq.output_token_ids) <= route.request.max_tokens - MOVE_ROOM
+                    and not route.moving]
+
         async def mover() -> None:
             """Moves running requests to another instance, one after the other, until the clients are done."""
-            while not done.is_set():
-                candidates = [rid for rid, route in front._routes.items()  # decoding, far from its end
-                              if 0 < len(route.seq.output_token_ids) <= route.request.max_tokens - MOVE_ROOM
-                              and not route.moving]
-                if not candidates:
-                    await asyncio.sleep(0.01)  # noqa: ASYNC110 (polls for work; the assertions do not depend on it)
-                    continue
-                request_id = rng.choice(candidates)
-                route = front._routes.get(request_id)
-                targets = [i for i in instances.instances if route is not None and i is not route.instance]
+            while True:
+                # Stretches with no candidate are long: once the long clients are done, none is far from its end.
+                found = await until(lambda: done.is_set() or candidates(), timeout_s=600,
+                                    what="a request to move, or the clients' end")
+                if found is True:  # the clients are done
+                    return
+                route = rng.choice(found)
+                target = rng.choice([i for i in instances.instances if i is not route.instance])
                 try:
-                    await front.move(request_id, rng.choice(targets))
-                except (KeyError, MoveRefused, IndexError):
+                    await front.move(route.request.request_id, target)
+                except (KeyError, MoveRefused):
                     continue  # it finished or started moving meanwhile
 
         moving = asyncio.create_task(mover())

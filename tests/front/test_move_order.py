@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 
 from services.front.move_order import Outgoing, leaving_first
 from tests.conftest import until
-from tests.front.conftest import open_front, open_instances, start_clusters
-from tests.front.test_live_moves import _reference, _request
+from tests.front.conftest import greedy_request, open_front, open_instances, reference_tokens, start_clusters
 
 
 KV_TOKENS = 256  # per tp1pp1 instance: 3 layers x 2 KV heads x 16 x fp32 x K,V = 768 B per token
@@ -35,18 +34,19 @@ async def tight(tight_clusters):
 
 
 async def test_a_move_into_an_instance_still_moving_out_waits_for_its_room(tight):
-    reference = [await _reference(tight.engines[0], p, f"ref-{i}", MAX_TOKENS)
+    reference = [await reference_tokens(tight.engines[0], p, f"ref-{i}", MAX_TOKENS)
                  for i, p in enumerate((X_PROMPT, Y_PROMPT))]
     async with open_front(tight, migrate=False) as front:
         outputs = {"x": [], "y": []}
 
         async def stream(request_id: str, prompt: list[int]) -> None:
-            async for delta in front.generate(_request(request_id, prompt, MAX_TOKENS)):
+            async for delta in front.generate(greedy_request(request_id, prompt, MAX_TOKENS)):
                 outputs[request_id].extend(delta.token_ids)
 
         tasks = [asyncio.ensure_future(stream("x", X_PROMPT)), asyncio.ensure_future(stream("y", Y_PROMPT))]
         await until(lambda: min(len(o) for o in outputs.values()) >= 2, what="both requests decoding")
-        s, u = front._routes["x"].instance, front._routes["y"].instance
+        where = {r.request.request_id: i for i in front.instances for r in front.requests_on(i)}
+        s, u = where["x"], where["y"]
         assert s is not u  # they do not fit one instance together
         t = next(i for i in tight.instances if i is not s and i is not u)
         prefills = [e.num_full_prefills for e in tight.engines]

@@ -10,7 +10,6 @@ import asyncio
 import json
 import socket
 import threading
-import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from services.router.grpc_server import start_router_grpc
 from services.router.main import RouterConfig, build_engine
 from services.rpc.auth import auth_metadata
 from services.rpc.reconfig.v1 import controller_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2_grpc
-from tests.conftest import hf_greedy, make_checkpoint
+from tests.conftest import hf_greedy, make_checkpoint, wait_until
 
 T = TypeVar("T")
 FUZZ_CONTEXT = 32                  # max_position_embeddings of the fuzz model: a request costs <= 32 steps
@@ -125,10 +124,8 @@ def http_target(fuzz_checkpoint, loop_thread):
         listener.bind(("127.0.0.1", 0))
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
         serving = asyncio.run_coroutine_threadsafe(server.serve(sockets=[listener]), loop_thread.loop)
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert not serving.done() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
+        wait_until(lambda: server.started or serving.done(), what="uvicorn to start")
+        assert not serving.done(), f"uvicorn did not start: {serving.exception()!r}"
         session = requests.Session()
         session.headers["Authorization"] = f"Bearer {API_KEY}"
         try:

@@ -6,7 +6,6 @@ SERVING in the layout it started in. Then the regression tests of what the fuzze
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import math
 import threading
@@ -22,6 +21,7 @@ from services.router.grpc_server import ADMIN_METHODS
 from services.rpc.auth import auth_metadata
 from services.rpc.reconfig.v1 import controller_pb2, router_pb2, worker_pb2
 from services.topology import Topology
+from tests.conftest import until
 from tests.fuzz.conftest import (
     FUZZ_SETTINGS,
     ORACLE_MAX_TOKENS,
@@ -346,7 +346,12 @@ def test_a_few_real_switches_with_odd_arguments(grpc_stack):
     async def concurrent() -> list:
         first = controller.Reconfigure(controller_pb2.ReconfigureRequest(topology="tp1pp2", layer_partition=[1, 2],
                                                                           operation_id="real-1"), metadata=meta)
-        await asyncio.sleep(0.05)
+
+        def first_started() -> bool:
+            operation = grpc_stack.state.status.last_operation
+            return operation is not None and operation.operation_id == "real-1"
+
+        await until(first_started, what="the controller to start switch real-1")  # the second overlaps it (or follows)
         second = controller.Reconfigure(controller_pb2.ReconfigureRequest(topology="tp1pp1"), metadata=meta)
         return [await outcome(first), await outcome(second)]
 

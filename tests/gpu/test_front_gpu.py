@@ -9,8 +9,15 @@ from __future__ import annotations
 import asyncio
 
 from tests.conftest import make_checkpoint
-from tests.front.conftest import open_front, open_instances, start_clusters
-from tests.front.test_live_moves import PROMPTS, _reference, _request, _run_with_moves
+from tests.front.conftest import (
+    PROMPTS,
+    greedy_request,
+    open_front,
+    open_instances,
+    reference_tokens,
+    run_with_moves,
+    start_clusters,
+)
 
 HOPS = (6, 50, 100)  # after so many tokens: a -> b (same layout), b -> c (tp1pp2), c -> a; far apart: a GPU is fast
 
@@ -20,14 +27,14 @@ async def test_moves_between_gpu_instances_keep_every_token(tmp_path):
     with start_clusters(checkpoint, device="cuda") as clusters:
         async with open_instances(clusters) as opened:
             a, b, c = opened.instances
-            expected = [await _reference(opened.engines[0], p, f"ref-{i}") for i, p in enumerate(PROMPTS)]
+            expected = [await reference_tokens(opened.engines[0], p, f"ref-{i}") for i, p in enumerate(PROMPTS)]
             async with open_front(opened, migrate=False) as front:  # the first request is placed on a
-                again, reprefilled = await _run_with_moves(front, _request("gpu-again", PROMPTS[2]),
+                again, reprefilled = await run_with_moves(front, greedy_request("gpu-again", PROMPTS[2]),
                                                            [(6, b), (50, c)], reprefill=True)
             async with open_front(opened, migrate=False) as front:
                 prefills = [engine.num_full_prefills for engine in opened.engines]
                 runs = await asyncio.gather(*(
-                    _run_with_moves(front, _request(f"gpu-{i}", p), list(zip(HOPS, (b, c, a))))
+                    run_with_moves(front, greedy_request(f"gpu-{i}", p), list(zip(HOPS, (b, c, a))))
                     for i, p in enumerate(PROMPTS)))
                 prefills = [engine.num_full_prefills - n for engine, n in zip(opened.engines, prefills)]
                 totals = front.totals

@@ -18,14 +18,14 @@ import pytest
 from services.controller.recovery import Recoverer
 from services.controller.status import OperationState
 from services.launch.cluster import ClusterConfig, LocalCluster
-from services.router.driver import Driver
 from services.launch.generate import generate
 from services.model.spec import ModelSpec
 from services.router.contracts import GenerationRequest
+from services.router.driver import Driver
 from services.topology import Topology, place, plan_kv_migration
-from tests.conftest import hf_greedy, make_checkpoint
+from tests.conftest import hf_greedy, make_checkpoint, until
 from tests.reconfigure.conftest import generated_tokens, open_live_stack, serve_alone_together_and_switched
-from tests.reconfigure.test_worker_loss import background, wait_for_recovery
+from tests.reconfigure.helpers import background, wait_for_recovery
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5], list(range(20, 41)), [150, 7, 99, 12, 3]]
 NUM_NEW_TOKENS = 24
@@ -92,8 +92,8 @@ async def test_streams_survive_rollbacks_and_a_chain_of_live_switches(checkpoint
             engine = stack.engine
             tasks = [asyncio.ensure_future(generated_tokens(engine, GenerationRequest(f"r{i}", tuple(p), n)))
                      for i, (p, n) in enumerate(zip(prompts, lengths))]
-            while engine.stats().num_generation_tokens < 3 * len(prompts):
-                await asyncio.sleep(0.01)
+            await until(lambda: engine.stats().num_generation_tokens >= 3 * len(prompts), timeout_s=120,
+                        what="every stream under way")
             for expected_error in ("refused before any KV moved", "rolled back (layers ["):
                 operation = await stack.reconfigurer.reconfigure("tp2pp2")
                 assert operation.state is OperationState.ROLLED_BACK, operation
@@ -147,8 +147,8 @@ async def test_kill9_of_a_worker_under_load(checkpoint):
             tasks = [asyncio.ensure_future(generated_tokens(engine, GenerationRequest(f"k{i}", tuple(p), 32)))
                      for i, p in enumerate(prompts)]
             async with background(state.run(), Recoverer(stack.reconfigurer).watch()):
-                while engine.num_generation_tokens < 3 * len(prompts):
-                    await asyncio.sleep(0.01)
+                await until(lambda: engine.num_generation_tokens >= 3 * len(prompts), timeout_s=120,
+                            what="every stream under way")
                 killed_at = time.perf_counter()
                 os.kill(cluster.worker_pids[1], signal.SIGKILL)
                 recovered = await wait_for_recovery(state)
@@ -179,8 +179,8 @@ async def test_moe_streams_through_staged_tp_ep_switches(tmp_path):
             engine = stack.engine
             tasks = [asyncio.ensure_future(generated_tokens(engine, GenerationRequest(f"m{i}", tuple(p), n)))
                      for i, (p, n) in enumerate(zip(prompts, lengths))]
-            while engine.stats().num_generation_tokens < 3 * len(prompts):
-                await asyncio.sleep(0.01)
+            await until(lambda: engine.stats().num_generation_tokens >= 3 * len(prompts), timeout_s=120,
+                        what="every stream under way")
             rows = await _switch_through(stack, MOE_CHAIN, tasks, " (MoE, staged)")
             outputs = await asyncio.wait_for(asyncio.gather(*tasks), 120)
             stats = engine.stats()

@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
 from services.launch.up import UpConfig
 from services.weightstore.shm import list_segments
 from services.worker.kv_cache import KV_SEGMENT_PREFIX
-from tests.conftest import make_checkpoint, process_running, wait_for_stack_file
+from tests.conftest import make_checkpoint, process_running, wait_for_stack_file, wait_until
+from tests.launch.helpers import free_ports, reconfigctl, run_dir_env
 
 
 ANY_PORTS = ("--http-port", "0", "--grpc-port", "0", "--controller-port", "0", "--controller-metrics-port", "0")
@@ -29,49 +26,15 @@ def _launch(tmp_path, *flags: str) -> subprocess.Popen:
     if not model.exists():
         make_checkpoint(model, "llama", seed=2)
     return subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", str(model), "--kv-cache-mb", "2",
-                             *flags], env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _env(tmp_path) -> dict[str, str]:
-    return {**os.environ, "RECONFIG_RUN_DIR": str(tmp_path / "run")}
+                             *flags], env=run_dir_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def _start_up(tmp_path, *flags: str):
     """`reconfig up` on a small checkpoint, on any free ports; returns the process, its environment and the stack
     file's content."""
     process = _launch(tmp_path, *ANY_PORTS, *flags)
-    return process, _env(tmp_path), wait_for_stack_file(process, tmp_path / "run")
-
-
-def _free_ports(count: int) -> list[int]:
-    """Ports no program holds, below the kernel's ephemeral range: a port-0 bind anywhere (the stack's own workers make
-    several) can never be handed one of them between this probe and the stack's bind (it was, once in CI)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    rng, ports = random.Random(), []
-    while len(ports) < count:
-        port = rng.randrange(max(1024, low - 12000), low)
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        if port not in ports:
-            ports.append(port)
-    return ports
-
-
-def _reconfigctl(env, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.ctl", *args], env=env, capture_output=True,
-                          text=True, timeout=120)
-
-
-def _wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if (value := predicate()):
-            return value
-        time.sleep(0.2)
-    pytest.fail(f"timed out waiting for {what}")
+    return process, run_dir_env(tmp_path), wait_for_stack_file(process, tmp_path / "run")
 
 
 @pytest.mark.multiprocess
@@ -81,9 +44,10 @@ def test_a_killed_worker_is_recovered_replaced_and_added_back(tmp_path):
         # A killed controller is started again; the new one finds the stack as it was (and does the recovery).
         first_controller = json.loads(stack_file.read_text())["pids"]["controller"]
         os.kill(first_controller, signal.SIGKILL)
-        _wait_for(lambda: json.loads(stack_file.read_text())["pids"]["controller"] != first_controller, 60,
-                  "a new controller")
-        restarted = json.loads(_wait_for(lambda: _reconfigctl(env, "status", "--json").stdout, 30, "its status"))
+        wait_until(lambda: json.loads(stack_file.read_text())["pids"]["controller"] != first_controller, 60,
+                   what="a new controller", interval_s=0.2)
+        restarted = json.loads(wait_until(lambda: reconfigctl(env, "status", "--json").stdout, 30, what="its status",
+                                          interval_s=0.2))
         assert restarted["topology"] == "tp1pp2" and restarted["state"] == "SERVING", restarted["reason"]
         pids = json.loads(stack_file.read_text())["pids"]
         victim = pids["worker-1"]
@@ -91,24 +55,25 @@ def test_a_killed_worker_is_recovered_replaced_and_added_back(tmp_path):
         assert kv_segments  # the worker's KV pool lives in shared memory
         os.kill(victim, signal.SIGKILL)
         # The launcher starts a joining worker; the controller moves the stack onto the survivor meanwhile.
-        replacement = _wait_for(lambda: json.loads(stack_file.read_text()).get("replacements"), 60, "a replacement")[0]
+        replacement = wait_until(lambda: json.loads(stack_file.read_text()).get("replacements"), 60,
+                                 what="a replacement", interval_s=0.2)[0]
 
         def degraded():
-            status = json.loads(_reconfigctl(env, "status", "--json").stdout or "{}")
+            status = json.loads(reconfigctl(env, "status", "--json").stdout or "{}")
             return status if status.get("topology") == "tp1pp1" and status.get("lost_workers") else None
 
-        status = _wait_for(degraded, 60, "the recovery onto the survivor")
+        status = wait_until(degraded, 60, what="the recovery onto the survivor", interval_s=0.2)
         assert status["state"] == "DEGRADED" and len(status["workers"]) == 1
         assert status["last_operation"]["kind"] == "recover" and status["last_operation"]["state"] == "SUCCEEDED"
         assert not [s for s in kv_segments if s in list_segments(KV_SEGMENT_PREFIX)]  # the dead worker's KV pool
-        added = _reconfigctl(env, "add-worker", replacement, "--topology", "tp1pp2")
+        added = reconfigctl(env, "add-worker", replacement, "--topology", "tp1pp2")
         assert added.returncode == 0, added.stderr
         assert "SUCCEEDED" in added.stdout
-        status = json.loads(_reconfigctl(env, "status", "--json").stdout)
+        status = json.loads(reconfigctl(env, "status", "--json").stdout)
         assert status["topology"] == "tp1pp2" and status["state"] == "SERVING", status["reason"]
         assert [w["state"] for w in status["workers"]] == ["ACTIVE", "ACTIVE"]
         assert status["workers"][1]["address"] == replacement and not status["lost_workers"]
-        refused = _reconfigctl(env, "add-worker", replacement)
+        refused = reconfigctl(env, "add-worker", replacement)
         assert refused.returncode == 2 and "already a member" in refused.stderr
         pids = json.loads(stack_file.read_text())["pids"]
     finally:
@@ -143,7 +108,7 @@ def test_a_second_stack_is_refused_on_the_first_ones_ports_and_stacks_on_other_p
     port and deleted the first stack's token on its way out. Now it is refused before it loads anything (its model
     does not even exist), the first stack keeps its control plane, and stacks on other ports are each reached by
     name or port."""
-    http, grpc_port, controller, metrics = _free_ports(4)
+    http, grpc_port, controller, metrics = free_ports(4)
     ports = ("--http-port", str(http), "--grpc-port", str(grpc_port), "--controller-port", str(controller),
              "--controller-metrics-port", str(metrics))
     first = _launch(tmp_path, *ports, "--name", "first", "--workers", "2", "--topology", "tp1pp2")
@@ -151,7 +116,7 @@ def test_a_second_stack_is_refused_on_the_first_ones_ports_and_stacks_on_other_p
     try:
         first_file = wait_for_stack_file(first, tmp_path / "run", name="first")
         token_file = json.loads(first_file.read_text())["token_file"]
-        env = _env(tmp_path)
+        env = run_dir_env(tmp_path)
         for flags in (ports, ("--name", "first", *ANY_PORTS)):
             refused = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", "/nonexistent/model",
                                       *flags], env=env, capture_output=True, text=True, timeout=120)
@@ -161,23 +126,23 @@ def test_a_second_stack_is_refused_on_the_first_ones_ports_and_stacks_on_other_p
             assert "nonexistent" not in refused.stderr  # refused before it looked for its model
         assert sorted(p.name for p in (tmp_path / "run" / "stacks").iterdir() if p.is_dir()) == ["first"]
         assert os.path.exists(token_file)
-        status = _reconfigctl(env, "status")
+        status = reconfigctl(env, "status")
         assert status.returncode == 0 and status.stdout.startswith("stack 'first', controller"), status.stderr
         assert "layouts this model allows on 2 workers: tp1pp1, tp1pp2, tp2pp1" in status.stdout
-        switched = _reconfigctl(env, "reconfigure", "tp2pp1")
+        switched = reconfigctl(env, "reconfigure", "tp2pp1")
         assert switched.returncode == 0 and "SUCCEEDED" in switched.stdout, switched.stderr
 
         second = _launch(tmp_path, *ANY_PORTS, "--name", "second", "--workers", "1", "--topology", "tp1pp1")
         wait_for_stack_file(second, tmp_path / "run", name="second")
-        ambiguous = _reconfigctl(env, "status")
+        ambiguous = reconfigctl(env, "status")
         assert ambiguous.returncode == 1 and "2 stacks are running: first (" in ambiguous.stderr
         assert "choose one with --stack NAME|PORT" in ambiguous.stderr
         for selector, topology in (("first", "tp2pp1"), (str(http), "tp2pp1"), ("second", "tp1pp1")):
-            chosen = _reconfigctl(env, "--stack", selector, "status", "--json")
+            chosen = reconfigctl(env, "--stack", selector, "status", "--json")
             assert chosen.returncode == 0, chosen.stderr
             assert json.loads(chosen.stdout)["topology"] == topology
-        assert _reconfigctl({**env, "RECONFIG_STACK": "second"}, "reconfigure", "tp1pp1").returncode == 0
-        listed = json.loads(_reconfigctl(env, "stacks", "--json").stdout)
+        assert reconfigctl({**env, "RECONFIG_STACK": "second"}, "reconfigure", "tp1pp1").returncode == 0
+        listed = json.loads(reconfigctl(env, "stacks", "--json").stdout)
         assert [(s["name"], s["launcher_pid"], s["state"]) for s in listed] == [("first", first.pid, "up"),
                                                                                 ("second", second.pid, "up")]
     finally:

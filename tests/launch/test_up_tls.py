@@ -13,15 +13,15 @@ import pytest
 
 from services.rpc.certs import write_dev_certs
 from tests.conftest import process_running, wait_for_stack_file
-from tests.launch.test_up import _env, _free_ports, _reconfigctl
+from tests.launch.helpers import free_ports, reconfigctl, run_dir_env
 
 
 @pytest.mark.multiprocess
 def test_a_tls_stack_serves_and_answers_reconfigctl_with_a_certificate(tmp_path):
     node = write_dev_certs(["node-a"], tmp_path / "certs")[0]
     tls = {"RECONFIG_TLS_CERT": str(node.cert), "RECONFIG_TLS_KEY": str(node.key), "RECONFIG_TLS_CA": str(node.ca)}
-    http, grpc_port, controller, metrics = _free_ports(4)
-    env = _env(tmp_path)
+    http, grpc_port, controller, metrics = free_ports(4)
+    env = run_dir_env(tmp_path)
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--model", "tiny-llama", "--workers", "1", "--topology", "tp1pp1",
          "--kv-cache-mb", "2", "--api-servers", "0", "--http-port", str(http), "--grpc-port", str(grpc_port),
@@ -38,10 +38,10 @@ def test_a_tls_stack_serves_and_answers_reconfigctl_with_a_certificate(tmp_path)
             completion = json.loads(response.read())
         assert completion["usage"]["completion_tokens"] == 4, completion
 
-        status = _reconfigctl({**env, **tls}, "status", "--json")
+        status = reconfigctl({**env, **tls}, "status", "--json")
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout)["state"] == "SERVING"
-        plaintext = _reconfigctl({**env, "RECONFIG_TLS_CERT": "", "RECONFIG_TLS_KEY": "", "RECONFIG_TLS_CA": ""},
+        plaintext = reconfigctl({**env, "RECONFIG_TLS_CERT": "", "RECONFIG_TLS_KEY": "", "RECONFIG_TLS_CA": ""},
                                  "status", "--timeout", "5")
         assert plaintext.returncode == 1 and "UNAVAILABLE" in plaintext.stderr, plaintext.stderr
         pids = json.loads(stack_file.read_text())["pids"]

@@ -74,12 +74,31 @@ def test_ordered_sum_adds_the_pieces_in_order_in_float32():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_probe_holds_here_and_catches_unpadded_rows(dtype):
-    assert probe(CPU, dtype, 8) == []
-    assert probe(CPU, dtype, 1)  # a lone row is added in another order (MKL, oneDNN)
-    if dtype == torch.float32:  # MKL computes a block of two or three rows in yet another
-        assert probe(CPU, dtype, 2)
-    assert choose_row_multiple(CPU, dtype) == 4
+def test_the_probe_holds_here_at_the_multiple_it_chooses(dtype):
+    """Which multiple a CPU needs is its own: Intel's MKL adds a lone row (float32: a block of two or three) in
+    another order, where an AMD EPYC's bf16 GEMMs need no padding at all."""
+    chosen = choose_row_multiple(CPU, dtype)
+    assert chosen in (1, 2, 4, 8) and probe(CPU, dtype, chosen) == [] and probe(CPU, dtype, 8) == []
+    assert all(probe(CPU, dtype, smaller) for smaller in (1, 2, 4) if smaller < chosen)  # the smallest that holds
+
+
+def test_the_probe_catches_a_gemm_whose_rows_depend_on_the_row_count(monkeypatch):
+    """A GEMM that adds a row in another order unless the rows come in fours (as MKL's lone-row kernel does),
+    played on any CPU: the probe must name it at multiples 1 and 2, pass it at 4, and the mode must pad to 4."""
+    import services.model.numerics as numerics
+
+    linear = torch.nn.functional.linear
+
+    def row_count_dependent(x, weight, bias=None):
+        out = linear(x, weight, bias)
+        if x.dim() == 2 and x.shape[0] % 4:  # the other order: the last bit of every product differs
+            out = torch.nextafter(out, torch.full_like(out, float("inf")))
+        return out
+
+    monkeypatch.setattr(numerics.F, "linear", row_count_dependent)
+    assert probe(CPU, torch.float32, 1) and probe(CPU, torch.float32, 2)
+    assert probe(CPU, torch.float32, 4) == []
+    assert choose_row_multiple(CPU, torch.float32) == 4
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
+from services.contracts.step import SequenceStep, StepBatch
 from services.model.layers import ShardLoader, SingleRankGroup
 from services.model.llama import ShardedCausalLM
 from services.model.spec import ModelSpec
 from services.topology import Topology, place
 from services.worker.kv_cache import KVCache
 from services.worker.model_runner import ModelRunner
-from services.contracts.step import SequenceStep, StepBatch
 from tests.conftest import hf_greedy, make_checkpoint
 
 

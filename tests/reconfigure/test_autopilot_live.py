@@ -16,16 +16,16 @@ from services.controller.autopilot.calibrate import CalibrationPlan
 from services.controller.autopilot.loop import Autopilot, AutopilotConfig
 from services.controller.autopilot.policy import PolicyConfig
 from services.controller.autopilot.profile import Profile
-from services.ctl import main
 from services.controller.server import start_controller_grpc
 from services.controller.servicer import ControllerServicer
+from services.ctl import main
+from services.launch.cluster import ClusterConfig, LocalCluster
 from services.router.contracts import GenerationRequest
 from services.rpc.auth import auth_metadata, write_token_file
 from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc
-from services.launch.cluster import ClusterConfig, LocalCluster
 from tests.conftest import make_checkpoint, until
 from tests.reconfigure.conftest import TOKEN, generated_tokens, open_live_stack
-from tests.reconfigure.test_visibility import _output
+from tests.reconfigure.helpers import reconfigctl_lines
 
 live = pytest.mark.multiprocess
 LAYOUTS = ("tp2pp2", "tp4pp1")
@@ -55,7 +55,7 @@ async def test_calibrate_measures_each_layout_and_the_switches(live_stack, tmp_p
         code = await _reconfigctl("calibrate", "--layouts", ",".join(LAYOUTS), "--batch-sizes", "1,3",
                                   "--prompt-tokens", "8,24", "--output-tokens", "5", "--json", *flags)
         assert code == 0
-        status = json.loads("\n".join(_output(capsys.readouterr().out)))
+        status = json.loads("\n".join(reconfigctl_lines(capsys.readouterr().out)))
         assert await _reconfigctl("autopilot", "status", "--plot", str(tmp_path / "profile.png"), *flags) == 0
         assert (tmp_path / "profile.png").stat().st_size > 0
         assert await _reconfigctl("autopilot", "set", "advise", *flags) == 0

@@ -23,7 +23,7 @@ from services.router.wire import block_maps_to_pb
 from services.topology import Topology
 from tests.conftest import hf_greedy, make_checkpoint, until
 from tests.reconfigure.conftest import generated_tokens, open_live_stack
-from tests.reconfigure.test_kv_bytes import kv_layer_views
+from tests.reconfigure.helpers import kv_layer_views, same_kv
 
 pytestmark = pytest.mark.multiprocess
 
@@ -92,7 +92,7 @@ async def _chain(stack, tasks, head_dim: int):
         for request_id, (pool, ids) in _tables(engine).items():
             assert pool == tables[request_id][0] and ids[: len(tables[request_id][1])] == tables[request_id][1]
         after = _positions(await _snapshot(stubs, tables, head_dim), filled)
-        assert _equal(after, before)  # every position cached before the switch: the same bytes in the old layout
+        assert same_kv(after, before)  # every position cached before the switch: the same bytes in the old layout
         engine.resume()
     for target, strategy in CHAIN:
         operation = await stack.reconfigurer.reconfigure(target, strategy=strategy)
@@ -193,12 +193,8 @@ async def _there_and_back(cluster, prompts, head_dim):
         assert [(p.num_requests, p.num_blocks) for p in plan.pools] == [
             (sum(1 for pool, _ in middle.values() if pool == q), sum(len(ids) for pool, ids in middle.values()
                                                                      if pool == q)) for q in range(4)]
-        assert _equal(await _snapshot(stubs, middle, head_dim), before)  # each request whole on its EP rank
+        assert same_kv(await _snapshot(stubs, middle, head_dim), before)  # each request whole on its EP rank
         await _switch(engine, stubs, "tp4pp1")
-        assert _equal(await _snapshot(stubs, _tables(engine), head_dim), before)
+        assert same_kv(await _snapshot(stubs, _tables(engine), head_dim), before)
         engine.resume()
         return await asyncio.gather(*tasks)
-
-
-def _equal(after: dict, before: dict) -> bool:
-    return after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)

@@ -9,50 +9,16 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from services.controller.transaction import SwitchTarget, apply_workers, prepare_workers
 from services.model.spec import ModelSpec
 from services.router.contracts import GenerationRequest
-from services.rpc.reconfig.v1 import worker_pb2
 from services.topology import Topology
-from services.weightstore.shm import ShmSegment
 from tests.conftest import hf_greedy, until
 from tests.reconfigure.conftest import generated_tokens
+from tests.reconfigure.helpers import same_kv, snapshot_kv
 
 pytestmark = pytest.mark.multiprocess
-
-
-async def kv_layer_views(stubs, head_dim: int):
-    """Every active worker's KV layer tensors, read out of its shared-memory pool: yields (info, layer, view
-    [2, blocks, block_size, local KV heads, head_dim]); a view is valid until the next one is yielded."""
-    for stub in stubs:
-        info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
-        if info.num_kv_blocks == 0:
-            continue  # standby
-        pools = await stub.PrepareSwitch(worker_pb2.PrepareSwitchRequest(topology=info.topology), timeout=10)
-        num_heads = info.kv_head_end - info.kv_head_start
-        for layer, name in pools.kv_segments.items():
-            segment = ShmSegment.attach(name, readonly=True, copy_on_write=True)
-            try:
-                flat = torch.frombuffer(segment.buffer, dtype=torch.float32)
-                cache = flat[: 2 * info.num_kv_blocks * info.block_size * num_heads * head_dim]
-                yield info, layer, cache.view(2, info.num_kv_blocks, info.block_size, num_heads, head_dim)
-            finally:
-                segment.close()
-
-
-async def _snapshot(stubs, used: list[int], head_dim: int) -> dict[tuple[int, int], torch.Tensor]:
-    """(layer, global KV head) -> K/V of the used blocks [2, used, block_size, head_dim], from every owner."""
-    used_t = torch.tensor(used)
-    snapshot: dict[tuple[int, int], torch.Tensor] = {}
-    async for info, layer, cache in kv_layer_views(stubs, head_dim):
-        for i, head in enumerate(range(info.kv_head_start, info.kv_head_end)):
-            data = cache[:, used_t, :, i].clone()
-            if (layer, head) in snapshot:  # a replica must hold the same bytes
-                assert torch.equal(snapshot[(layer, head)], data), (layer, head, info.rank)
-            snapshot[(layer, head)] = data
-    return snapshot
 
 
 async def _switch(stubs, topology: str, used: list[int], channel: str) -> None:
@@ -75,19 +41,15 @@ async def test_there_and_back_keeps_every_kv_byte(live_stack, switch_checkpoint,
     await engine.freeze()
     used = engine.used_block_ids()
     assert used
-    before = await _snapshot(stubs, used, head_dim)
+    before = await snapshot_kv(stubs, used, head_dim)
     assert len(before) == 3 * 2  # every (layer, KV head) of the model
     await _switch(stubs, middle, used, channel)
-    assert _equal(await _snapshot(stubs, used, head_dim), before)  # the middle layout holds the same KV
+    assert same_kv(await snapshot_kv(stubs, used, head_dim), before)  # the middle layout holds the same KV
     await _switch(stubs, "tp2pp2", used, channel)
-    assert _equal(await _snapshot(stubs, used, head_dim), before)
+    assert same_kv(await snapshot_kv(stubs, used, head_dim), before)
     engine.resume()
     expected, _ = hf_greedy(switch_checkpoint, prompts, 30)
     assert await asyncio.gather(*tasks) == expected
-
-
-def _equal(after: dict, before: dict) -> bool:
-    return after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
 
 
 def test_block_runs():

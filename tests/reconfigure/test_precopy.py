@@ -19,7 +19,7 @@ from services.router.contracts import GenerationRequest
 from services.topology import Topology, place, plan_kv_migration
 from tests.conftest import hf_greedy, until
 from tests.reconfigure.conftest import generated_tokens, open_live_stack
-from tests.reconfigure.test_kv_bytes import _equal, _snapshot
+from tests.reconfigure.helpers import same_kv, snapshot_kv
 
 pytestmark = pytest.mark.multiprocess
 
@@ -183,13 +183,13 @@ async def test_a_pre_copied_switch_there_and_back_keeps_every_cached_kv_byte(liv
     await until(lambda: _all_decoding(engine, len(prompts)), what="every request decoding")
     await engine.freeze()  # hold the requests still to snapshot their KV
     used, cached = engine.used_block_ids(), _cached_slots(engine)
-    before = await _snapshot(stubs, used, head_dim)
+    before = await snapshot_kv(stubs, used, head_dim)
     assert len(before) == 3 * 2  # every (layer, KV head) of the model
     engine.resume()
     for target in ("tp4pp1", "tp2pp2"):  # the default strategy: staged, with a pre-copy
         _check_precopied(await live_stack.reconfigurer.reconfigure(target))
     await engine.freeze()
-    after, now = await _snapshot(stubs, used, head_dim), _cached_slots(engine)
+    after, now = await snapshot_kv(stubs, used, head_dim), _cached_slots(engine)
     engine.resume()
     _assert_kept_slots_equal(used, cached, now, before, after)
     assert await asyncio.gather(*tasks) == expected
@@ -202,7 +202,7 @@ def _assert_kept_slots_equal(used, cached, now, before, after) -> None:
     kept = {slot for slot, request_id in cached.items() if now.get(slot) == request_id}
     assert len(kept) > len(cached) // 2, "most requests should still be running"
     mask = torch.tensor([[(b, o) in kept for o in range(4)] for b in used])
-    assert _equal({k: v[:, mask] for k, v in after.items()}, {k: v[:, mask] for k, v in before.items()})
+    assert same_kv({k: v[:, mask] for k, v in after.items()}, {k: v[:, mask] for k, v in before.items()})
 
 
 def _copied_layer(model_dir, rank: int, live: str = "tp2pp2", target: str = "tp4pp1") -> int:
@@ -245,7 +245,7 @@ async def test_pre_copy_failures_roll_back_and_the_old_layout_serves_on(precopy_
         # 2. The delta copy at the cutover fails: the old pools were only read, the old layout resumes whole.
         await engine.freeze()
         used, cached = engine.used_block_ids(), _cached_slots(engine)
-        before = await _snapshot(stubs, used, head_dim)
+        before = await snapshot_kv(stubs, used, head_dim)
         engine.resume()
         operation = await reconfigurer.reconfigure("tp4pp1")
         assert operation.state is OperationState.ROLLED_BACK, operation
@@ -253,7 +253,7 @@ async def test_pre_copy_failures_roll_back_and_the_old_layout_serves_on(precopy_
         assert operation.precopy.endswith(" rounds") and "ROLLING_BACK" in operation.phase_seconds, operation
         assert str(engine.topology) == str(stack.state.topology) == "tp2pp2" and not engine.stats().is_frozen
         await engine.freeze()
-        after, now = await _snapshot(stubs, used, head_dim), _cached_slots(engine)
+        after, now = await snapshot_kv(stubs, used, head_dim), _cached_slots(engine)
         engine.resume()
         _assert_kept_slots_equal(used, cached, now, before, after)
 

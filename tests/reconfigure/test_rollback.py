@@ -14,7 +14,7 @@ from services.router.contracts import GenerationRequest
 from services.topology import Topology, place, plan_kv_migration
 from tests.conftest import hf_greedy, until
 from tests.reconfigure.conftest import generated_tokens, open_live_stack
-from tests.reconfigure.test_kv_bytes import _equal, _snapshot
+from tests.reconfigure.helpers import same_kv, snapshot_kv
 
 pytestmark = pytest.mark.multiprocess
 
@@ -48,18 +48,18 @@ async def test_failed_switches_roll_back_with_kv_intact(faulty_cluster, switch_c
         for expected_error in ("refused before any KV moved", "rolled back (layers ["):
             await engine.freeze()  # hold the requests still to snapshot their KV
             used, filled = engine.used_block_ids(), _filled_slots(engine)
-            before = await _snapshot(stubs, used, head_dim)
+            before = await snapshot_kv(stubs, used, head_dim)
             engine.resume()
             operation = await stack.reconfigurer.reconfigure("tp4pp1")
             assert operation.state is OperationState.ROLLED_BACK, operation
             assert expected_error in operation.error and "ROLLING_BACK" in operation.phase_seconds
             assert str(stack.state.topology) == "tp2pp2" and str(engine.topology) == "tp2pp2"
             await engine.freeze()
-            after = await _snapshot(stubs, used, head_dim)
+            after = await snapshot_kv(stubs, used, head_dim)
             engine.resume()
             # Decoding went on around the switch; every slot that held KV before holds the same bytes now.
             mask = torch.tensor([[(b, o) in filled for o in range(4)] for b in used])
-            assert _equal({k: v[:, mask] for k, v in after.items()}, {k: v[:, mask] for k, v in before.items()})
+            assert same_kv({k: v[:, mask] for k, v in after.items()}, {k: v[:, mask] for k, v in before.items()})
         operation = await stack.reconfigurer.reconfigure("tp4pp1")  # the faults fired once: now it works
         assert operation.state is OperationState.SUCCEEDED, operation.error
         expected, _ = hf_greedy(switch_checkpoint, prompts, 40)

@@ -8,32 +8,27 @@ import dataclasses
 import io
 import json
 import math
-import re
 
 import grpc
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.ctl import main
+from services.contracts.phases import PHASES
+from services.controller.plan import plan_switch
 from services.controller.progress import PhaseDisplay, format_bytes
 from services.controller.status import OperationState, OperationStatus
-from services.controller.plan import plan_switch
-from services.contracts.phases import PHASES
+from services.controller.transaction import Reconfigurer
+from services.ctl import main
 from services.router.api import create_app
 from services.router.contracts import GenerationRequest
 from services.rpc.auth import auth_metadata
 from services.rpc.reconfig.v1 import controller_pb2, controller_pb2_grpc
 from tests.conftest import until
 from tests.reconfigure.conftest import TOKEN
+from tests.reconfigure.helpers import reconfigctl_lines
 
 live = pytest.mark.multiprocess
-_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[")  # structlog's console lines share stdout
-
-
-def _output(text: str) -> list[str]:
-    """reconfigctl's lines, without the in-process services' log lines."""
-    return [line for line in text.splitlines() if not _LOG_LINE.match(line)]
 
 
 async def _reconfigctl(*argv: str) -> int:
@@ -120,7 +115,7 @@ async def test_reconfigctl_reconfigure_wait_status_and_json(live_stack, controll
     assert code == 0, captured.err
     op = live_stack.state.last_operation
     assert op.operation_id == "cli-1" and op.state is OperationState.SUCCEEDED
-    lines = _output(captured.out)
+    lines = reconfigctl_lines(captured.out)
     assert "\r" not in captured.out  # not a terminal: one line per phase, nothing rewritten
     assert lines[0] == "reconfigure tp2pp2 -> tp4pp1 (operation cli-1)"
     for line, phase in zip(lines[1:9], PHASES, strict=True):
@@ -138,7 +133,7 @@ async def test_reconfigctl_reconfigure_wait_status_and_json(live_stack, controll
     assert op.kv_bytes_precopied > 0 and op.kv_bytes_moved > 0 and len(lines) == 11
 
     assert await _reconfigctl("status", *controller.flags()) == 0
-    status_lines = _output(capsys.readouterr().out)
+    status_lines = reconfigctl_lines(capsys.readouterr().out)
     start = next(i for i, line in enumerate(status_lines) if line.startswith("last operation: reconfigure cli-1"))
     for line, phase in zip(status_lines[start + 1:start + 9], PHASES, strict=True):
         name, seconds, unit, share, bar = line.split(maxsplit=4)
@@ -150,7 +145,7 @@ async def test_reconfigctl_reconfigure_wait_status_and_json(live_stack, controll
     assert status_lines[start + 9] == lines[10]
 
     assert await _reconfigctl("reconfigure", "tp2pp2", "--json", *controller.flags()) == 0  # no --wait
-    back = json.loads("\n".join(_output(capsys.readouterr().out)))
+    back = json.loads("\n".join(reconfigctl_lines(capsys.readouterr().out)))
     assert (back["state"], back["from_topology"], back["to_topology"]) == ("SUCCEEDED", "tp4pp1", "tp2pp2")
     assert set(back["phase_seconds"]) == set(PHASES) and back["kv_bytes_moved"] > 0
     assert OperationStatus.from_pb(live_stack.state.last_operation.to_pb()).to_json() == back
@@ -178,7 +173,7 @@ async def test_reconfigctl_refusals_busy_and_idempotent_retry(live_stack, contro
     captured = capsys.readouterr()
     assert "reconfigctl reconfigure: operation rb-1 ROLLED_BACK: " in captured.err
     assert "rebind refused by the test" in captured.err
-    outcome = _output(captured.out)  # the controller's log of the failure shares stdout: find reconfigctl's lines
+    outcome = reconfigctl_lines(captured.out)  # the controller's log of the failure shares stdout
     start = next(i for i, line in enumerate(outcome) if line.startswith("ROLLED_BACK: tp2pp2 -> tp4pp1; error: "))
     assert "rebind refused by the test" in outcome[start]
     assert [line.split()[0] for line in outcome[start + 1:start + 7]] == ["STAGING", "PRECOPY", "DRAINING",
@@ -193,6 +188,16 @@ async def test_reconfigctl_refusals_busy_and_idempotent_retry(live_stack, contro
         return await freeze(timeout_s, lease_s)
 
     monkeypatch.setattr(engine, "freeze", held_freeze)
+    asked, answered, reconfigure = [], [], Reconfigurer.reconfigure
+
+    async def recorded(self, topology: str, operation_id: str = "", *args, **kwargs):  # the controller's calls
+        asked.append(operation_id)
+        try:
+            return await reconfigure(self, topology, operation_id, *args, **kwargs)
+        finally:
+            answered.append(operation_id)
+
+    monkeypatch.setattr(Reconfigurer, "reconfigure", recorded)
     first = asyncio.ensure_future(_reconfigctl("reconfigure", "tp4pp1", "--wait", "--operation-id", "busy-1",
                                                *controller.flags()))
     await until(lambda: live_stack.state.last_operation is not None
@@ -202,14 +207,15 @@ async def test_reconfigctl_refusals_busy_and_idempotent_retry(live_stack, contro
     assert "refused (FAILED_PRECONDITION): operation 'busy-1' is running" in refusal.err
     retry = asyncio.ensure_future(_reconfigctl("reconfigure", "tp4pp1", "--operation-id", "busy-1", "--json",
                                                *controller.flags()))
-    await asyncio.sleep(0.2)
+    await until(lambda: asked.count("busy-1") == 2, what="the retry of busy-1 to reach the controller")
+    assert "busy-1" not in answered  # the retry joined busy-1, which the gate holds in DRAINING
     assert not first.done() and not retry.done()
     gate.set()
     assert await first == 0 and await retry == 0
-    out = "\n".join(_output(capsys.readouterr().out))
+    out = "\n".join(reconfigctl_lines(capsys.readouterr().out))
     joined = json.loads(out[out.index("{"):out.rindex("}") + 1])  # the retry's JSON: the same operation
     assert joined == live_stack.state.last_operation.to_json() and joined["state"] == "SUCCEEDED"
-    drawn = "\n".join(_output(refusal.out)) + "\n" + out  # busy-1's progress, before and after the refusal
+    drawn = "\n".join(reconfigctl_lines(refusal.out)) + "\n" + out  # busy-1's progress, before and after the refusal
     for phase in PHASES:
         assert f"✓ {phase}" in drawn
 
@@ -221,9 +227,9 @@ async def test_reconfigctl_plan_table_and_json(live_stack, controller, capsys):
     await live_stack.engine.freeze()  # the blocks in use stay put between the three looks at the plan
     try:
         assert await _reconfigctl("plan", "tp2pp1", "--json", *controller.flags()) == 0
-        planned = json.loads("\n".join(_output(capsys.readouterr().out)))
+        planned = json.loads("\n".join(reconfigctl_lines(capsys.readouterr().out)))
         assert await _reconfigctl("plan", "tp2pp1", *controller.flags()) == 0
-        table = _output(capsys.readouterr().out)
+        table = reconfigctl_lines(capsys.readouterr().out)
         expected = await plan_switch(live_stack.reconfigurer, "tp2pp1")
     finally:
         live_stack.engine.resume()

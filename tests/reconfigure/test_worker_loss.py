@@ -8,7 +8,6 @@ Each case starts its own 4-worker cluster: a killed worker cannot be brought bac
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import os
 import random
@@ -22,6 +21,7 @@ from services.launch.cluster import ClusterConfig, LocalCluster
 from services.router.contracts import GenerationRequest
 from tests.conftest import hf_greedy, process_running, until
 from tests.reconfigure.conftest import generated_tokens, open_live_stack
+from tests.reconfigure.helpers import background, same_kv, snapshot_kv, wait_for_recovery
 
 pytestmark = pytest.mark.multiprocess
 
@@ -85,31 +85,6 @@ def kill_at_stage(state, stage: str, pid: int) -> None:
     state.record_operation = hook
 
 
-async def wait_for_recovery(state, timeout_s: float = 60.0, lost: bool = True):
-    """The first finished recover operation that found a member gone (lost=False: the first one), recorded from
-    now on (or the last one recorded). A recovery may run first for a stall the router reported before the kill
-    took effect (every member answered and regrouped), or one may follow: neither is the recovery under test, and
-    the state keeps only the last operation, so every one recorded is looked at."""
-    found = asyncio.get_running_loop().create_future()
-    record = state.record_operation
-
-    def check(operation):
-        if (operation is not None and operation.kind == "recover" and operation.state is not OperationState.RUNNING
-                and (operation.lost_workers or not lost) and not found.done()):
-            found.set_result(operation)
-
-    def hook(operation):
-        record(operation)
-        check(operation)
-
-    check(state.last_operation)
-    state.record_operation = hook
-    try:
-        return await asyncio.wait_for(asyncio.shield(found), timeout_s)
-    finally:
-        state.record_operation = record
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 async def test_killed_worker_stack_recovers_and_every_request_completes(case, switch_checkpoint, oracle):
     prompts, expected = oracle
@@ -169,19 +144,6 @@ async def replace_and_check(cluster, stack, recoverer, prompts, expected) -> Non
     assert [w.state.name for w in status.workers] == ["ACTIVE"] * 4
 
 
-@contextlib.asynccontextmanager
-async def background(*coroutines):
-    tasks = [asyncio.ensure_future(c) for c in coroutines]
-    try:
-        yield
-    finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-
 async def test_kv_of_a_lost_worker_comes_byte_identical_from_its_replicas(switch_checkpoint, oracle):
     """The mechanics under a recovery, step by step: tp4pp1 (each KV head on two workers) loses rank 1; the three
     survivors regroup into a new world, and torch.distributed (the NCCL path on GPUs) moves the KV into tp1pp3.
@@ -191,7 +153,6 @@ async def test_kv_of_a_lost_worker_comes_byte_identical_from_its_replicas(switch
     from services.model.spec import ModelSpec
     from services.rpc.reconfig.v1 import worker_pb2
     from services.topology import LOST, Topology
-    from tests.reconfigure.test_kv_bytes import _equal, _snapshot
 
     prompts, expected = oracle
     head_dim = ModelSpec.from_dir(switch_checkpoint).head_dim
@@ -204,7 +165,7 @@ async def test_kv_of_a_lost_worker_comes_byte_identical_from_its_replicas(switch
                         what="every request under way")
             await engine.freeze()
             used, prefills = engine.used_block_ids(), engine.num_full_prefills
-            before = await _snapshot(stubs, used, head_dim)
+            before = await snapshot_kv(stubs, used, head_dim)
             os.kill(cluster.worker_pids[1], signal.SIGKILL)
             survivors = [stubs[0], stubs[2], stubs[3]]
             regrouped = await asyncio.gather(*(stub.Regroup(worker_pb2.RegroupRequest(
@@ -217,7 +178,7 @@ async def test_kv_of_a_lost_worker_comes_byte_identical_from_its_replicas(switch
             results = await apply_workers(survivors, target, prepared, capacity, used, "lost-1", 60, "dist",
                                           old_ranks=[0, LOST, 1, 2])
             assert sum(r.kv_bytes_received for r in results) > 0
-            assert _equal(await _snapshot(survivors, used, head_dim), before)
+            assert same_kv(await snapshot_kv(survivors, used, head_dim), before)
             addresses = [cluster.worker_addresses[i] for i in (0, 2, 3)]
             await engine.rebind(capacity, tuple(addresses))
             engine.resume()

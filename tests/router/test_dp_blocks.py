@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from services.contracts.step_rows import RowEncoder
 from services.router.api.metrics import ApiMetrics
 from services.router.block_manager import BlockManager, num_blocks_for
 from services.router.config import SchedulerConfig
@@ -24,8 +25,7 @@ from services.router.dp_blocks import DataParallelBlocks, assign_requests
 from services.router.engine import Engine
 from services.router.scheduler import ScheduledBatch, Scheduler
 from services.router.sequence import Sequence, SequenceStatus
-from services.contracts.step_rows import RowEncoder
-from tests.router.test_scheduler import expected_output, next_token, prompt_of, seq_of
+from tests.router.fakes import expected_output, next_token, prompt_of, seq_of
 
 
 class DataParallelWorkers:

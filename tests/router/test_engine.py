@@ -62,7 +62,8 @@ async def test_admission_errors(serving_engine):
     serving_engine.scheduler.freeze()  # nothing runs: the queue fills up
     streams = [serving_engine.generate(GenerationRequest(f"q{i}", (5, 6), 2)) for i in range(65)]
     tasks = [asyncio.ensure_future(s.__anext__()) for s in streams]
-    await asyncio.sleep(0.1)
+    await until(lambda: serving_engine.stats().num_waiting + sum(t.done() for t in tasks) == len(tasks),
+                what="every request queued or refused")
     failed = [t for t in tasks if t.done() and isinstance(t.exception(), QueueFullError)]
     assert len(failed) == 1  # max_waiting=64
     serving_engine.resume()

@@ -14,9 +14,9 @@ from contextlib import contextmanager
 import pytest
 
 from services.launch.cluster import ClusterConfig, LocalCluster
-from services.router.driver import Driver
 from services.router.api.metrics import ApiMetrics
 from services.router.contracts import GenerationRequest
+from services.router.driver import Driver
 from services.router.engine import Engine
 from services.router.main import RouterConfig, build_engine
 from tests.conftest import hf_greedy, until
@@ -162,7 +162,8 @@ async def test_a_freeze_whose_lease_runs_out_resumes_by_itself(healthy_cluster, 
         await engine.freeze(5, lease_s=0.3)
         await engine.freeze(5, lease_s=0)  # another freeze replaces the lease: none now
         (task,) = _start(engine, prompt)
-        await asyncio.sleep(0.5)
+        await until(lambda: engine.stats().num_waiting == 1, what="the request queued behind the freeze")
+        await asyncio.sleep(0.5)  # not synchronisation: past the replaced 0.3 s lease, which must not resume
         assert engine.stats().is_frozen and engine.stats().num_waiting == 1
         await engine.freeze(5, lease_s=0.3)
         tokens, last = await asyncio.wait_for(task, 10)  # no resume() call

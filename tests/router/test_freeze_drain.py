@@ -2,7 +2,8 @@
 drain_seconds; the controller reports that part as DRAINING, outside the downtime). Steps in flight still deliver
 their tokens until the first of them comes back; a request outside every step waits from the freeze on.
 
-The engine runs over a driver whose steps return when the test says, and the engine's clock is the test's.
+The engine runs over a driver whose steps return when the test says, and the engine's clock is the test's (the waits
+only let the engine's loop run: no time passes).
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.router.config import SchedulerConfig
-from services.router.engine import Engine
 from services.contracts.step import SequenceOutput, StepOutput
 from services.contracts.step_rows import RowEncoder
-from tests.router.test_scheduler import prompt_of, seq_of
+from services.router.config import SchedulerConfig
+from services.router.engine import Engine
+from tests.conftest import until
+from tests.router.fakes import prompt_of, seq_of
 
 
 class HeldSteps:
@@ -67,33 +69,24 @@ async def engine(monkeypatch):
     await engine.stop()
 
 
-async def _until(condition) -> None:
-    """Let the engine's loop run until `condition()` (it only needs the event loop: no time passes)."""
-    for _ in range(1000):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("the engine did not get there")
-
-
 async def _two_steps_in_flight(engine, driver) -> None:
     """Request a in step 0, then b in step 1 (tp1pp2: two micro-batches in flight)."""
     engine.scheduler.add(seq_of("a", prompt_of(0, 5), 8))
     engine.wake()
-    await _until(lambda: len(driver.steps) == 1)
+    await until(lambda: len(driver.steps) == 1, what="step 0 sent", interval_s=0)
     engine.scheduler.add(seq_of("b", prompt_of(1, 5), 8))
     engine.wake()
-    await _until(lambda: len(driver.steps) == 2)
+    await until(lambda: len(driver.steps) == 2, what="step 1 sent", interval_s=0)
 
 
 async def test_the_drain_lasts_until_the_first_step_in_flight_comes_back(engine):
     engine, driver, clock = engine
     await _two_steps_in_flight(engine, driver)
     freezing = asyncio.ensure_future(engine.freeze(5))
-    await _until(lambda: engine.scheduler.is_frozen)
+    await until(lambda: engine.scheduler.is_frozen, what="the scheduler frozen", interval_s=0)
     clock.now = 100.4
     driver.finish(0)  # a's step: from now on a waits for the freeze
-    await _until(lambda: engine.scheduler.get("a").num_computed_tokens == 5)
+    await until(lambda: engine.scheduler.get("a").num_computed_tokens == 5, what="a's step done", interval_s=0)
     clock.now = 101.0
     driver.finish(1)
     assert await freezing == pytest.approx(0.4)
@@ -101,14 +94,14 @@ async def test_the_drain_lasts_until_the_first_step_in_flight_comes_back(engine)
     assert await engine.freeze(5) == pytest.approx(0.4)  # a renewal of the lease keeps the first freeze's times
     engine.resume()
     clock.now = 102.0
-    await _until(lambda: len(driver.steps) == 3)
+    await until(lambda: len(driver.steps) == 3, what="step 2 sent", interval_s=0)
     assert await asyncio.wait_for(_freeze_when_done(engine, driver, clock), 5) == pytest.approx(0.5)
 
 
 async def _freeze_when_done(engine, driver, clock) -> float:
     """A new freeze (after a resume) starts its own drain: step 2 comes back 0.5 s into it."""
     freezing = asyncio.ensure_future(engine.freeze(5))
-    await _until(lambda: engine.scheduler.is_frozen)
+    await until(lambda: engine.scheduler.is_frozen, what="the scheduler frozen", interval_s=0)
     clock.now = 102.5
     for i, (_, future) in enumerate(driver.steps):
         if not future.done():
@@ -122,7 +115,7 @@ async def test_a_request_outside_every_step_waits_from_the_freeze_on(engine):
     engine.scheduler.add(seq_of("c", prompt_of(2, 5), 8))  # waiting: both micro-batches are taken
     assert engine.scheduler.has_unscheduled()
     freezing = asyncio.ensure_future(engine.freeze(5))
-    await _until(lambda: engine.scheduler.is_frozen)
+    await until(lambda: engine.scheduler.is_frozen, what="the scheduler frozen", interval_s=0)
     clock.now = 100.7
     driver.finish(0)
     driver.finish(1)

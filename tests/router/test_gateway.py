@@ -13,6 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from services.contracts.step import SequenceOutput, StepOutput
+from services.contracts.step_rows import RowEncoder
 from services.model.tokenizer import Tokenizer, write_tokenizer_files
 from services.router.api.engine_client import ENGINE_GONE, EngineClient
 from services.router.config import SchedulerConfig
@@ -20,8 +22,6 @@ from services.router.contracts import EngineDrainingError, GenerationRequest, Qu
 from services.router.engine import SHUTDOWN_ABORT, Engine
 from services.router.gateway import ApiGateway
 from services.router.ipc import EngineInfo
-from services.contracts.step import SequenceOutput, StepOutput
-from services.contracts.step_rows import RowEncoder
 from tests.conftest import until
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 4

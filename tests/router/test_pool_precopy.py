@@ -23,8 +23,14 @@ from services.router.block_manager import num_blocks_for
 from services.router.dp_blocks import DataParallelBlocks, repartition
 from services.router.precopy import PoolPrecopy
 from services.worker.kv_migration import check_block_maps
-from tests.router.test_precopy import engine_over_fake_workers, running
-from tests.router.test_scheduler import PagedWorkers, check_every_request_done, prompt_of, seq_of
+from tests.router.fakes import (
+    PagedWorkers,
+    check_every_request_done,
+    engine_over_fake_workers,
+    prompt_of,
+    running,
+    seq_of,
+)
 
 
 def live_pools(num_ranks: int, num_blocks: int, block_size: int, tables: dict[str, tuple[int, list[int]]],

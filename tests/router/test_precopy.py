@@ -2,7 +2,7 @@
 serving, and which ones the freeze must still copy (the delta).
 
 The examples build Sequences by hand. The random workloads run the real scheduler (through an Engine over a fake
-driver) with the paged fake workers of test_scheduler, and keep a second store for the target's pool: each round's
+driver) with the paged fake workers of fakes.py, and keep a second store for the target's pool: each round's
 blocks are copied into it a few ticks later (as the workers do, while the steps go on), the cutover copies the delta
 and then *serves from the target's store*. A stale block (a copy of a block that changed or changed hands since,
 left out of the delta) would change the "sampled" tokens, and is checked position by position at each cutover.
@@ -13,26 +13,21 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from services.router.block_manager import num_blocks_for
-from services.router.config import SchedulerConfig
-from services.router.engine import Engine
 from services.router.precopy import KVPrecopy, full_blocks
-from services.router.sequence import Sequence, SequenceStatus
-from services.contracts.step_rows import RowEncoder
-from tests.router.test_scheduler import PagedWorkers, check_every_request_done, prompt_of, seq_of
-
-
-def running(request_id: str, block_ids: list[int], num_computed_tokens: int, num_preemptions: int = 0) -> Sequence:
-    """A RUNNING sequence holding `block_ids`, `num_computed_tokens` of its tokens cached by finished steps."""
-    return Sequence(request_id=request_id, prompt_token_ids=list(range(3, 3 + max(num_computed_tokens, 1))),
-                    max_tokens=4, num_computed_tokens=num_computed_tokens, block_ids=list(block_ids),
-                    status=SequenceStatus.RUNNING, num_preemptions=num_preemptions)
+from tests.router.fakes import (
+    PagedWorkers,
+    check_every_request_done,
+    engine_over_fake_workers,
+    prompt_of,
+    running,
+    seq_of,
+)
 
 
 # ---- examples ----------------------------------------------------------------------------------------------
@@ -140,16 +135,6 @@ def test_num_copied_counts_every_block_handed_out_in_the_operation():
 
 
 # ---- Engine.precopy_blocks / kv_to_move ---------------------------------------------------------------------
-
-def engine_over_fake_workers(num_blocks: int, block_size: int, dp_size: int = 1, **config) -> Engine:
-    """An Engine whose driver is a stand-in (nothing is sent to workers; the tests drive its scheduler)."""
-    info = SimpleNamespace(topology="tp1pp1" if dp_size == 1 else f"ep{dp_size}pp1", num_kv_blocks=num_blocks)
-    driver = SimpleNamespace(infos=[info] * dp_size, num_kv_blocks=num_blocks, block_size=block_size,
-                             dp_size=dp_size, rows=RowEncoder())
-    max_model_len = config.pop("max_model_len", 64)
-    return Engine(driver, tokenizer=None, model_name="m", max_model_len=max_model_len,
-                  scheduler_config=SchedulerConfig(max_model_len=max_model_len, **config))
-
 
 def map_ids(maps) -> list[int]:
     """The ids of a round's block maps between layouts of one pool (where blocks keep them)."""

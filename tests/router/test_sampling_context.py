@@ -4,10 +4,10 @@ chunked prefill and preemption by recompute; and prompt-only requests (max_token
 
 from __future__ import annotations
 
+from services.contracts.step import SamplingParams, SequenceOutput, TokenLogprob
 from services.router.contracts import GenerationRequest
 from services.router.sequence import Sequence, SequenceStatus
-from services.contracts.step import SamplingParams, SequenceOutput, TokenLogprob
-from tests.router.test_scheduler import PagedWorkers, make_scheduler, prompt_of
+from tests.router.fakes import PagedWorkers, make_scheduler, prompt_of
 
 
 def _seq(request_id: str, prompt: list[int], max_tokens: int, **options) -> Sequence:

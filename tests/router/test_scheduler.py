@@ -1,8 +1,6 @@
 """Scheduler: admission, continuous batching, chunked prefill, preemption by recompute, abort, freeze/rebind.
 
-The driver below plays the workers: a paged KV store indexed by the global block ids of each step. A step
-writes its tokens into the slots its block table names, and a sampling step reads the whole prefix back from
-the cache and "samples" a deterministic function of it. So a wrong block table, a block shared by two live
+The steps run on the paged fake workers of tests/router/fakes.py: a wrong block table, a block shared by two live
 sequences, or a preempted sequence that does not re-prefill its whole prefix changes the generated tokens.
 """
 
@@ -15,104 +13,26 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from services.router.async_scheduler import AsyncScheduler, scheduler_for
-from services.router.block_manager import BlockManager, num_blocks_for
+from services.contracts.step import PENDING_TOKEN, SamplingParams
+from services.router.async_scheduler import AsyncScheduler
 from services.router.config import SchedulerConfig
 from services.router.contracts import GenerationRequest, QueueFullError, RequestError
-from services.router.scheduler import ScheduledBatch, Scheduler
+from services.router.scheduler import Scheduler
 from services.router.sequence import Sequence, SequenceStatus
-from services.contracts.step import PENDING_TOKEN, SamplingParams
+from tests.router.fakes import (
+    PagedWorkers,
+    check_blocks,
+    check_every_request_done,
+    contended_workloads,
+    drain,
+    expected_output,
+    make_scheduler,
+    prompt_of,
+    run_step,
+    seq_of,
+    workloads,
+)
 
-VOCAB = 97
-
-
-def next_token(prefix: list[int]) -> int:
-    """The fake model: a deterministic function of the whole prefix."""
-    return (31 * sum(prefix) + 7 * len(prefix) + 3 * prefix[-1]) % VOCAB
-
-
-def expected_output(prompt: list[int], max_tokens: int, stop_token_ids=frozenset()) -> list[int]:
-    tokens, output = list(prompt), []
-    while len(output) < max_tokens:
-        output.append(next_token(tokens))
-        tokens.append(output[-1])
-        if output[-1] in stop_token_ids:
-            break
-    return output
-
-
-def prompt_of(index: int, length: int) -> list[int]:
-    return [(index * 7 + i * 13 + 1) % VOCAB for i in range(length)]
-
-
-class PagedWorkers:
-    """Executes steps against a paged KV store of token ids, the way workers use the global block ids."""
-
-    def __init__(self, block_manager: BlockManager) -> None:
-        self.block_manager = block_manager
-        self.block_size = block_manager.block_size
-        self.cache: dict[int, list[int | None]] = {}
-        self.sampled: dict[str, tuple[int, int]] = {}  # the previous step's (position, token) by request, as a worker
-
-    def _key(self, step, block_id: int):
-        """Where a block of `step` lives in the store: its global id."""
-        return block_id
-
-    def _check(self, step, end: int) -> None:
-        assert len(step.block_table) == num_blocks_for(end, self.block_size)
-        assert all(0 <= b < self.block_manager.num_total for b in step.block_table)
-
-    def run(self, batch: ScheduledBatch) -> dict[str, int]:
-        size, sampled = self.block_size, {}
-        for item in batch.items:
-            step, seq = item.step, item.seq
-            end = step.start_position + len(step.token_ids)
-            self._check(step, end)
-            token_ids = step.token_ids
-            if token_ids == (PENDING_TOKEN,):  # a step ahead: the token this "worker" sampled there last step
-                assert self.sampled[step.request_id][0] == step.start_position
-                token_ids = (self.sampled[step.request_id][1],)
-            for offset, token in enumerate(token_ids):
-                position = step.start_position + offset
-                block = self.cache.setdefault(self._key(step, step.block_table[position // size]), [None] * size)
-                block[position % size] = token
-            if step.sample:
-                prefix = [self.cache[self._key(step, step.block_table[p // size])][p % size] for p in range(end)]
-                # (A step ahead of one whose request ended meanwhile feeds that step's token, which the request did
-                # not keep: the step is computed and discarded.)
-                assert prefix == seq.all_token_ids or (seq.is_finished and prefix[:-1] == seq.all_token_ids), (
-                    f"{seq.request_id}: cached prefix differs from its tokens")
-                sampled[step.request_id] = next_token(prefix)
-        if batch.items:
-            self.sampled = {item.step.request_id: (item.step.start_position + len(item.step.token_ids),
-                                                   sampled[item.step.request_id])
-                            for item in batch.items if item.step.request_id in sampled}
-        return sampled
-
-
-def make_scheduler(num_blocks=64, block_size=4, max_model_len=256, **config) -> Scheduler:
-    clock = iter(range(1, 10**9))
-    return scheduler_for(SchedulerConfig(max_model_len=max_model_len, **config), BlockManager(num_blocks, block_size),
-                         clock=lambda: float(next(clock)))
-
-
-def seq_of(request_id: str, prompt: list[int], max_tokens: int, stop_token_ids=frozenset()) -> Sequence:
-    return Sequence.from_request(GenerationRequest(request_id, tuple(prompt), max_tokens,
-                                                   stop_token_ids=frozenset(stop_token_ids)))
-
-
-def run_step(scheduler: Scheduler, workers: PagedWorkers):
-    batch = scheduler.schedule()
-    assert batch is not None
-    return batch, scheduler.on_batch_done(batch, workers.run(batch))
-
-
-def drain(scheduler: Scheduler, workers: PagedWorkers, max_steps=10_000) -> None:
-    for _ in range(max_steps):
-        if not scheduler.has_unfinished:
-            return
-        run_step(scheduler, workers)
-    raise AssertionError("requests did not finish")
 
 
 def test_sequence_token_accounting():
@@ -636,45 +556,6 @@ def test_rebind_shrink_preempts_newest_owners_of_ids_past_the_new_size():
 
 # ---- random workloads --------------------------------------------------------------------------------------
 
-@st.composite
-def workloads(draw):
-    block_size = draw(st.integers(1, 6))
-    requests = draw(st.lists(st.tuples(st.integers(0, 20), st.integers(1, 30), st.integers(1, 12)),
-                             min_size=1, max_size=14))
-    largest = max(num_blocks_for(p + m - 1, block_size) for _, p, m in requests)
-    chunked = draw(st.booleans())
-    config = dict(
-        max_model_len=64,
-        max_num_seqs=draw(st.integers(1, 8)),
-        max_num_batched_tokens=draw(st.integers(1, 40)) if chunked else 64,
-        num_inflight_batches=draw(st.integers(1, 3)),
-        enable_chunked_prefill=chunked,
-        spread_decodes=draw(st.booleans()),
-    )
-    num_blocks = draw(st.integers(largest, largest * 3))
-    stop_token_ids = frozenset(draw(st.sets(st.integers(0, VOCAB - 1), max_size=2)))
-    aborts = draw(st.lists(st.tuples(st.integers(0, 60), st.integers(0, len(requests) - 1)), max_size=3))
-    return block_size, num_blocks, config, requests, stop_token_ids, aborts
-
-
-@st.composite
-def contended_workloads(draw):
-    """A few requests arriving together at a cache that holds the largest of them and little more, with
-    several micro-batches in flight: where a preemption policy can livelock."""
-    block_size = draw(st.integers(1, 6))
-    requests = draw(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 30), st.integers(1, 12)),
-                             min_size=2, max_size=4))
-    largest = max(num_blocks_for(p + m - 1, block_size) for _, p, m in requests)
-    config = dict(
-        max_model_len=64,
-        max_num_seqs=draw(st.integers(2, 4)),
-        max_num_batched_tokens=draw(st.integers(1, 8)),
-        num_inflight_batches=draw(st.integers(2, 3)),
-        spread_decodes=draw(st.booleans()),
-    )
-    return block_size, largest + draw(st.integers(0, 1)), config, requests, frozenset(), []
-
-
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(workloads(), contended_workloads()), st.booleans(), st.sets(st.integers(0, 60), max_size=3))
 def test_random_workloads_finish_correctly_under_every_invariant(workload, ahead, failures):
@@ -771,7 +652,7 @@ def simulate(block_size, num_blocks, config, requests, stop_token_ids, aborts,
                 workers.sampled = {}  # what a worker keeps after a failed step
             else:
                 scheduler.on_batch_done(batch, workers.run(batch))
-        _check_blocks(scheduler, inflight)
+        check_blocks(scheduler, inflight)
         for i in add_order:
             if finished_at[i] is None and seqs[i].is_finished:
                 finished_at[i] = tick
@@ -783,40 +664,3 @@ def simulate(block_size, num_blocks, config, requests, stop_token_ids, aborts,
     assert first_scheduled == sorted(first_scheduled, key=add_order.index), "first scheduling is not FCFS"
     check_every_request_done(scheduler, seqs, aborted, stop_token_ids)
     return scheduler, seqs, finished_at
-
-
-def check_every_request_done(scheduler, seqs, aborted, stop_token_ids) -> None:
-    """Every request finished: the aborted ones as aborted, the others with exactly the expected tokens, each
-    prefilled once more than it was preempted."""
-    assert scheduler.num_preemptions == sum(s.num_preemptions for s in seqs)
-    for i, seq in enumerate(seqs):
-        assert seq.is_finished
-        if i in aborted:
-            assert seq.status is SequenceStatus.FINISHED_ABORTED
-            continue
-        assert seq.output_token_ids == expected_output(seq.prompt_token_ids, seq.max_tokens, stop_token_ids)
-        assert seq.num_prefills == seq.num_preemptions + 1
-
-
-def _check_blocks(scheduler: Scheduler, inflight: deque[ScheduledBatch]) -> None:
-    manager = scheduler.block_manager
-    steps_of: dict[str, list] = {}  # the steps in flight of each request, oldest first
-    for batch in inflight:
-        for item in batch.items:
-            steps_of.setdefault(item.seq.request_id, []).append(item.step)
-    holders = {s.request_id: s for s in scheduler.running}
-    holders.update({item.seq.request_id: item.seq for batch in inflight for item in batch.items})
-    owned = [b for s in holders.values() for b in s.block_ids]
-    assert len(owned) == len(set(owned)), "a block is owned by two sequences"
-    assert manager.num_used == len(owned) and manager.num_free + manager.num_used == manager.num_total
-    for seq in holders.values():
-        if seq.is_finished:  # ended while in flight: it keeps its blocks until its last step in flight returns
-            continue
-        cached = seq.num_computed_tokens
-        for step in steps_of.get(seq.request_id, []):  # each continuing the one before (not a step ahead of a
-            if step.start_position != cached:          # failed one: it comes back stale)
-                break
-            cached = step.start_position + len(step.token_ids)
-        assert len(seq.block_ids) == num_blocks_for(cached, manager.block_size)
-    for seq in scheduler.waiting:
-        assert seq.block_ids == [] and seq.num_computed_tokens == 0

@@ -1,5 +1,5 @@
 """Moving requests between two schedulers (instances): park on the source, reserve and adopt on the target, with
-the paged fake workers of test_scheduler carrying the KV; every token equals the unmoved run's."""
+the paged fake workers of fakes.py carrying the KV; every token equals the unmoved run's."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from services.router.block_manager import num_blocks_for
 from services.router.contracts import QueueFullError, RequestError
 from services.router.scheduler import Scheduler
 from services.router.sequence import Sequence, SequenceStatus
-from tests.router.test_scheduler import PagedWorkers, expected_output, make_scheduler, prompt_of, run_step, seq_of
+from tests.router.fakes import PagedWorkers, expected_output, make_scheduler, prompt_of, run_step, seq_of
 
 
 def _copy_kv(source: PagedWorkers, target: PagedWorkers, src_ids: list[int], dst_ids: list[int]) -> None:

@@ -1,6 +1,6 @@
 """Scheduler under worker failures: a failed step is taken back unadvanced, and lost KV is re-prefilled.
 
-The fake workers of test_scheduler.py check every sampled prefix against the cache, so a failed step that
+The fake workers of fakes.py check every sampled prefix against the cache, so a failed step that
 advanced a sequence, or a re-prefill that misses a token, changes the generated tokens.
 """
 
@@ -13,9 +13,9 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from services.router.scheduler import ScheduledBatch, Scheduler
-from tests.router.test_scheduler import (
+from tests.router.fakes import (
     PagedWorkers,
-    _check_blocks,
+    check_blocks,
     check_every_request_done,
     contended_workloads,
     drain,
@@ -133,7 +133,7 @@ def test_failed_steps_and_lost_kv_leak_no_block_and_keep_outputs_exact(workload,
                 scheduler.on_batch_failed(batch)
             else:
                 scheduler.on_batch_done(batch, workers.run(batch))
-        _check_blocks(scheduler, inflight)
+        check_blocks(scheduler, inflight)
     else:
         raise AssertionError("the workload did not finish")
     event(f"failed steps: {min(num_failed, 3)}")  # 3: three or more

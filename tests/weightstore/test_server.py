@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -18,6 +17,7 @@ from services.rpc.reconfig.v1 import weightstore_pb2, weightstore_pb2_grpc
 from services.weightstore.client import MappedCheckpoint, fetch_manifest
 from services.weightstore.server import WeightStoreServicer, serve
 from services.weightstore.store import WeightStore
+from tests.conftest import wait_until
 
 from . import make_checkpoint, no_leftover_segments, segments_of  # noqa: F401
 
@@ -88,14 +88,14 @@ def start_store(model_dir: Path, port_file: Path) -> subprocess.Popen:
 
 
 def wait_for_port(process: subprocess.Popen, port_file: Path, timeout: float = 60.0) -> int:
-    deadline = time.monotonic() + timeout
-    while not port_file.exists():
-        if process.poll() is not None:
-            raise AssertionError(f"store exited with {process.returncode}: {process.stdout.read().decode()}")
-        if time.monotonic() > deadline:
-            process.kill()
-            raise AssertionError("store did not become ready")
-        time.sleep(0.05)
+    try:
+        wait_until(lambda: port_file.exists() or process.poll() is not None, timeout,
+                   what="the store to write its port file (or exit)", interval_s=0.05)
+    except AssertionError:
+        process.kill()
+        raise
+    if not port_file.exists():
+        raise AssertionError(f"store exited with {process.returncode}: {process.stdout.read().decode()}")
     return int(port_file.read_text())
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
-import time
 import uuid
 
 import pytest
@@ -18,6 +17,7 @@ from services.weightstore.shm import (
     owner_pid,
     segment_name,
 )
+from tests.conftest import wait_until
 
 from . import no_leftover_segments  # noqa: F401  (session fixture)
 
@@ -159,11 +159,11 @@ def test_a_zombie_owner_is_dead():
     if child == 0:
         os._exit(0)
     try:
-        for _ in range(200):  # until the child has exited (and is a zombie: not reaped yet)
+        def zombie() -> bool:  # exited, not reaped yet
             with open(f"/proc/{child}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    break
-            time.sleep(0.01)
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+        wait_until(zombie, what="the child to exit")
         assert not is_process_alive(child)
     finally:
         os.waitpid(child, 0)

@@ -7,20 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from services.model.layers import ShardLoader, SingleRankGroup
-from services.model.llama import ShardedCausalLM
+from services.contracts.step import SamplingParams, SequenceStep, StepBatch
 from services.model.spec import ModelSpec
-from services.topology import Topology, place
 from services.worker.decode_graphs import MIN_KEYS, DecodeGraphs, batch_bucket, key_blocks
 from services.worker.kv_cache import KVCache
-from services.worker.model_runner import ModelRunner
-from services.contracts.step import SamplingParams, SequenceStep, StepBatch
 from tests.conftest import hf_greedy, make_checkpoint
-
-CPU = torch.device("cpu")
-BLOCK_SIZE = 4
+from tests.worker.helpers import CPU, RUNNER_BLOCK_SIZE, RUNNER_NUM_BLOCKS, in_process_runner
 
 
 def test_buckets():
@@ -32,24 +25,11 @@ def test_buckets():
     assert key_blocks(1000, 16) == 1024 // 16
 
 
-def _runner(spec, model_dir, graphs: bool, topology: Topology = Topology(1, 1)):
-    """A runner in process over rank 0 of `topology` (its collectives on one rank: only tp1pp1 runs steps)."""
-    tensors = load_file(model_dir / "model.safetensors")
-    placement = place(topology, spec.shape)
-    wp = placement.workers[0]
-    loader = ShardLoader(tensors.__getitem__, set(tensors), torch.float32, CPU)
-    cache = KVCache(wp.layers, len(wp.kv_heads), spec.head_dim, BLOCK_SIZE, torch.float32, CPU, num_blocks=96)
-    runner = ModelRunner(ShardedCausalLM(spec, wp, loader, SingleRankGroup()), cache, placement, wp, None, CPU)
-    if graphs:
-        runner.graphs = DecodeGraphs(runner.model, cache, CPU, capture=False)
-    return runner
-
-
 @pytest.mark.parametrize("style", ["llama", "qwen2"])
 def test_fixed_shape_decode_equals_the_variable_shape_step(tmp_path, style):
     model_dir = make_checkpoint(tmp_path / style, style, seed=3)
     spec = ModelSpec.from_dir(model_dir)
-    eager, fixed = _runner(spec, model_dir, False), _runner(spec, model_dir, True)
+    eager, fixed = in_process_runner(spec, model_dir, False), in_process_runner(spec, model_dir, True)
     # Three requests (a padded batch of 4): one crosses from the 128-key bucket into the 256-key one mid-run.
     prompts = [list(range(3, 3 + 122)), [7, 8, 9], list(range(40, 60))]
     num_new = 12
@@ -90,7 +70,7 @@ def test_fixed_shape_decode_equals_the_variable_shape_step(tmp_path, style):
 def test_what_a_graph_refuses(tmp_path):
     model_dir = make_checkpoint(tmp_path / "llama", "llama", seed=1)
     spec = ModelSpec.from_dir(model_dir)
-    runner = _runner(spec, model_dir, True)
+    runner = in_process_runner(spec, model_dir, True)
     try:
         graphs = runner.graphs
         decode = SequenceStep("a", (5,), 3, (0,))
@@ -111,10 +91,10 @@ def test_graphs_of_a_runner_built_before_its_kv_arrives(tmp_path):
     graphs bind to the KV tensors at first use, and drop themselves when a layer tensor is replaced."""
     model_dir = make_checkpoint(tmp_path / "llama", "llama", seed=2)
     spec = ModelSpec.from_dir(model_dir)
-    full = _runner(spec, model_dir, True)
+    full = in_process_runner(spec, model_dir, True)
     wp = full.wp
-    empty = KVCache(wp.layers, len(wp.kv_heads), spec.head_dim, BLOCK_SIZE, torch.float32, CPU, num_blocks=96,
-                    allocate=False)
+    empty = KVCache(wp.layers, len(wp.kv_heads), spec.head_dim, RUNNER_BLOCK_SIZE, torch.float32, CPU,
+                    num_blocks=RUNNER_NUM_BLOCKS, allocate=False)
     try:
         graphs = DecodeGraphs(full.model, empty, CPU, capture=False)
         for layer in wp.layers:
@@ -139,11 +119,11 @@ def test_graphs_captured_ahead_over_the_layers_a_staged_pool_will_hold(tmp_path)
     recaptured; a different tensor still drops the graphs."""
     model_dir = make_checkpoint(tmp_path / "llama", "llama", seed=2)
     spec = ModelSpec.from_dir(model_dir)
-    live = _runner(spec, model_dir, False)
+    live = in_process_runner(spec, model_dir, False)
     wp = live.wp
     kept = wp.layers[0]  # a layer the target keeps as it is: still the live pool's until the commit
-    staged = KVCache(wp.layers, len(wp.kv_heads), spec.head_dim, BLOCK_SIZE, torch.float32, CPU, num_blocks=96,
-                     allocate=False)
+    staged = KVCache(wp.layers, len(wp.kv_heads), spec.head_dim, RUNNER_BLOCK_SIZE, torch.float32, CPU,
+                     num_blocks=RUNNER_NUM_BLOCKS, allocate=False)
     try:
         for layer in wp.layers[1:]:
             staged.set_layer(layer, staged.new_layer())

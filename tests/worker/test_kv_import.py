@@ -14,7 +14,7 @@ from services.topology import Topology, place
 from services.worker.cuda_ipc import IpcHandle
 from services.worker.kv_cache import KVCache
 from services.worker.kv_import import ImportRefused, KVSourceSpec, import_kv
-from tests.worker.test_kv_pools import BLOCK_SIZE, DTYPE, NUM_BLOCKS, SHAPE, random_cache
+from tests.worker.helpers import BLOCK_SIZE, DTYPE, NUM_BLOCKS, SHAPE, random_cache
 
 PAIRS = [("tp1pp1", "tp1pp1"), ("tp2pp1", "tp1pp2"), ("tp1pp4", "tp2pp2"), ("tp4pp1", "tp1pp1")]
 

@@ -19,10 +19,8 @@ import torch.distributed as dist
 from services.rpc.reconfig.v1 import worker_pb2
 from services.topology import (
     KVMigrationPlan,
-    ModelShape,
     Placement,
     Topology,
-    WorkerPlacement,
     place,
     plan_kv_migration,
 )
@@ -39,11 +37,8 @@ from services.worker.kv_migration import (
     reverse_block_maps,
 )
 from services.worker.parallel import ParallelState
+from tests.worker.helpers import BLOCK_SIZE, DTYPE, NUM_BLOCKS, SHAPE, random_cache
 
-SHAPE = ModelShape(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8, hidden_size=64, intermediate_size=128,
-                   vocab_size=264, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                   moe_layers=(0, 1, 2, 3))
-BLOCK_SIZE, NUM_BLOCKS, DTYPE = 4, 12, torch.float32
 Caches = dict[int, KVCache | None]
 
 
@@ -67,16 +62,6 @@ class Agreement:
 
 def layout(text: str) -> Placement:
     return place(Topology.parse(text), SHAPE)
-
-
-def random_cache(worker: WorkerPlacement, rank: int, seed: int, device: str = "cpu") -> KVCache:
-    """A full cache of a worker's layers and KV heads, random contents (the same for the same rank and seed)."""
-    generator = torch.Generator().manual_seed(seed * 1000 + rank)
-    cache = KVCache(worker.layers, len(worker.kv_heads), SHAPE.head_dim, BLOCK_SIZE, DTYPE, torch.device(device),
-                    num_blocks=NUM_BLOCKS)
-    for tensor in cache.layers:
-        tensor.copy_(torch.randn(tensor.shape, generator=generator))
-    return cache
 
 
 def random_caches(placement: Placement, ranks: list[int], seed: int) -> Caches:

@@ -7,17 +7,17 @@ import contextlib
 
 import pytest
 
+from services.contracts.step import PENDING_TOKEN, SequenceStep, StepBatch
 from services.model.spec import ModelSpec
 from services.topology import Topology
 from services.worker.model_runner import PendingTokenMissing
-from services.contracts.step import PENDING_TOKEN, SequenceStep, StepBatch
 from tests.conftest import hf_greedy, make_checkpoint
-from tests.worker.test_decode_graphs import _runner
+from tests.worker.helpers import in_process_runner
 
 
 @contextlib.contextmanager
 def runner_of(model_dir, graphs: bool, topology: Topology = Topology(1, 1)):
-    runner = _runner(ModelSpec.from_dir(model_dir), model_dir, graphs, topology)
+    runner = in_process_runner(ModelSpec.from_dir(model_dir), model_dir, graphs, topology)
     try:
         yield runner
     finally:

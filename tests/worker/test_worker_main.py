@@ -8,14 +8,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 
 from services.rpc.reconfig.v1 import worker_pb2, worker_pb2_grpc
-from tests.conftest import make_checkpoint
+from tests.conftest import make_checkpoint, wait_until
 
 
 def _free_port() -> int:
@@ -25,14 +24,15 @@ def _free_port() -> int:
 
 
 def _wait_for_file(path: Path, processes: list[subprocess.Popen], timeout_s: float = 120.0) -> int:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
+    def written() -> bool:
+        if path.exists():
+            return True
         for process in processes:
             if process.poll() is not None:
                 raise AssertionError(f"{process.args} exited with {process.returncode}: {process.stderr.read()}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {path}")
-        time.sleep(0.1)
+        return False
+
+    wait_until(written, timeout_s, what=str(path), interval_s=0.1)
     return int(path.read_text())
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from services.contracts.step import WorkerTime
 from services.controller.autopilot.profile import (
     DecodeSample,
     PrefillSample,
@@ -41,7 +42,6 @@ from services.router.wire import stats_from_pb
 from services.rpc.reconfig.v1 import router_pb2
 from services.topology import Topology, place
 from services.topology.balance import BALANCE_MIN_GAIN
-from services.contracts.step import WorkerTime
 
 log = structlog.get_logger(__name__)
 Progress = Callable[[str, float], None]  # (what is happening, share done in [0, 1])

@@ -1,10 +1,11 @@
 """The KV the arrivals would keep in flight in a layout: a compound Poisson quantile from the router's arrival
-rate, the lengths' mean and spread, and how clustered the arrivals come (the policy's KV check of a layout)."""
+rate, the lengths' mean and spread, and how clustered the arrivals come; and the policy's KV check of a layout
+(`kv_shortage`: does it hold the blocks in use, the requests in flight and that quantile)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from services.controller.autopilot.observation import Observation
 from services.controller.autopilot.profile import LayoutModel, poisson_quantile
@@ -46,3 +47,25 @@ def kv_demand(model: LayoutModel, obs: Observation, quantile: float) -> KVDemand
     dispersion = (second_moment + clustering * length ** 2) / length
     tokens = math.ceil(dispersion * poisson_quantile(requests * length / dispersion, quantile))
     return KVDemand(tokens, requests, stay, length - model.block_size / 2)
+
+
+def kv_shortage(model: LayoutModel, obs: Observation, need_blocks: int, peak_rate: float, quantile: float,
+                horizon_s: float) -> str | None:
+    """Why `model`'s KV is short, or None when it holds `need_blocks` (the blocks in use plus headroom), every
+    request in flight, and the KV the arrivals would keep in flight there at `peak_rate` (the highest arrival rate
+    of the last `horizon_s`)."""
+    if not model.holds(need_blocks) or model.max_requests(obs.context) < obs.load:
+        return (f"{model.layout} (KV holds {model.kv_blocks * model.kv_pools} blocks and "
+                f"{model.max_requests(obs.context)} requests; {need_blocks} blocks and {obs.load} requests needed)")
+    demand = kv_demand(model, replace(obs, arrival_rate=peak_rate), quantile)
+    kv_tokens = model.kv_blocks * model.kv_pools * model.block_size
+    if demand is None or kv_tokens >= demand.tokens:
+        return None
+    rate = f"{peak_rate:.2f} arrivals/s"
+    if peak_rate > obs.arrival_rate:
+        rate += f" (the highest of the last {horizon_s:.0f} s)"
+    if obs.arrival_dispersion > 1:
+        rate += f", clustered x{obs.arrival_dispersion:.2f},"
+    return (f"{model.layout} (KV holds {kv_tokens} tokens; {rate} staying "
+            f"{demand.stay_s:.1f} s keep {demand.requests:.1f} requests of {demand.request_tokens:.0f} "
+            f"tokens in flight, {demand.tokens} tokens at p{quantile * 100:g})")

@@ -55,9 +55,10 @@ import dataclasses
 import math
 from dataclasses import dataclass, field, replace
 
-from services.controller.autopilot.demand import kv_demand
+from services.controller.autopilot.candidates import Candidate, candidate, for_capacity
+from services.controller.autopilot.demand import kv_shortage
 from services.controller.autopilot.observation import Observation
-from services.controller.autopilot.profile import LayoutModel, Profile, crossover, crossunder
+from services.controller.autopilot.profile import LayoutModel, Profile
 
 STAGING_SLOWDOWN = 0.1  # serving is about this much slower while the target stages beside it (the blog's bound)
 
@@ -205,40 +206,53 @@ def corrected(profile: Profile, state: PolicyState) -> Profile:
 
 
 @dataclass(frozen=True, slots=True)
-class _Candidate:
-    layout: str
-    direction: str          # "up", "down", "always" (for TPOT), "capacity" (the live layout's KV holds fewer requests
-    #                         than are in flight) or "kv" (it is short of the blocks or of what the arrivals keep)
-    threshold: float        # the load that triggers it (inf: never)
-    wanted: bool
-    tpot_s: float
+class _Reading:
+    """What `decide` reads off one tick, once: the corrected profile, the live layout, the loads a switch is
+    triggered by and judged at, and the KV the live load needs."""
+
+    profile: Profile                  # corrected: the TPOT lines times what serving taught
+    state: PolicyState
+    obs: Observation
+    config: PolicyConfig
+    tpot_target_s: float | None
+    live: LayoutModel
+    names: list[str]                  # the layouts the intent allows (all of the profile's without one)
+    mean_load: float                  # over the window: what a "down" switch is triggered by
+    up_load: float                    # the load now or the forecast one, the higher: what an "up" switch is
+    need_blocks: int                  # the blocks in use plus headroom
+    peak_rate: float                  # the KV check's arrival rate: the horizon's highest
+    learned: dict[str, float]         # the corrections learned so far, per layout served
+    guard_s: float                    # with a TPOT target: a switch for TPOT only above this live TPOT (0: any)
+    since_switch: float               # seconds since the last switch ended (cooldown)
+
+    @property
+    def live_name(self) -> str:
+        return self.state.layout
+
+    def margin(self, name: str) -> float:
+        """How much faster `name` must be: a layout whose correction is assumed, not measured, must promise more."""
+        return self.config.min_gain + (self.config.explore_gain if self.learned and name not in self.learned else 0.0)
+
+    def signal(self, direction: str) -> float:
+        """The load a switch that way is triggered by and judged at."""
+        return self.mean_load if direction in ("down", "always") else self.up_load
+
+    def shortage(self, model: LayoutModel) -> str | None:
+        """Why `model`'s KV is short (None: it is not), at the horizon's highest arrival rate."""
+        return kv_shortage(model, self.obs, self.need_blocks, self.peak_rate, self.config.kv_quantile,
+                           self.config.horizon_s)
 
 
-def _candidate(live: LayoutModel, other: LayoutModel, obs: Observation, mean_load: float, up_load: float,
-               hysteresis: float, margin: float) -> _Candidate:
-    def faster(load: float) -> bool:  # by the margin, at the load that triggers it (loads count from one request)
-        return other.tpot(load, obs.context) <= (1 - margin) * live.effective_tpot(load, obs.context)
+@dataclass(frozen=True, slots=True)
+class _Survey:
+    """Every allowed layout weighed against the live one."""
 
-    up = crossover(live, other, obs.context, margin)       # other is better by the margin above it
-    if up is not None:
-        return _Candidate(other.layout, "up", up, up_load >= up and up_load > 0 and faster(up_load),
-                          other.tpot(up_load, obs.context))
-    down = crossunder(live, other, obs.context, margin)    # other is better by the margin below it
-    if down is not None:
-        low = hysteresis * down
-        return _Candidate(other.layout, "down", low, mean_load < low and faster(mean_load),
-                          other.tpot(mean_load, obs.context))
-    better = faster(1)
-    return _Candidate(other.layout, "always", 0.0 if better else math.inf, better, other.tpot(mean_load, obs.context))
-
-
-def _for_capacity(live: LayoutModel, other: LayoutModel, obs: Observation, up_load: float) -> _Candidate | None:
-    """When the live layout cannot hold the requests in flight (they wait for KV), a layout that can is wanted
-    whatever the TPOT lines say: waiting is worse than a slower token."""
-    if live.max_requests(obs.context) >= obs.load or other.max_requests(obs.context) < obs.load:
-        return None
-    return _Candidate(other.layout, "capacity", float(live.max_requests(obs.context)), True,
-                      other.tpot(up_load, obs.context))
+    live_short: str | None            # why the live layout's KV is short (None: it is not)
+    tpots: dict[str, float]           # per layout, at the signal load (the live one at the load now)
+    thresholds: dict[str, float]      # per candidate: the load that triggers it
+    wanted: list[Candidate]           # wanted and not short of KV
+    short: list[str]                  # wanted, but short of KV: why
+    met: list[str]                    # faster, but the live layout meets the TPOT target
 
 
 def decide(profile: Profile, state: PolicyState, obs: Observation, config: PolicyConfig,
@@ -247,142 +261,166 @@ def decide(profile: Profile, state: PolicyState, obs: Observation, config: Polic
     (call `observe`, and `learn`, first); TPOTs are the profile's times what serving taught (`corrected`).
     `allowed` and `tpot_target_s`: the layouts the intent's active window allows and its TPOT target."""
     profile = corrected(profile, state)
-    live_name = state.layout
-    if live_name not in profile.layouts:
-        return Decision("keep", live_name, f"the live layout {live_name} is not in the profile: calibrate it")
-    live = profile.layouts[live_name]
-    names = [n for n in (allowed if allowed is not None else tuple(profile.layouts)) if n in profile.layouts]
+    if state.layout not in profile.layouts:
+        return Decision("keep", state.layout, f"the live layout {state.layout} is not in the profile: calibrate it")
+    reading = _read(profile, state, obs, config, allowed, tpot_target_s)
+    survey = _survey(reading)
+    if allowed is not None and reading.live_name not in reading.names:  # the intent rules the live layout out
+        return _leave_for_intent(reading, survey)
+    if not survey.wanted:
+        return _keep_or_resplit(reading, survey, _why_none_wanted(reading, survey))
+    best = min(survey.wanted, key=lambda c: (c.tpot_s, profile.layouts[c.layout].num_workers, c.layout))
+    if (held := _hold(reading, survey, best)) is not None:
+        return held
+    return _weigh(reading, survey, best)
+
+
+def _read(profile: Profile, state: PolicyState, obs: Observation, config: PolicyConfig,
+          allowed: tuple[str, ...] | None, tpot_target_s: float | None) -> _Reading:
+    """The measured state the rules read: the loads, the KV needed, the horizon's peak arrival rate."""
     loads = state.loads or (obs.load,)
-    mean_load = sum(loads) / len(loads)
-    up_load = max(float(obs.load), obs.forecast_load or 0.0)
-    need_blocks = math.ceil(obs.kv_used_blocks * (1 + config.kv_headroom))
-    peak_rate = max(obs.arrival_rate, state.peak_arrival_rate())  # the KV check's: the horizon's highest
-    at_peak = replace(obs, arrival_rate=peak_rate)
+    return _Reading(
+        profile=profile, state=state, obs=obs, config=config, tpot_target_s=tpot_target_s,
+        live=profile.layouts[state.layout],
+        names=[n for n in (allowed if allowed is not None else tuple(profile.layouts)) if n in profile.layouts],
+        mean_load=sum(loads) / len(loads),
+        up_load=max(float(obs.load), obs.forecast_load or 0.0),
+        need_blocks=math.ceil(obs.kv_used_blocks * (1 + config.kv_headroom)),
+        peak_rate=max(obs.arrival_rate, state.peak_arrival_rate()),
+        learned=dict(state.corrections),
+        guard_s=config.slo_guard * tpot_target_s if tpot_target_s else 0.0,  # 0: no target, every gain counts
+        since_switch=obs.t - state.last_switch_s,
+    )
 
-    learned = dict(state.corrections)
 
-    def margin(name: str) -> float:  # a layout whose correction is assumed, not measured, must promise more
-        return config.min_gain + (config.explore_gain if learned and name not in learned else 0.0)
-
-    def shortage(model: LayoutModel) -> str | None:
-        """Why `model`'s KV is short, or None when it holds the blocks in use plus headroom, every request in
-        flight, and the KV the arrivals would keep in flight there."""
-        if not model.holds(need_blocks) or model.max_requests(obs.context) < obs.load:
-            return (f"{model.layout} (KV holds {model.kv_blocks * model.kv_pools} blocks and "
-                    f"{model.max_requests(obs.context)} requests; {need_blocks} blocks and {obs.load} requests needed)")
-        demand = kv_demand(model, at_peak, config.kv_quantile)
-        kv_tokens = model.kv_blocks * model.kv_pools * model.block_size
-        if demand is None or kv_tokens >= demand.tokens:
-            return None
-        rate = f"{peak_rate:.2f} arrivals/s"
-        if peak_rate > obs.arrival_rate:
-            rate += f" (the highest of the last {config.horizon_s:.0f} s)"
-        if obs.arrival_dispersion > 1:
-            rate += f", clustered x{obs.arrival_dispersion:.2f},"
-        return (f"{model.layout} (KV holds {kv_tokens} tokens; {rate} staying "
-                f"{demand.stay_s:.1f} s keep {demand.requests:.1f} requests of {demand.request_tokens:.0f} "
-                f"tokens in flight, {demand.tokens} tokens at p{config.kv_quantile * 100:g})")
-
-    def signal(direction: str) -> float:  # the load a switch that way is triggered by and judged at
-        return mean_load if direction in ("down", "always") else up_load
-
-    guard_s = config.slo_guard * tpot_target_s if tpot_target_s else 0.0  # 0: no target, every gain counts
-    live_short = shortage(live)
-    tpots = {live_name: live.effective_tpot(obs.load, obs.context)}
+def _survey(r: _Reading) -> _Survey:
+    """Each allowed layout as a candidate: its TPOT and trigger load; wanted, short of KV, or faster than a live
+    layout that already meets the TPOT target. While the live layout is short of KV every other one is wanted."""
+    obs, live = r.obs, r.live
+    live_short = r.shortage(live)
+    tpots = {r.live_name: live.effective_tpot(obs.load, obs.context)}
     thresholds: dict[str, float] = {}
-    wanted: list[_Candidate] = []
+    wanted: list[Candidate] = []
     short: list[str] = []
-    met: list[str] = []  # faster, but the live layout meets the TPOT target
-    for name in names:
-        if name == live_name:
+    met: list[str] = []
+    for name in r.names:
+        if name == r.live_name:
             continue
-        other = profile.layouts[name]
-        cand = _for_capacity(live, other, obs, up_load) or \
-            _candidate(live, other, obs, mean_load, up_load, config.effective_hysteresis, margin(name))
+        other = r.profile.layouts[name]
+        cand = for_capacity(live, other, obs, r.up_load) or \
+            candidate(live, other, obs, r.mean_load, r.up_load, r.config.effective_hysteresis, r.margin(name))
         tpots[name], thresholds[name] = cand.tpot_s, cand.threshold
         if live_short is not None and cand.direction != "capacity":
-            cand = _Candidate(name, "kv", 0.0, True, other.tpot(up_load, obs.context))
+            cand = Candidate(name, "kv", 0.0, True, other.tpot(r.up_load, obs.context))
         elif cand.wanted and cand.direction != "capacity" and \
-                live.effective_tpot(signal(cand.direction), obs.context) <= guard_s:
+                live.effective_tpot(r.signal(cand.direction), obs.context) <= r.guard_s:
             met.append(name)
             continue
         if not cand.wanted:
             continue
-        if (why := shortage(other)) is not None:
+        if (why := r.shortage(other)) is not None:
             short.append(why)
             continue
         wanted.append(cand)
+    return _Survey(live_short, tpots, thresholds, wanted, short, met)
 
-    def keep(reason: str) -> Decision:
-        return Decision("keep", live_name, reason, tpots, thresholds)
 
-    since_switch = obs.t - state.last_switch_s
+def _keep(r: _Reading, s: _Survey, reason: str) -> Decision:
+    return Decision("keep", r.live_name, reason, s.tpots, s.thresholds)
 
-    def keep_or_resplit(reason: str) -> Decision:
-        """Keep the layout, unless the calibration measured a faster split of its layers than the live one."""
-        split = profile.layer_partition(live_name)
-        if split is None or split == state.partition or since_switch < config.cooldown_s \
-                or obs.t - state.entered_s < config.min_dwell_s:
-            return keep(reason)
-        return Decision("switch", live_name, f"{reason}; split {live_name}'s layers by the workers' measured speed: "
-                        f"{'/'.join(map(str, split))} per stage", tpots, thresholds, split)
 
-    if allowed is not None and live_name not in names:  # the intent rules the live layout out: leave it
-        fits = [n for n in names if shortage(profile.layouts[n]) is None]
-        if not fits:
-            return keep(f"the live layout {live_name} is outside the intent, but no allowed layout holds the "
-                        f"{need_blocks} KV blocks and {obs.load} requests in flight")
-        if since_switch < config.cooldown_s:
-            return keep(f"the live layout is outside the intent; the cooldown has "
-                        f"{config.cooldown_s - since_switch:.1f} s left")
-        target = min(fits, key=lambda n: (tpots.get(n, math.inf), profile.layouts[n].num_workers, n))
-        return Decision("switch", target, f"the live layout {live_name} is outside the intent's layouts "
-                        f"({', '.join(names)}); {target} has the lowest TPOT of them at load {obs.load}",
-                        tpots, thresholds, profile.layer_partition(target))
-    if not wanted:
-        why = "no candidate is better at this load"
-        if met:
-            why = (f"{', '.join(met)} would be faster, but {live_name}'s TPOT "
-                   f"{live.effective_tpot(up_load, obs.context) * 1e3:.1f} ms meets the target "
-                   f"{tpot_target_s * 1e3:.0f} ms (a switch for TPOT above {guard_s * 1e3:.0f} ms)")
-        if short:
-            why = ("the layouts that hold the KV are short too: " if live_short is not None else
-                   "the better layouts are short of KV: ") + "; ".join(short) + ("; " + why if met else "")
-        if live_short is not None:
-            why = f"the live layout is short of KV: {live_short}; {why}"
-        return keep_or_resplit(f"load {obs.load} (mean {mean_load:.1f}): {why}")
-    best = min(wanted, key=lambda c: (c.tpot_s, profile.layouts[c.layout].num_workers, c.layout))
+def _keep_or_resplit(r: _Reading, s: _Survey, reason: str) -> Decision:
+    """Keep the layout, unless the calibration measured a faster split of its layers than the live one."""
+    split = r.profile.layer_partition(r.live_name)
+    if split is None or split == r.state.partition or r.since_switch < r.config.cooldown_s \
+            or r.obs.t - r.state.entered_s < r.config.min_dwell_s:
+        return _keep(r, s, reason)
+    return Decision("switch", r.live_name, f"{reason}; split {r.live_name}'s layers by the workers' measured speed: "
+                    f"{'/'.join(map(str, split))} per stage", s.tpots, s.thresholds, split)
 
-    if since_switch < config.cooldown_s:
-        return keep(f"{best.layout} is better, but the cooldown has {config.cooldown_s - since_switch:.1f} s left")
-    dwell = obs.t - state.entered_s
-    if best.direction in ("down", "always") and dwell < config.min_dwell_s:
-        return keep(f"{best.layout} is better at the mean load {mean_load:.1f}, but {live_name} must dwell "
-                    f"{config.min_dwell_s - dwell:.1f} s more")
 
-    live_tpot = live.effective_tpot(signal(best.direction), obs.context)
-    gain_s = config.horizon_s * max(0.0, 1.0 - best.tpot_s / live_tpot) if live_tpot > 0 else 0.0
-    cost = profile.switch_cost(live_name, best.layout)
+def _leave_for_intent(r: _Reading, s: _Survey) -> Decision:
+    """The intent rules the live layout out: leave it for the allowed layout with the lowest TPOT that holds the
+    KV, after the cooldown."""
+    fits = [n for n in r.names if r.shortage(r.profile.layouts[n]) is None]
+    if not fits:
+        return _keep(r, s, f"the live layout {r.live_name} is outside the intent, but no allowed layout holds the "
+                           f"{r.need_blocks} KV blocks and {r.obs.load} requests in flight")
+    if r.since_switch < r.config.cooldown_s:
+        return _keep(r, s, f"the live layout is outside the intent; the cooldown has "
+                           f"{r.config.cooldown_s - r.since_switch:.1f} s left")
+    target = min(fits, key=lambda n: (s.tpots.get(n, math.inf), r.profile.layouts[n].num_workers, n))
+    return Decision("switch", target, f"the live layout {r.live_name} is outside the intent's layouts "
+                    f"({', '.join(r.names)}); {target} has the lowest TPOT of them at load {r.obs.load}",
+                    s.tpots, s.thresholds, r.profile.layer_partition(target))
+
+
+def _why_none_wanted(r: _Reading, s: _Survey) -> str:
+    """Why no candidate is wanted: none is better, the better ones are short of KV, or the live TPOT meets the
+    target (and the live layout's own shortage first)."""
+    why = "no candidate is better at this load"
+    if s.met:
+        why = (f"{', '.join(s.met)} would be faster, but {r.live_name}'s TPOT "
+               f"{r.live.effective_tpot(r.up_load, r.obs.context) * 1e3:.1f} ms meets the target "
+               f"{r.tpot_target_s * 1e3:.0f} ms (a switch for TPOT above {r.guard_s * 1e3:.0f} ms)")
+    if s.short:
+        why = ("the layouts that hold the KV are short too: " if s.live_short is not None else
+               "the better layouts are short of KV: ") + "; ".join(s.short) + ("; " + why if s.met else "")
+    if s.live_short is not None:
+        why = f"the live layout is short of KV: {s.live_short}; {why}"
+    return f"load {r.obs.load} (mean {r.mean_load:.1f}): {why}"
+
+
+def _hold(r: _Reading, s: _Survey, best: Candidate) -> Decision | None:
+    """Keep while the cooldown runs, and (toward lower load or a layout better at every load) while the live layout
+    has not dwelt long enough: a surge is met at once, a lull must last. None: neither holds."""
+    if r.since_switch < r.config.cooldown_s:
+        return _keep(r, s, f"{best.layout} is better, but the cooldown has "
+                           f"{r.config.cooldown_s - r.since_switch:.1f} s left")
+    dwell = r.obs.t - r.state.entered_s
+    if best.direction in ("down", "always") and dwell < r.config.min_dwell_s:
+        return _keep(r, s, f"{best.layout} is better at the mean load {r.mean_load:.1f}, but {r.live_name} must "
+                           f"dwell {r.config.min_dwell_s - dwell:.1f} s more")
+    return None
+
+
+def _weigh(r: _Reading, s: _Survey, best: Candidate) -> Decision:
+    """Switch to `best` when the gain over the horizon exceeds what the switch costs each request in flight (a
+    switch out of a KV shortage has no gain to weigh), and say why."""
+    live_tpot = r.live.effective_tpot(r.signal(best.direction), r.obs.context)
+    gain_s = r.config.horizon_s * max(0.0, 1.0 - best.tpot_s / live_tpot) if live_tpot > 0 else 0.0
+    cost = r.profile.switch_cost(r.live_name, best.layout)
     cost_s = cost.downtime_s + STAGING_SLOWDOWN * cost.staging_s
     if best.direction == "kv":  # what queueing for KV costs is not in the TPOT lines: no gain to weigh
-        return Decision("switch", best.layout, f"the live layout is short of KV: {live_short}; {best.layout} holds it "
-                        f"(TPOT {live_tpot * 1e3:.1f} -> {best.tpot_s * 1e3:.1f} ms)", tpots, thresholds,
-                        profile.layer_partition(best.layout))
+        return Decision("switch", best.layout, f"the live layout is short of KV: {s.live_short}; {best.layout} "
+                        f"holds it (TPOT {live_tpot * 1e3:.1f} -> {best.tpot_s * 1e3:.1f} ms)", s.tpots, s.thresholds,
+                        r.profile.layer_partition(best.layout))
     if gain_s <= cost_s:
-        return keep_or_resplit(f"{best.layout} saves {gain_s:.2f} s per request over {config.horizon_s:.0f} s, "
-                               f"less than the switch costs ({cost_s:.2f} s)")
-    trigger = {"up": f"load {up_load:.0f} >= T_h {best.threshold:.1f}",
-               "down": f"mean load {mean_load:.1f} < T_l {best.threshold:.1f}",
-               "always": "better at every load",
-               "capacity": f"{live_name}'s KV holds {best.threshold:.0f} requests, {obs.load} in flight"}[best.direction]
-    if obs.forecast_load is not None and best.direction == "up" and obs.forecast_load > obs.load:
-        trigger += f" (forecast {obs.forecast_load:.0f} in flight by the time the switch ends)"
-    factors = ""
-    if learned:
-        assumed = "" if best.layout in learned else f" assumed, so {margin(best.layout):.0%} faster needed"
-        factors = (f" (measured/profiled: {live_name} x{state.correction(live_name):.2f}, {best.layout} "
-                   f"x{state.correction(best.layout):.2f}{assumed})")
+        return _keep_or_resplit(r, s, f"{best.layout} saves {gain_s:.2f} s per request over "
+                                      f"{r.config.horizon_s:.0f} s, less than the switch costs ({cost_s:.2f} s)")
     return Decision("switch", best.layout,
-                    f"{trigger}: TPOT {live_tpot * 1e3:.1f} -> {best.tpot_s * 1e3:.1f} ms{factors}, "
-                    f"gain {gain_s:.2f} s > cost {cost_s:.2f} s", tpots, thresholds,
-                    profile.layer_partition(best.layout))
+                    f"{_trigger(r, best)}: TPOT {live_tpot * 1e3:.1f} -> {best.tpot_s * 1e3:.1f} ms"
+                    f"{_factors(r, best)}, gain {gain_s:.2f} s > cost {cost_s:.2f} s", s.tpots, s.thresholds,
+                    r.profile.layer_partition(best.layout))
+
+
+def _trigger(r: _Reading, best: Candidate) -> str:
+    """What triggered the switch to `best`, in words."""
+    trigger = {"up": f"load {r.up_load:.0f} >= T_h {best.threshold:.1f}",
+               "down": f"mean load {r.mean_load:.1f} < T_l {best.threshold:.1f}",
+               "always": "better at every load",
+               "capacity": f"{r.live_name}'s KV holds {best.threshold:.0f} requests, {r.obs.load} in flight",
+               }[best.direction]
+    forecast = r.obs.forecast_load
+    if forecast is not None and best.direction == "up" and forecast > r.obs.load:
+        trigger += f" (forecast {forecast:.0f} in flight by the time the switch ends)"
+    return trigger
+
+
+def _factors(r: _Reading, best: Candidate) -> str:
+    """The learned corrections behind the TPOTs compared ("" when nothing is learned yet)."""
+    if not r.learned:
+        return ""
+    assumed = "" if best.layout in r.learned else f" assumed, so {r.margin(best.layout):.0%} faster needed"
+    return (f" (measured/profiled: {r.live_name} x{r.state.correction(r.live_name):.2f}, {best.layout} "
+            f"x{r.state.correction(best.layout):.2f}{assumed})")

@@ -14,6 +14,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from services.contracts.step import SamplingParams
 from services.router.api.chat import chat_prompt
 from services.router.api.choices import ChatFormat, CompletionFormat, Prompt
 from services.router.api.errors import ApiError, error_response, install_error_handlers
@@ -39,7 +40,6 @@ from services.router.api.protocol import (
 )
 from services.router.api.streaming import GenerationRun, guarded_events, sse_event, unless_disconnected
 from services.router.contracts import EngineProtocol, GenerationRequest
-from services.contracts.step import SamplingParams
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description}

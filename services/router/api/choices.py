@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from services.contracts.step import TokenLogprob
 from services.model.tokenizer import Tokenizer
 from services.router.api.chunks import chat_content_event, chunk_prefix, completion_text_event, usage_part
 from services.router.api.logprobs import chat_logprobs, completion_logprobs
@@ -14,7 +15,6 @@ from services.router.api.protocol import (
     CompletionChunk, CompletionLogprobs, StreamOptions,
 )
 from services.router.api.streaming import GenerationRun, sse_event
-from services.contracts.step import TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)

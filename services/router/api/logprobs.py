@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.contracts.step import TokenLogprob
 from services.model.tokenizer import Tokenizer
 from services.router.api.protocol import (
     ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs,
 )
-from services.contracts.step import TokenLogprob
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 

@@ -52,8 +52,8 @@ async def serve_api(config: ApiServerConfig, listen_socket: socket.socket, engin
 
     from services.router.api.app import ApiConfig, create_app
     from services.router.api.engine_client import EngineClient
-    from services.runtime.process import settle_heap
     from services.router.api.server import HttpServer
+    from services.runtime.process import settle_heap
 
     log = structlog.get_logger("api")
     client = await EngineClient.connect(engine_socket)

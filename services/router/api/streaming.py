@@ -12,11 +12,11 @@ import structlog
 from pydantic import BaseModel
 from starlette.requests import Request
 
+from services.contracts.step import TokenLogprob
 from services.router.api.errors import ApiError, ClientDisconnected, error_body, from_engine_error
 from services.router.api.metrics import RequestTimer
 from services.router.api.protocol import UsageInfo
 from services.router.contracts import EngineProtocol, GenerationDelta, GenerationRequest
-from services.contracts.step import TokenLogprob
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")

@@ -419,7 +419,7 @@ class FakeHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.requests.append((self.path, dict(self.headers), body))
-        time.sleep(self.server.delay_s)
+        time.sleep(self.server.delay_s)  # not synchronisation: the slow endpoint a test injects
         message = {"role": "assistant", "content": self.server.content}
         self.answer({"id": "chatcmpl-1", "object": "chat.completion", "model": body["model"],
                      "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})

@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from services.model.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID
 from services.router.api import ApiConfig, create_app
 from services.router.api.server import HttpServer, bind_http_socket
+from tests.conftest import until
 
 
 PROMPT = "The quick brown fox"     # the greedy reference prompt (completions, and chat as the user message)
@@ -43,7 +44,7 @@ def serving_checkpoint(tmp_path_factory) -> Path:
     from services.model.tokenizer import NUM_TOKENS, Tokenizer, write_tokenizer_files
     from services.router.api.chat import chat_prompt_token_ids
     from services.router.api.protocol import ChatMessage
-    from tests.conftest import _decisive_init
+    from tests.conftest import decisive_init
 
     directory = tmp_path_factory.mktemp("api-serving") / "llama-api"
     config = transformers.LlamaConfig(
@@ -53,7 +54,7 @@ def serving_checkpoint(tmp_path_factory) -> Path:
     )
     torch.manual_seed(5)
     model = transformers.LlamaForCausalLM(config).eval()
-    _decisive_init(model, seed=5)
+    decisive_init(model, seed=5)
     model.save_pretrained(directory, safe_serialization=True)
     write_tokenizer_files(directory, config.max_position_embeddings)
     tokenizer = Tokenizer.from_dir(directory)
@@ -130,11 +131,11 @@ def parse_sse(body: str) -> list[dict | str]:
 
 async def wait_until_idle(engine, timeout_s: float = 10.0) -> None:
     """Wait until the engine runs and queues nothing and every KV block is free."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
+    def idle() -> bool:
         stats = engine.stats()
-        if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_kv_blocks_used == 0:
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"engine not idle after {timeout_s}s: {stats}")
-        await asyncio.sleep(0.02)
+        return stats.num_running == 0 and stats.num_waiting == 0 and stats.num_kv_blocks_used == 0
+
+    try:
+        await until(idle, timeout_s, what="the engine idle", interval_s=0.02)
+    except AssertionError as error:
+        raise AssertionError(f"{error}: {engine.stats()}") from None

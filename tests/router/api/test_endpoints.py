@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.router.api import ApiConfig, create_app
 from services.router.contracts import GenerationRequest
 from services.router.engine import Engine
+from tests.conftest import until
 from tests.router.api.conftest import MODEL, PROMPT, wait_until_idle
 
 pytestmark = pytest.mark.multiprocess
@@ -104,7 +105,7 @@ async def test_queue_and_kv_cache_gauges_follow_a_request(client, serving_engine
     iterator = serving_engine.generate(request)
     pending = asyncio.ensure_future(anext(iterator))
     try:
-        await asyncio.sleep(0.05)
+        await until(lambda: serving_engine.stats().num_waiting == 1, what="the request admitted")
         parsed = samples((await client.get("/metrics")).text)
         assert value(parsed, "reconfig:num_requests_waiting") == 1
         assert value(parsed, "reconfig:kv_cache_usage_perc") == 0.0

@@ -10,6 +10,7 @@ import pytest
 
 from services.router.api import ApiConfig, create_app
 from services.router.contracts import GenerationRequest, QueueFullError
+from tests.conftest import until
 from tests.router.api.conftest import MODEL, parse_sse, wait_until_idle
 
 pytestmark = pytest.mark.multiprocess
@@ -253,10 +254,8 @@ async def test_engine_stopping_mid_request_is_an_explicit_error(client, serving_
     request = {"model": MODEL, "prompt": "hi", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
     streamed = asyncio.ensure_future(client.post("/v1/completions", json={**request, "stream": True}))
     plain = asyncio.ensure_future(client.post("/v1/completions", json=request))
-    deadline = asyncio.get_running_loop().time() + 10
-    while serving_engine.stats().num_generation_tokens < 4:
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.005)
+    await until(lambda: serving_engine.stats().num_generation_tokens >= 4, timeout_s=10,
+                what="4 tokens generated", interval_s=0.005)
     await serving_engine.stop()
     assert "the server is shutting down" in assert_error(await plain, 503, code="shutting_down")["message"]
     response = await streamed

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 
 import httpx
 import pytest
@@ -20,6 +19,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from services.router.api.server import (
     DEFAULT_KEEP_ALIVE_S, GracefulH11Protocol, GracefulHttpToolsProtocol, HttpServer, bind_http_socket, unread_bytes,
 )
+from tests.conftest import wait_until
 
 GRACEFUL = pytest.mark.parametrize("graceful", [GracefulHttpToolsProtocol, GracefulH11Protocol],
                                    ids=["httptools", "h11"])
@@ -65,12 +65,12 @@ async def reuse_at_pool_expiry(keep_alive_s: float) -> BaseException | None:
     async def write_late(name: str, info: dict) -> None:
         events.append(name)
         if name == "http11.send_request_headers.started":
-            await asyncio.sleep(write_delay_s)
+            await asyncio.sleep(write_delay_s)  # not synchronisation: the late write under test
 
     async with serving(keep_alive_s) as (_, port), httpx.AsyncClient() as client:
         url = f"http://127.0.0.1:{port}/"
         assert (await client.get(url, extensions={"trace": record})).status_code == 200
-        await asyncio.sleep(idle_s)  # the connection idles in the pool: the situation under test, not a wait
+        await asyncio.sleep(idle_s)  # not synchronisation: the connection idles in the pool, the situation under test
         try:
             response = await client.get(url, extensions={"trace": write_late})
         except httpx.TransportError as exc:
@@ -102,10 +102,10 @@ async def send_behind_the_loop(port: int, server: HttpServer, fire) -> tuple[byt
     assert (await reader.readuntil(b"ok")).startswith(b"HTTP/1.1 200")
     [protocol] = server.server_state.connections
     writer.write(REQUEST)  # the socket sends at once; the server's loop does not run until we await
-    deadline = time.monotonic() + 10
-    while unread_bytes(protocol.transport) < len(REQUEST):  # the kernel may deliver loopback data in its softirq
-        assert time.monotonic() < deadline, "the request never reached the server's socket"
-        time.sleep(0.001)  # blocks the loop on purpose: the server must not read the request before fire()
+    # The kernel may deliver loopback data in its softirq. wait_until blocks the loop on purpose: the server must
+    # not read the request before fire().
+    wait_until(lambda: unread_bytes(protocol.transport) >= len(REQUEST), timeout_s=10,
+               what="the request to reach the server's socket", interval_s=0.001)
     fire(protocol)
     try:
         return await asyncio.wait_for(reader.readuntil(b"ok"), 10), reader, writer

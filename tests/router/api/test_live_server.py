@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import until
 from tests.router.api.conftest import MODEL, NUM_REFERENCE_TOKENS, PROMPT, live_server, wait_until_idle
 
 pytestmark = pytest.mark.multiprocess
@@ -18,10 +19,8 @@ LONG = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "
 
 async def wait_until_generating(engine, timeout_s: float = 10.0) -> None:
     """Wait until a request has produced a few tokens (so its first delta has reached the API)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while engine.stats().num_generation_tokens < 3:
-        assert asyncio.get_running_loop().time() < deadline, "the request never started"
-        await asyncio.sleep(0.005)
+    await until(lambda: engine.stats().num_generation_tokens >= 3, timeout_s, what="the request to start generating",
+                interval_s=0.005)
 
 
 async def test_openai_client_completions_and_chat(app, serving_engine, checkpoint_facts):

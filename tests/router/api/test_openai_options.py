@@ -9,8 +9,8 @@ import openai
 import pytest
 import torch
 
-from services.router.contracts import GenerationRequest
 from services.contracts.step import SamplingParams
+from services.router.contracts import GenerationRequest
 from tests.router.api.conftest import EOS_PROMPT, MODEL, PROMPT, parse_sse
 
 pytestmark = pytest.mark.multiprocess
