@@ -63,11 +63,14 @@ def decisive_init(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator) * scale / math.sqrt(fan_in))
 
 
-def make_checkpoint(directory: Path, style: str, seed: int = 0) -> Path:
-    """Save a small random checkpoint of `style` in Hugging Face format (float32 safetensors)."""
+def make_checkpoint(directory: Path, style: str, seed: int = 0, **overrides) -> Path:
+    """Save a small random checkpoint of `style` in Hugging Face format (float32 safetensors); `overrides` change
+    its config (num_hidden_layers=4, ...)."""
     import transformers
 
     config = _config(style)
+    for name, value in overrides.items():
+        setattr(config, name, value)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     decisive_init(model, seed)

@@ -7,7 +7,8 @@ reporting a stall) and runs a "recover" operation:
     QUIESCING           freeze the router (under a lease) — its in-flight steps have failed or finish
     PREPARING_WORKERS   probe every member; the ones that answer are the survivors. They leave the broken world
                         and join a new generation, renumbered 0..n-1 (Regroup). Target: the live layout if it still
-                        fits n workers (a standby steps in), else the best one that does (degraded_topology).
+                        fits n workers (a standby steps in), else the best one that does (degraded_topology:
+                        host-aware, the members ordered host by host, a stage's group inside a host first).
     APPLYING_TOPOLOGY   the KV of the running requests survives when every (layer, KV head) slice is still held by
     MIGRATING           a survivor (replicas, or a lost standby): it migrates as in a switch. Otherwise the router
                         drops it (drop_kv: those requests re-prefill their prompt and tokens so far) and the
@@ -41,10 +42,25 @@ from services.controller.transaction import (
 )
 from services.rpc.errors import describe_error
 from services.rpc.reconfig.v1 import router_pb2, worker_pb2
-from services.topology import LOST, Topology, TopologyError, degraded_topology, lost_kv, place, validate
+from services.runtime.host import address_host
+from services.topology import (
+    LOST,
+    Topology,
+    TopologyError,
+    degraded_topology,
+    host_major_order,
+    lost_kv,
+    place,
+    validate,
+)
 
 log = structlog.get_logger(__name__)
 MAX_ATTEMPTS = 3          # a recovery retries this often when members keep failing under it
+
+
+def _host_major(addresses: list[str]) -> list[str]:
+    """The new world's members, host by host (a stage's group then stays inside a host where it can)."""
+    return [addresses[i] for i in host_major_order([address_host(a) for a in addresses])]
 
 
 class RecoveryFailed(RuntimeError):
@@ -157,11 +173,13 @@ class Recoverer:
         infos = await asyncio.gather(*(state.probe(a) for a in members))
         survivors = [a for a, info in zip(members, infos, strict=True) if not isinstance(info, str)]
         lost = [a for a in members if a not in survivors]
-        world = survivors + ([joining] if joining else [])
         if not survivors:
             raise RecoveryFailed("no member answers")
+        # A joiner comes in last (a standby: the live layout keeps its KV in place); a recovery renumbers host by host.
+        world = survivors + [joining] if joining else _host_major(survivors)
         current, partition = state.topology, state.layer_partition
-        target = SwitchTarget(degraded_topology(current, reconfigurer.spec.shape, len(world)),
+        hosts = [address_host(a) for a in world]
+        target = SwitchTarget(degraded_topology(current, reconfigurer.spec.shape, len(world), hosts=hosts),
                               partition if current.num_workers <= len(world) else None)
         generation = max([state.generation, *(i.generation for i in infos if not isinstance(i, str))]) + 1
         stubs = [state.stub_for(a) for a in world]

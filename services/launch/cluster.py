@@ -2,21 +2,36 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import multiprocessing as mp
 import os
+import socket
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 import structlog
 import torch.distributed as dist
 
+from services.launch.nodes import (
+    NodeLayout,
+    NodeMismatch,
+    NodeRecord,
+    announce_stop,
+    check_records,
+    leader_gone,
+    missing_nodes,
+    register,
+    wait_for_nodes,
+)
 from services.model.presets import resolve_model
 from services.model.spec import ModelSpec
 from services.rpc.tls import TLSConfig
 from services.topology import Topology, assign_gpus, validate
+from services.weightstore.client import fetch_manifest
 from services.weightstore.shm import cleanup_stale_segments
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import cleanup_stale_kv_segments
@@ -53,6 +68,13 @@ class ClusterConfig:
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the children
     weightstore_address: str = ""        # a running weight store to share (another instance's); "": start one
     tls: TLSConfig | None = None         # mutual TLS on the weight store's and the workers' links (None: plaintext)
+    nodes: int = 1                       # hosts the instance spans (services/launch/nodes.py); num_workers is each's
+    node_rank: int = 0                   # 0: the leader, which hosts the workers' TCPStore on dist_addr
+    dist_addr: str = ""                  # "host:port" of the leader's TCPStore, with nodes > 1
+
+    @property
+    def layout(self) -> NodeLayout:
+        return NodeLayout(self.nodes, self.node_rank, self.num_workers, self.dist_addr)
 
 
 def _run_weightstore(model_dir: str, host: str, tls: TLSConfig | None, ready: Connection) -> None:
@@ -107,13 +129,15 @@ class LocalCluster:
         self.model_dir = resolve_model(config.model)
         self.spec = ModelSpec.from_dir(self.model_dir)
         self.topology = Topology.parse(config.topology)
-        validate(self.topology, self.spec.shape, config.num_workers, config.layer_partition,
+        self.layout = config.layout
+        validate(self.topology, self.spec.shape, self.layout.world_size, config.layer_partition,
                  config.num_redundant_experts)
         self.weightstore_address = ""
         self.worker_addresses: list[str] = []
         self._processes: list[tuple[str, int, mp.process.BaseProcess]] = []  # (name, tier, process)
-        self._store: dist.TCPStore | None = None
+        self._store: dist.TCPStore | None = None  # hosted here (the leader), or a client of the leader's
         self._num_joiners = 0
+        self.nodes: list[NodeRecord] = []  # the leader: every follower's record, by node rank
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -146,18 +170,54 @@ class LocalCluster:
                 ws = self._spawn(ctx, "weightstore", _run_weightstore, str(self.model_dir), cfg.host,
                                  cfg.tls, tier=_TIER_STORE)
                 self.weightstore_address = f"{cfg.host}:{self._wait_ready([ws])[0]['port']}"
-            self._store = dist.TCPStore(cfg.host, 0, cfg.num_workers, is_master=True, wait_for_workers=False)
+            self._store = self._open_store()
             workers = [
                 self._spawn(ctx, f"worker-{rank}", _run_worker, self._worker_config(rank), tier=_TIER_WORKER)
-                for rank in range(cfg.num_workers)
+                for rank in self.layout.ranks
             ]
             ready = sorted(self._wait_ready(workers), key=lambda r: r["rank"])
             self.worker_addresses = [f"{cfg.host}:{r['port']}" for r in ready]
+            if self.layout.multi:
+                self._meet_nodes()
         except BaseException:
             self.stop()
             raise
-        log.info("cluster.ready", workers=cfg.num_workers, topology=cfg.topology,
-                 seconds=round(time.perf_counter() - started, 2))
+        log.info("cluster.ready", workers=len(self.worker_addresses), topology=cfg.topology,
+                 node=self.layout.node_rank, nodes=self.layout.nodes, seconds=round(time.perf_counter() - started, 2))
+
+    def _open_store(self) -> dist.TCPStore:
+        """The workers' TCPStore: hosted here on one node (any free port) and on the leader (on --dist-addr's
+        port); a client of the leader's on a follower."""
+        layout, timeout = self.layout, timedelta(seconds=self.config.start_timeout_s)
+        if not layout.multi:
+            return dist.TCPStore(self.config.host, 0, layout.world_size, is_master=True, wait_for_workers=False)
+        if layout.leader:
+            return dist.TCPStore(layout.dist_host, layout.dist_port, is_master=True, timeout=timeout,
+                                 wait_for_workers=False)
+        return dist.TCPStore(layout.dist_host, layout.dist_port, is_master=False, timeout=timeout)
+
+    def _meet_nodes(self) -> None:
+        """A follower registers its workers with the leader; the leader waits for every follower, checks they hold
+        its weights, and lists their workers after its own (ClusterError names what went wrong)."""
+        layout, cfg = self.layout, self.config
+        digest = asyncio.run(fetch_manifest(self.weightstore_address, tls=cfg.tls)).content_digest()
+        if not layout.leader:
+            register(self._store, NodeRecord(layout.node_rank, socket.gethostname(), tuple(self.worker_addresses),
+                                             digest, os.getpid()))
+            return
+        try:
+            self.nodes = wait_for_nodes(self._store, layout, cfg.start_timeout_s)
+            check_records(self.nodes, layout, digest)
+        except NodeMismatch as exc:
+            raise ClusterError(str(exc)) from None
+        except dist.DistStoreError:
+            raise ClusterError(f"timed out after {cfg.start_timeout_s:.0f}s waiting for node(s) "
+                               f"{', '.join(map(str, missing_nodes(self._store, layout)))} to register") from None
+        self.worker_addresses += [a for record in self.nodes for a in record.worker_addresses]
+
+    def leader_gone(self) -> str:
+        """A follower: why its instance is over ("" while the leader serves)."""
+        return leader_gone(self._store) if self._store is not None else "not started"
 
     def start_joiner(self) -> str:
         """Start a worker in join mode (in no world: a replacement for a lost one) and return its address;
@@ -165,7 +225,8 @@ class LocalCluster:
         if self._store is None:
             raise ClusterError("the cluster is not running")
         self._num_joiners += 1
-        rank = (self.config.num_workers + self._num_joiners - 1) % self.config.num_workers  # only picks a device
+        first = self.layout.ranks.start  # the rank only picks a device (this node's)
+        rank = first + (self.config.num_workers + self._num_joiners - 1) % self.config.num_workers
         config = dataclasses.replace(self._worker_config(rank), join=True)
         spawned = self._spawn(mp.get_context("forkserver"), f"worker-join-{self._num_joiners}", _run_worker, config,
                               tier=_TIER_WORKER)
@@ -176,10 +237,11 @@ class LocalCluster:
     def _worker_config(self, rank: int) -> WorkerConfig:
         cfg = self.config
         return WorkerConfig(
-            rank=rank, world_size=cfg.num_workers, store_host=cfg.host, store_port=self._store.port,
+            rank=rank, world_size=self.layout.world_size, store_port=self._store.port,
+            store_host=self.layout.dist_host if self.layout.multi else cfg.host,
             weightstore_address=self.weightstore_address, topology=cfg.topology,
             layer_partition=cfg.layer_partition, device=cfg.device, kv_cache_bytes=cfg.kv_cache_bytes,
-            gpu=self.gpus[rank] if self.gpus else None, gpu_sharing=cfg.gpu_sharing,
+            gpu=self.gpus[rank - self.layout.ranks.start] if self.gpus else None, gpu_sharing=cfg.gpu_sharing,
             enforce_eager=cfg.enforce_eager, dtype=cfg.dtype, numerics=cfg.numerics, block_size=cfg.block_size,
             host=cfg.host, collective_timeout_s=cfg.collective_timeout_s,
             parent_pid=os.getpid(), num_threads=cfg.num_threads, candidate_topologies=cfg.candidate_topologies,
@@ -265,6 +327,11 @@ class LocalCluster:
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM tier by tier, newest first (services, workers, then the weightstore, which unlinks its
         segments); SIGKILL whatever lingers past the timeout."""
+        if self._store is not None and self.layout.multi and self.layout.leader:
+            try:
+                announce_stop(self._store)  # the followers stop their workers too
+            except Exception:
+                log.warning("cluster.stop_announce_failed", exc_info=True)
         for tier in sorted({tier for _, tier, _ in self._processes}, reverse=True):
             _terminate([p for _, t, p in self._processes if t == tier], timeout_s)
         self._processes.clear()

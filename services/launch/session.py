@@ -27,10 +27,10 @@ class StackSession:
     """One run of a stack: its claim (taken and released by the caller), its token (made now, written when it
     runs) and stack file (`publish`)."""
 
-    def __init__(self, claim: StackClaim) -> None:
+    def __init__(self, claim: StackClaim, token: str | None = None) -> None:
         self.claim = claim
         self.name = claim.claim.name
-        self.token = generate_token()
+        self.token = token or generate_token()  # given: the operator's (--token-file), shared with other nodes
         self.token_file = claim.token_file
         self.stack_file: StackFile | None = None
 

@@ -18,6 +18,7 @@ from services.contracts.numerics import DTYPES, MODES, check_compute
 from services.contracts.phases import DEFAULT_STAGING_DUTY
 from services.launch.cluster import ClusterConfig, LocalCluster
 from services.launch.session import StackSession
+from services.rpc.auth import read_token_file
 from services.runtime.stacks import StackClaim, check_name
 from services.topology import parse_gpus
 from services.worker.pacing import check_duty
@@ -76,6 +77,10 @@ class UpConfig:
     tls_cert: str = ""                  # all three: mutual TLS on every gRPC link and step socket of the stack
     tls_key: str = ""
     tls_ca: str = ""
+    nodes: int = 1                      # hosts one instance spans (each runs --workers workers; launch/nodes.py)
+    node_rank: int = 0                  # 0: the leader (router, controller, the workers' store); else a follower
+    dist_addr: str = ""                 # the leader's "host:port" for the workers' store (--nodes > 1)
+    token_file: str = ""                # the control-plane token, the same on every node ("": a new one)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -114,9 +119,24 @@ class UpConfig:
         self.tls  # incomplete TLS settings, or a missing file, fail here (TLSError names it)
         if self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, not {self.num_redundant_experts}")
+        self.node_layout  # a bad --nodes/--node-rank/--dist-addr fails here
+        if self.nodes > 1:
+            if self.fronted:
+                raise ValueError("--nodes spans one instance over hosts; it does not combine with --instances")
+            if not self.token_file:
+                raise ValueError("--nodes needs --token-file: every node's workers require the same token")
+            if self.host in ("127.0.0.1", "localhost", "0.0.0.0", "::"):
+                raise ValueError(f"--nodes needs --host set to this host's address that the other nodes reach, "
+                                 f"not {self.host}")
         for name in ("eplb_window", "eplb_step_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+
+    @property
+    def node_layout(self):
+        from services.launch.nodes import NodeLayout
+
+        return NodeLayout(self.nodes, self.node_rank, self.workers, self.dist_addr)
 
     @property
     def tls(self):
@@ -229,7 +249,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from services.rpc.tls import add_tls_arguments
 
     add_tls_arguments(parser)
+    add_node_arguments(parser)
     parser.add_argument("--verbose", action="store_true", help="show the services' structured logs")
+
+
+def add_node_arguments(parser: argparse.ArgumentParser) -> None:
+    """One instance over several hosts (docs/multihost.md)."""
+    parser.add_argument("--nodes", type=int, metavar="N",
+                        help="hosts this instance spans, each running --workers workers and a weight store of its "
+                             "own; run `reconfig up` on each with its --node-rank [1]")
+    parser.add_argument("--node-rank", type=int, metavar="R",
+                        help="this host's place: 0, the leader, also runs the router, the controller and the "
+                             "workers' store; the others run their weight store and workers only [0]")
+    parser.add_argument("--dist-addr", metavar="HOST:PORT",
+                        help="with --nodes: the leader's address and a free port, where every node's workers "
+                             "meet (a torch.distributed TCPStore: keep it on a trusted network)")
+    parser.add_argument("--token-file", metavar="PATH",
+                        help="the control-plane token (a mode-0600 file, `python -m services.rpc.auth PATH` writes "
+                             "one); the same file on every node [a new token per stack]")
 
 
 def add_expert_arguments(parser: argparse.ArgumentParser) -> None:
@@ -276,23 +313,32 @@ def up(config: UpConfig) -> int:
     from services.model.converted import ConsoleProgress
     from services.model.presets import resolve_model
 
+    if config.node_rank > 0:  # a follower: its weight store and workers, in the leader's instance
+        from services.launch.node import up_node
+
+        return up_node(config, cluster_config(config, read_token_file(config.token_file)))
     with StackClaim.take(config.stack_name, config.host, config.listen_ports()) as claim:
         if config.fronted:
             from services.launch.instances import up_instances
 
             return up_instances(config, claim)
         resolve_model(config.model, progress=ConsoleProgress())  # a preset's first use: fetch and convert
-        session = StackSession(claim)
-        cluster = LocalCluster(ClusterConfig(  # checks the layout and the GPU placement before anything starts
-            model=config.model, num_workers=config.workers, topology=config.topology, device=config.device,
-            gpus=parse_gpus(config.gpus), gpu_sharing=config.gpu_sharing, enforce_eager=config.enforce_eager,
-            dtype=config.dtype, numerics=config.numerics, kv_cache_bytes=config.kv_cache_mb << 20,
-            block_size=config.block_size, host=config.host,
-            token=session.token, num_redundant_experts=config.num_redundant_experts,
-            eplb_window=config.eplb_window, tls=config.tls,
-        ))
+        session = StackSession(claim, read_token_file(config.token_file) if config.token_file else None)
+        cluster = LocalCluster(cluster_config(config, session.token))  # checks the layout and the GPU placement
         stop = functools.partial(cluster.stop, timeout_s=config.shutdown_grace_s + 10.0)  # the router drains first
         return session.run(lambda: _serve(config, cluster, session), stop)
+
+
+def cluster_config(config: UpConfig, token: str | None) -> ClusterConfig:
+    """This host's weight store and workers (every node's, the leader's too)."""
+    return ClusterConfig(
+        model=config.model, num_workers=config.workers, topology=config.topology, device=config.device,
+        gpus=parse_gpus(config.gpus), gpu_sharing=config.gpu_sharing, enforce_eager=config.enforce_eager,
+        dtype=config.dtype, numerics=config.numerics, kv_cache_bytes=config.kv_cache_mb << 20,
+        block_size=config.block_size, host=config.host, token=token,
+        num_redundant_experts=config.num_redundant_experts, eplb_window=config.eplb_window, tls=config.tls,
+        nodes=config.nodes, node_rank=config.node_rank, dist_addr=config.dist_addr,
+    )
 
 
 def _serve(config: UpConfig, cluster: LocalCluster, session: StackSession) -> int:
@@ -337,8 +383,9 @@ def _serve(config: UpConfig, cluster: LocalCluster, session: StackSession) -> in
     ))
     context = f"{router['max_model_len']} tokens a request" + (
         f" ({router['context_note']})" if router["context_note"] else "")
+    hosts = f" on {config.nodes} hosts" if config.nodes > 1 else ""
     print(f"reconfig is up in {time.perf_counter() - started:.1f}s: stack {session.name!r}, {config.model} on "
-          f"{config.workers} {config.device} workers in {config.topology}\n"
+          f"{len(cluster.worker_addresses)} {config.device} workers{hosts} in {config.topology}\n"
           f"  OpenAI API   {http}/v1   (health {http}/health, ready {http}/ready, metrics {http}/metrics)\n"
           f"  context      {context}\n"
           f"  router gRPC  {router_grpc}\n"

@@ -139,7 +139,8 @@ class _WorkerStream:
 def peer_pool(prepared: worker_pb2.PrepareSwitchResponse) -> worker_pb2.PeerPool:
     """A worker's KV pool as others read it (its PrepareSwitch answer: segments, IPC handles, host)."""
     return worker_pb2.PeerPool(kv_segments=prepared.kv_segments, kv_cuda_ipc=prepared.kv_cuda_ipc,
-                               hostname=prepared.hostname, cuda_ipc=prepared.cuda_ipc)
+                               hostname=prepared.hostname, cuda_ipc=prepared.cuda_ipc,
+                               shm_domain=prepared.shm_domain)
 
 
 class Driver:

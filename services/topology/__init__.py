@@ -47,8 +47,10 @@ from services.topology.topology import (
     TopologyError,
     candidate_topologies,
     degraded_topology,
+    groups_across_hosts,
     validate,
 )
+from services.topology.hosts import host_major_order
 from services.topology.weight_plan import (
     ExpertMaps,
     WeightFlags,
@@ -82,6 +84,8 @@ __all__ = [
     "candidate_topologies",
     "check_expert_map",
     "degraded_topology",
+    "groups_across_hosts",
+    "host_major_order",
     "expert_copies",
     "expert_moves",
     "expert_tensor_names",

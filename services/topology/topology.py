@@ -204,17 +204,28 @@ def candidate_topologies(shape: ModelShape, num_workers: int, num_redundant_expe
     return sorted(candidates, key=lambda t: (t.num_workers, t.tp, t.ep))
 
 
-def degraded_topology(current: Topology, shape: ModelShape, num_workers: int, num_redundant_experts: int = 0
-                      ) -> Topology:
+def degraded_topology(current: Topology, shape: ModelShape, num_workers: int, num_redundant_experts: int = 0,
+                      hosts: Sequence[str] = ()) -> Topology:
     """The layout to serve on `num_workers` workers after losing some: `current` if it still fits (a standby
     took the lost worker's place); else the valid topology that uses the most workers, of current's kind (EP or TP)
-    if one does, the nearest to current's tp (fewest head moves), then the larger tp (lower latency). TopologyError
-    when none fits (no worker left).
+    if one does, with the fewest stage groups across hosts (`hosts`: each worker's, by rank; none: one host), the
+    nearest to current's tp (fewest head moves), then the larger tp (lower latency). TopologyError when none fits
+    (no worker left).
     num_redundant_experts: the EP layouts' spare expert slots (an EP candidate must divide experts + spares)."""
     if num_workers >= current.num_workers:
         return current
     fits = candidate_topologies(shape, num_workers, num_redundant_experts)
     if not fits:
         raise TopologyError(f"no topology of this model fits {num_workers} workers")
+
     return min(fits, key=lambda t: (-t.num_workers, t.is_expert_parallel != current.is_expert_parallel,
-                                   abs(t.tp - current.tp), -t.tp))
+                                   groups_across_hosts(t, hosts) if hosts else 0, abs(t.tp - current.tp), -t.tp))
+
+
+def groups_across_hosts(topology: Topology, hosts: Sequence[str]) -> int:
+    """How many of `topology`'s stage groups (TP or EP: ranks s*size .. s*size+size-1) span more than one host, for
+    workers on `hosts` by rank (each collective of such a stage crosses the network; services/topology/hosts.py)."""
+    size = topology.stage_size
+    if topology.num_workers > len(hosts):
+        raise ValueError(f"{topology} needs {topology.num_workers} workers, the hosts list {len(hosts)}")
+    return sum(1 for stage in range(topology.pp) if len(set(hosts[stage * size:(stage + 1) * size])) > 1)

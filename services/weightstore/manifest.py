@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -113,6 +114,15 @@ class Manifest:
             segments=[segment.to_pb() for segment in self.segments],
             total_bytes=self.total_bytes,
         )
+
+    def content_digest(self) -> str:
+        """A digest of what the store holds (config.json and every tensor's name, dtype, shape and CRC-32), not of
+        where: two stores on two hosts that loaded the same checkpoint give the same digest."""
+        digest = hashlib.sha256(self.config_json.encode())
+        for name in sorted(self.tensors):
+            entry = self.tensors[name]
+            digest.update(f"\0{name}\0{entry.dtype}\0{tuple(entry.shape)}\0{entry.crc32}".encode())
+        return digest.hexdigest()
 
     @classmethod
     def from_pb(cls, message: weightstore_pb2.Manifest) -> Manifest:

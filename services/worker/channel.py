@@ -1,7 +1,7 @@
 """KV channels: how one layer's KV slices travel between workers during a migration.
 
 Every rank calls `exchange` once per layer with what it sends and what it receives (a collective step):
-- `ShmChannel` (CPU, one host): KV pools live in shared memory; a receiver maps the sender's pool and reads the
+- `ShmChannel` (CPU, one host: one /dev/shm, services/runtime/host.py): KV pools live in shared memory; a receiver maps the sender's pool and reads the
   blocks straight out of it by block id (one copy, no staging, no RPC). Sends are no-ops.
 - `CudaIpcChannel` (GPU, one host): the same reads out of a peer's GPU pool opened through its CUDA IPC handle
   (a switch's KV between the GPU workers of one host; live request migration between instances).
@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from services.runtime.host import peers_share_memory
 from services.topology import KVMigrationPlan, KVTransfer
 from services.weightstore.shm import ShmSegment
 from services.worker.cuda_ipc import OpenedHandle
@@ -171,13 +172,14 @@ class DistChannel:
 
 
 def channel_kind(peers: Mapping, world_size: int, device: torch.device, kv_channel: str = "") -> str:
-    """`kv_channel` when given, else shm on CPU, ipc where every worker of the world (`peers`: PeerPool messages by
-    rank, PrepareSwitch's) is a GPU worker on this host that reads and exports CUDA IPC, dist otherwise. Every rank
-    decides alike: from the same peers."""
+    """`kv_channel` when given, else: on CPU shm where every worker of the world (`peers`: PeerPool messages by rank,
+    PrepareSwitch's) sees this worker's shared memory, ipc where every one is a GPU worker on this host that reads
+    and exports CUDA IPC, dist otherwise (workers on several hosts: the KV crosses over the world's device group).
+    Every rank decides alike: from the same peers."""
     if kv_channel:
         return kv_channel
     if device.type == "cpu":
-        return "shm"
+        return "shm" if peers_share_memory([p.shm_domain for p in peers.values()]) else "dist"
     here = socket.gethostname()
     ipc = len(peers) == world_size and all(p.cuda_ipc and p.hostname == here for p in peers.values())
     return "ipc" if ipc else "dist"

@@ -45,7 +45,7 @@ async def serve_worker(config: WorkerConfig, ready: Connection | None = None) ->
         preload_cuda_ipc()  # not on a live move's first pull
     parallel = await asyncio.to_thread(
         ParallelState, config.rank, config.world_size, config.store_host, config.store_port, backend,
-        config.collective_timeout_s, config.join,
+        config.collective_timeout_s, config.join, config.host,
     )
     # Map the store's segments only while copying our slices: unmapped, they add nothing to our resident memory.
     # A joining worker holds nothing and is in no world until the controller regroups it in (AddWorker).

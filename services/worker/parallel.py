@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from services.model.layers import SingleRankGroup, TPGroup
+from services.runtime.host import interface_of
 from services.topology import Topology
 from services.worker.shm_exchange import ShmAllToAll, on_one_host
 
@@ -94,6 +95,15 @@ def _live(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return group
 
 
+def gloo_interface(store_host: str, bind_host: str) -> str | None:
+    """The interface gloo's sockets should use: loopback for a world on loopback; else the one holding the address
+    the worker serves on (its peers on other hosts reach it there); None: gloo's own guess, from the host name
+    (which resolves to loopback, or not at all, on many machines: set GLOO_SOCKET_IFNAME then)."""
+    if store_host in ("127.0.0.1", "localhost"):
+        return "lo"
+    return interface_of(bind_host) if bind_host else None
+
+
 class ParallelState:
     """Membership of this worker in the world and in every candidate topology's groups.
 
@@ -103,12 +113,14 @@ class ParallelState:
     """
 
     def __init__(self, rank: int, world_size: int, store_host: str, store_port: int, backend: str,
-                 timeout_s: float, join: bool = False) -> None:
+                 timeout_s: float, join: bool = False, bind_host: str = "") -> None:
         """Join the first world (generation 0) as `rank`, with `backend` for the device groups (see
         device_backend); with `join`, only connect to the store (a worker started to replace a lost one waits
-        outside any world for its regroup)."""
-        if store_host in ("127.0.0.1", "localhost"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: do not guess an interface
+        outside any world for its regroup). `bind_host`: the address this worker serves on, whose interface
+        gloo then uses (see gloo_interface)."""
+        interface = gloo_interface(store_host, bind_host)
+        if interface:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
         self.timeout = timedelta(seconds=timeout_s)
         self.backend = backend
         self._store = dist.TCPStore(store_host, store_port, world_size, is_master=False, timeout=self.timeout)

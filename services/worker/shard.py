@@ -24,6 +24,7 @@ from services.model.numerics import (
 )
 from services.model.spec import ModelSpec
 from services.rpc.reconfig.v1 import worker_pb2
+from services.runtime.host import shm_domain
 from services.topology import Placement, Topology, candidate_topologies, place
 from services.topology.eplb import initial_expert_maps
 from services.weightstore.client import MappedCheckpoint
@@ -230,7 +231,7 @@ class WorkerShard:
         can_ipc = self.device.type == "cuda" and preload_cuda_ipc() and (self.runner is None or bool(ipc))
         return worker_pb2.PrepareSwitchResponse(
             num_kv_blocks=self.num_kv_blocks_in(topology, partition), kv_segments=segments, kv_cuda_ipc=ipc,
-            hostname=socket.gethostname(), cuda_ipc=can_ipc,
+            hostname=socket.gethostname(), cuda_ipc=can_ipc, shm_domain=shm_domain(),
             is_candidate=topology in self.parallel.candidates, block_size=self.config.block_size,
             kv_dtype_bytes=self.dtype.itemsize, num_kv_blocks_now=self.runner.kv_cache.num_blocks if self.runner else 0,
         )

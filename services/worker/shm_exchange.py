@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
+from services.runtime.host import shm_domain
 from services.weightstore.shm import ShmSegment, cleanup_stale_segments, segment_name
 
 SEGMENT_PREFIX = "reconfig-a2a-"
@@ -29,9 +29,10 @@ def cleanup_stale_exchange_segments() -> list[str]:
 
 
 def on_one_host(cpu_group: dist.ProcessGroup) -> bool:
-    """Whether every rank of the group runs on this host (a collective of the group: every rank calls it)."""
+    """Whether every rank of the group sees this host's shared memory (a collective of the group: every rank calls
+    it)."""
     hosts: list[object] = [None] * dist.get_world_size(cpu_group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=cpu_group)
+    dist.all_gather_object(hosts, shm_domain(), group=cpu_group)
     return len(set(hosts)) == 1
 
 

@@ -205,7 +205,7 @@ class StageSwitchResponse(_message.Message):
     def __init__(self, staged: _Optional[bool] = ..., seconds: _Optional[float] = ..., weight_bytes_loaded: _Optional[int] = ..., weight_bytes_reused: _Optional[int] = ..., rested_seconds: _Optional[float] = ...) -> None: ...
 
 class PrepareSwitchResponse(_message.Message):
-    __slots__ = ("num_kv_blocks", "kv_segments", "is_candidate", "block_size", "kv_dtype_bytes", "num_kv_blocks_now", "kv_cuda_ipc", "hostname", "cuda_ipc")
+    __slots__ = ("num_kv_blocks", "kv_segments", "is_candidate", "block_size", "kv_dtype_bytes", "num_kv_blocks_now", "kv_cuda_ipc", "hostname", "cuda_ipc", "shm_domain")
     class KvSegmentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +229,7 @@ class PrepareSwitchResponse(_message.Message):
     KV_CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    SHM_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     kv_segments: _containers.ScalarMap[int, str]
     is_candidate: bool
@@ -238,10 +239,11 @@ class PrepareSwitchResponse(_message.Message):
     kv_cuda_ipc: _containers.ScalarMap[int, bytes]
     hostname: str
     cuda_ipc: bool
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., kv_segments: _Optional[_Mapping[int, str]] = ..., is_candidate: _Optional[bool] = ..., block_size: _Optional[int] = ..., kv_dtype_bytes: _Optional[int] = ..., num_kv_blocks_now: _Optional[int] = ..., kv_cuda_ipc: _Optional[_Mapping[int, bytes]] = ..., hostname: _Optional[str] = ..., cuda_ipc: _Optional[bool] = ...) -> None: ...
+    shm_domain: str
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., kv_segments: _Optional[_Mapping[int, str]] = ..., is_candidate: _Optional[bool] = ..., block_size: _Optional[int] = ..., kv_dtype_bytes: _Optional[int] = ..., num_kv_blocks_now: _Optional[int] = ..., kv_cuda_ipc: _Optional[_Mapping[int, bytes]] = ..., hostname: _Optional[str] = ..., cuda_ipc: _Optional[bool] = ..., shm_domain: _Optional[str] = ...) -> None: ...
 
 class PeerPool(_message.Message):
-    __slots__ = ("kv_segments", "kv_cuda_ipc", "hostname", "cuda_ipc")
+    __slots__ = ("kv_segments", "kv_cuda_ipc", "hostname", "cuda_ipc", "shm_domain")
     class KvSegmentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -260,11 +262,13 @@ class PeerPool(_message.Message):
     KV_CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    SHM_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     kv_segments: _containers.ScalarMap[int, str]
     kv_cuda_ipc: _containers.ScalarMap[int, bytes]
     hostname: str
     cuda_ipc: bool
-    def __init__(self, kv_segments: _Optional[_Mapping[int, str]] = ..., kv_cuda_ipc: _Optional[_Mapping[int, bytes]] = ..., hostname: _Optional[str] = ..., cuda_ipc: _Optional[bool] = ...) -> None: ...
+    shm_domain: str
+    def __init__(self, kv_segments: _Optional[_Mapping[int, str]] = ..., kv_cuda_ipc: _Optional[_Mapping[int, bytes]] = ..., hostname: _Optional[str] = ..., cuda_ipc: _Optional[bool] = ..., shm_domain: _Optional[str] = ...) -> None: ...
 
 class ApplySwitchRequest(_message.Message):
     __slots__ = ("operation_id", "topology", "layer_partition", "num_kv_blocks", "used_block_ids", "peers", "kv_channel", "old_ranks", "drop_kv", "block_maps", "precopied")
