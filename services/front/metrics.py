@@ -65,6 +65,11 @@ def front_metrics(front: MeasuredFront, labels: list[str], label_names: tuple[st
                                 labels=label_names)
     moved.add_metric(labels, front.totals.kv_bytes_moved)
     yield moved
+    reprefilled = CounterMetricFamily("reconfig:front_migrations_reprefilled", "Moves that carried no KV: the "
+                                      "target re-prefilled the request (chosen, or its KV unreachable).",
+                                      labels=label_names)
+    reprefilled.add_metric(labels, front.totals.reprefilled)
+    yield reprefilled
     usage = GaugeMetricFamily("reconfig:front_instance_kv_tokens", "KV tokens the policy places on each "
                               "instance.", labels=(*label_names, "instance"))
     for instance in front.instances:

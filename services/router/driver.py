@@ -326,7 +326,10 @@ class Driver:
             worker_pb2.PrepareSwitchRequest(topology=topology, export_cuda_ipc=True), timeout=30,
             metadata=self.metadata) for stream in self._streams))
         ranks = [i.rank for i in self.infos if i.num_kv_blocks > 0]
-        return {rank: peer_pool(reply) for rank, reply in zip(ranks, replies)}
+        pools = {rank: peer_pool(reply) for rank, reply in zip(ranks, replies)}
+        for rank, stream in zip(ranks, self._streams):
+            pools[rank].address = stream.address  # a worker on another host asks it to ExportKV
+        return pools
 
     async def import_kv(self, request: worker_pb2.ImportKVRequest) -> int:
         """Every active worker copies the request's blocks from another instance's pools; the bytes copied."""

@@ -119,6 +119,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
+    async def ExportKV(self, request, context):  # noqa: N802
+        """Send KV slices to another host's worker (its ImportKV), on a thread of its own beside the steps."""
+        try:
+            return await asyncio.to_thread(self.shard.export_kv, request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RuntimeError as exc:  # the receiver's store or group could not be joined (gloo's DistError too)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{type(exc).__name__}: {exc}")
+
     async def _beside_steps(self, method: str, request, context, handler, refused: grpc.StatusCode, what: str):
         """Run `handler` on the stage thread (low priority, beside the model thread's steps); a ValueError is a
         refusal (`refused`), anything else INTERNAL."""

@@ -31,7 +31,8 @@ from services.weightstore.client import MappedCheckpoint
 from services.weightstore.manifest import Manifest
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KVCache, num_blocks_for_budget
-from services.worker.kv_import import KVSourceSpec, import_kv
+from services.worker.kv_import import KVSourceSpec, RemoteReader, import_kv
+from services.worker.kv_remote import export_kv
 from services.worker.pacing import UNPACED, Pacer
 from services.worker.cuda_ipc import preload_cuda_ipc
 from services.worker.expert_balance import ExpertBalancer
@@ -217,10 +218,18 @@ class WorkerShard:
         thread, between steps: a switch cannot swap the pool underneath). Standby: nothing to fill."""
         if self.runner is None:
             return worker_pb2.ImportKVResponse()
+        remote = RemoteReader(self.config.host, self.config.token, self.config.tls, self.config.collective_timeout_s)
         stats = import_kv(KVSourceSpec.from_pb(request.source), request.src_block_ids, request.dst_block_ids,
                           self.spec.shape, self.runner.placement, self.rank, self.runner.kv_cache,
-                          self.config.num_redundant_experts)
+                          self.config.num_redundant_experts, remote)
         return worker_pb2.ImportKVResponse(kv_bytes_received=stats.bytes_received, seconds=stats.seconds)
+
+    def export_kv(self, request: worker_pb2.ExportKVRequest) -> worker_pb2.ExportKVResponse:
+        """Send slices of this worker's live KV to another instance's worker on another host (beside the steps:
+        the blocks of a request being moved do not change). ValueError: none held here."""
+        if self.runner is None:
+            raise ValueError(f"rank {self.rank} is on standby: it holds no KV")
+        return export_kv(self.runner.kv_cache, request)
 
     def prepare_switch(self, request: worker_pb2.PrepareSwitchRequest) -> worker_pb2.PrepareSwitchResponse:
         topology = Topology.parse(request.topology)

@@ -162,9 +162,10 @@ async def test_an_instance_added_at_runtime_serves_and_a_drained_one_is_removed(
 
 
 async def test_a_move_whose_kv_the_target_cannot_read_goes_by_reprefill(instances, monkeypatch):
-    """Instance a says its KV lives on another host (as a source across hosts or in a GPU pool would): the
-    target's workers refuse the pull (FAILED_PRECONDITION, passed on by its router), the move goes on by
-    re-prefill with exact tokens, and the next move on that pair re-prefills from the start (no reservation)."""
+    """Instance a says its KV lives on another host and names no worker to send it (as a source across hosts from
+    an older router would): the target's workers refuse the pull (FAILED_PRECONDITION, passed on by its router),
+    the move goes on by re-prefill with exact tokens, and the next move on that pair re-prefills from the start (no
+    reservation)."""
     from services.rpc.reconfig.v1.router_pb2 import MigrateInRequest as IN
 
     a, b, _ = instances.instances
@@ -173,6 +174,8 @@ async def test_a_move_whose_kv_the_target_cannot_read_goes_by_reprefill(instance
     async def elsewhere(request_id, action, timeout_s=30.0):
         state = await export(request_id, action, timeout_s)
         state.source.hostname = "another-host"
+        for pool in state.source.pools.values():
+            pool.shm_domain, pool.address = "another-boot/1", ""
         return state
 
     asked_b = []
@@ -196,6 +199,33 @@ async def test_a_move_whose_kv_the_target_cannot_read_goes_by_reprefill(instance
         assert second_moves[0].moved and second_moves[0].reprefilled and not second_moves[0].kv_unreachable
         assert IN.RESERVE not in asked_b and IN.PULL not in asked_b  # straight to re-prefill
         assert front.totals.reprefilled == 2 and front.totals.kv_bytes_moved == 0
+    for engine in instances.engines:
+        assert engine.scheduler.block_manager.num_used == 0
+
+
+async def test_kv_from_another_hosts_workers_comes_over_torch_distributed(instances, monkeypatch):
+    """Instance a's pools are not readable here (another shared-memory domain, as on another host), but its
+    workers' addresses are known: the target's workers have each source worker send its slices over a gloo group
+    of the two (ExportKV), and the request moves with its KV — no re-prefill — with exact tokens."""
+    a, b, _ = instances.instances
+    export = a.migrate_out
+
+    async def elsewhere(request_id, action, timeout_s=30.0):
+        state = await export(request_id, action, timeout_s)
+        state.source.hostname = "another-host"
+        for pool in state.source.pools.values():
+            assert pool.address  # the source's router names its workers
+            pool.shm_domain = "another-boot/1"
+        return state
+
+    monkeypatch.setattr(a, "migrate_out", elsewhere)
+    expected = await reference_tokens(instances.engines[0], PROMPTS[1], "dist-ref")
+    async with open_front(instances, migrate=False) as front:
+        tokens, moves = await run_with_moves(front, greedy_request("dist-1", PROMPTS[1]), [(9, b)])
+        assert front.totals.reprefilled == 0
+    assert tokens == expected
+    assert moves[0].moved and not moves[0].reprefilled and not moves[0].kv_unreachable
+    assert moves[0].kv_bytes_precopied + moves[0].kv_bytes_delta > 0
     for engine in instances.engines:
         assert engine.scheduler.block_manager.num_used == 0
 

@@ -1,5 +1,5 @@
 """The client side of a multi-host scenario, run on one of the namespace hosts (their addresses exist only there):
-`python -m tests.multihost.driver < scenario.json` prints one JSON object.
+`python -m tests.multihost.driver RESULT.json < scenario.json` writes one JSON object.
 
 The scenario: the router's and the controller's gRPC addresses, the token, TLS files, and phases. Each phase
 starts its requests (greedy, token ids in and out over Router.Generate), waits until every one has produced a
@@ -8,17 +8,20 @@ token, then runs its actions in order while they stream, and collects every requ
 - {"kill_worker_on": "10.77.0.2"}: kill -9 of the highest-ranked worker at that address, then wait for the
   controller's recovery;
 - {"kill_host": "<netns>"}: kill -9 of every process in that host's network namespace, then wait for the recovery.
+A scenario with "instances" instead moves requests between instances (see `moves`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from google.protobuf.json_format import MessageToDict
 
@@ -100,10 +103,45 @@ class Scenario:
                 "workers": [w.address for w in status.workers]}
 
 
+async def moves(spec: dict) -> dict:
+    """Requests through an in-process front router (the front's own code) over the instances' routers, each moved
+    after the given numbers of its tokens to the other instance, by KV or (`reprefill`) by re-prefill."""
+    from services.front.engine import FrontEngine, FrontSettings
+    from services.front.instances import Instance
+    from services.model.tokenizer import Tokenizer
+    from services.router.contracts import GenerationRequest
+
+    tls = TLSConfig(**spec["tls"]) if spec.get("tls") else None
+    instances = [Instance(f"i{n}", address, spec["token"], tls=tls) for n, address in enumerate(spec["instances"])]
+    front = FrontEngine(instances, Tokenizer.from_dir(spec["model_dir"]), "front", FrontSettings(migrate=False))
+    await front.start()
+    outputs = []
+    try:
+        for i, (prompt, max_tokens) in enumerate(zip(spec["prompts"], spec["max_tokens"])):
+            request = GenerationRequest(f"move-{i}", tuple(prompt), max_tokens)
+            hops, tokens, results = list(spec["hops"]), [], []
+            async for delta in front.generate(request):
+                tokens.extend(delta.token_ids)
+                while hops and len(tokens) >= hops[0]:
+                    hops.pop(0)
+                    here = next(instance for instance in instances if any(
+                        route.request.request_id == request.request_id for route in front.requests_on(instance)))
+                    target = next(instance for instance in instances if instance is not here)
+                    result = await front.move(request.request_id, target, spec.get("reprefill", False))
+                    results.append({f.name: getattr(result, f.name) for f in dataclasses.fields(result)
+                                    if f.name != "call"} | {"from": here.address, "to": target.address})
+            outputs.append({"tokens": tokens, "moves": results})
+    finally:
+        await front.stop()
+    return {"outputs": outputs}
+
+
 async def run(spec: dict) -> dict:
+    if "instances" in spec:
+        return await moves(spec)
     scenario = Scenario(spec)
     return {"phases": [await scenario.phase(phase) for phase in spec["phases"]]}
 
 
-if __name__ == "__main__":
-    json.dump(asyncio.run(run(json.load(sys.stdin))), sys.stdout)
+if __name__ == "__main__":  # the result goes to the file named first (stdout carries the services' logs)
+    Path(sys.argv[1]).write_text(json.dumps(asyncio.run(run(json.load(sys.stdin)))))

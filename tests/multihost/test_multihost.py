@@ -65,11 +65,11 @@ def test_an_instance_across_two_hosts_switches_and_survives_their_loss(tmp_path)
                     "tls": {"cert": str(certs[0].cert), "key": str(certs[0].key), "ca": str(certs[0].ca)},
                     "phases": [{"name": name, "prompts": prompts, "max_tokens": lengths, "actions": actions}
                                for name, (prompts, lengths), actions in phases]}
-            driven = hosts[0].run([sys.executable, "-m", "tests.multihost.driver"], input=json.dumps(spec),
+            out = tmp_path / "driven.json"
+            driven = hosts[0].run([sys.executable, "-m", "tests.multihost.driver", str(out)], input=json.dumps(spec),
                                   capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
             assert driven.returncode == 0, driven.stderr[-4000:]
-            (tmp_path / "driven.json").write_text(driven.stdout)  # for a failure's post-mortem
-            result = {phase["name"]: phase for phase in json.loads(driven.stdout)["phases"]}
+            result = {phase["name"]: phase for phase in json.loads(out.read_text())["phases"]}
         finally:
             if leader.poll() is None:
                 leader.terminate()
@@ -92,3 +92,61 @@ def test_an_instance_across_two_hosts_switches_and_survives_their_loss(tmp_path)
         assert lost_host["actions"][0]["operation"]["state"] == "OPERATION_STATE_SUCCEEDED", lost_host
         assert all(a.startswith(hosts[0].address + ":") for a in lost_host["workers"]), lost_host["workers"]
     assert leader_code == 0, logs[0].read_text()[-4000:]
+
+
+def _up_instance(host, name: str, checkpoint: Path, files, token_file: Path, env: dict, log: Path):
+    argv = [sys.executable, "-m", "services.cli", "up", "--model", str(checkpoint), "--workers", "2",
+            "--topology", "tp2pp1", "--host", host.address, "--token-file", str(token_file),
+            "--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(files.ca),
+            "--kv-cache-mb", "2", "--block-size", "4", "--api-servers", "0", "--name", name]
+    return host.popen(argv, env=env, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def test_a_request_moves_between_instances_on_two_hosts_with_its_kv(tmp_path):
+    """Two instances, one per host: requests move there and back mid-generation with their KV copied over
+    torch.distributed (no re-prefill), exactly; the same moves by re-prefill, for comparison."""
+    checkpoint = make_checkpoint(tmp_path / "llama-4l", "llama", seed=5, num_hidden_layers=4)
+    with NamespaceHosts(2) as hosts:
+        certs = write_dev_certs([h.address for h in hosts.hosts], tmp_path / "certs")
+        token_file = tmp_path / "token"
+        write_token_file(token_file, generate_token())
+        # Each host keeps its own run directory (its stacks' registry), as two machines would.
+        envs = [{**os.environ, "RECONFIG_RUN_DIR": str(tmp_path / f"run-{name}")} for name in "ab"]
+        env = envs[0]
+        logs = [tmp_path / "a.log", tmp_path / "b.log"]
+        stacks = [_up_instance(hosts[i], name, checkpoint, certs[i], token_file, envs[i], logs[i])
+                  for i, name in enumerate("ab")]
+        try:
+            for name, stack in zip("ab", stacks):
+                wait_for_stack_file(stack, tmp_path / f"run-{name}", name=name)
+            prompts, lengths = _requests(4, count=4)
+            spec = {"instances": [f"{h.address}:50052" for h in hosts.hosts], "model_dir": str(checkpoint),
+                    "token": token_file.read_text().strip(),
+                    "tls": {"cert": str(certs[0].cert), "key": str(certs[0].key), "ca": str(certs[0].ca)},
+                    "prompts": prompts, "max_tokens": lengths, "hops": [8, 40]}
+            driven = {}
+            for mode in ("kv", "reprefill"):
+                out = tmp_path / f"moves-{mode}.json"
+                ran = hosts[0].run([sys.executable, "-m", "tests.multihost.driver", str(out)],
+                                   input=json.dumps({**spec, "reprefill": mode == "reprefill"}), capture_output=True,
+                                   text=True, cwd=ROOT, env=env, timeout=600)
+                assert ran.returncode == 0, ran.stderr[-4000:]
+                driven[mode] = json.loads(out.read_text())["outputs"]
+        finally:
+            for stack in stacks:
+                stack.terminate()
+            codes = [stack.wait(60) for stack in stacks]
+    expected, _ = hf_greedy(checkpoint, prompts, max(lengths))
+    for mode, outputs in driven.items():
+        for i, output in enumerate(outputs):
+            assert output["tokens"] == expected[i][:lengths[i]], f"{mode}: request {i}"
+            moves = output["moves"]
+            assert [m["moved"] for m in moves] == [True, True], moves
+            assert {(m["from"], m["to"]) for m in moves} == {(f"{a.address}:50052", f"{b.address}:50052")
+                                                             for a, b in (hosts.hosts, hosts.hosts[::-1])}
+            if mode == "kv":  # carried: no re-prefill, the KV's bytes crossed between the hosts
+                assert not any(m["reprefilled"] or m["kv_unreachable"] for m in moves), moves
+                assert all(m["kv_bytes_precopied"] + m["kv_bytes_delta"] > 0 for m in moves), moves
+            else:
+                assert all(m["reprefilled"] for m in moves), moves
+    assert codes == [0, 0], [log.read_text()[-3000:] for log in logs]

@@ -45,6 +45,38 @@ class ImportKVResponse(_message.Message):
     seconds: float
     def __init__(self, kv_bytes_received: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
+class KVSlice(_message.Message):
+    __slots__ = ("layer", "head_offset", "num_heads")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    HEAD_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    head_offset: int
+    num_heads: int
+    def __init__(self, layer: _Optional[int] = ..., head_offset: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
+
+class ExportKVRequest(_message.Message):
+    __slots__ = ("store_address", "group_key", "block_ids", "slices", "timeout_seconds")
+    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SLICES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    store_address: str
+    group_key: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    slices: _containers.RepeatedCompositeFieldContainer[KVSlice]
+    timeout_seconds: float
+    def __init__(self, store_address: _Optional[str] = ..., group_key: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., slices: _Optional[_Iterable[_Union[KVSlice, _Mapping]]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class ExportKVResponse(_message.Message):
+    __slots__ = ("kv_bytes_sent", "seconds")
+    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    kv_bytes_sent: int
+    seconds: float
+    def __init__(self, kv_bytes_sent: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class GetExpertLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -243,7 +275,7 @@ class PrepareSwitchResponse(_message.Message):
     def __init__(self, num_kv_blocks: _Optional[int] = ..., kv_segments: _Optional[_Mapping[int, str]] = ..., is_candidate: _Optional[bool] = ..., block_size: _Optional[int] = ..., kv_dtype_bytes: _Optional[int] = ..., num_kv_blocks_now: _Optional[int] = ..., kv_cuda_ipc: _Optional[_Mapping[int, bytes]] = ..., hostname: _Optional[str] = ..., cuda_ipc: _Optional[bool] = ..., shm_domain: _Optional[str] = ...) -> None: ...
 
 class PeerPool(_message.Message):
-    __slots__ = ("kv_segments", "kv_cuda_ipc", "hostname", "cuda_ipc", "shm_domain")
+    __slots__ = ("kv_segments", "kv_cuda_ipc", "hostname", "cuda_ipc", "shm_domain", "address")
     class KvSegmentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -263,12 +295,14 @@ class PeerPool(_message.Message):
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     SHM_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
     kv_segments: _containers.ScalarMap[int, str]
     kv_cuda_ipc: _containers.ScalarMap[int, bytes]
     hostname: str
     cuda_ipc: bool
     shm_domain: str
-    def __init__(self, kv_segments: _Optional[_Mapping[int, str]] = ..., kv_cuda_ipc: _Optional[_Mapping[int, bytes]] = ..., hostname: _Optional[str] = ..., cuda_ipc: _Optional[bool] = ..., shm_domain: _Optional[str] = ...) -> None: ...
+    address: str
+    def __init__(self, kv_segments: _Optional[_Mapping[int, str]] = ..., kv_cuda_ipc: _Optional[_Mapping[int, bytes]] = ..., hostname: _Optional[str] = ..., cuda_ipc: _Optional[bool] = ..., shm_domain: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class ApplySwitchRequest(_message.Message):
     __slots__ = ("operation_id", "topology", "layer_partition", "num_kv_blocks", "used_block_ids", "peers", "kv_channel", "old_ranks", "drop_kv", "block_maps", "precopied")

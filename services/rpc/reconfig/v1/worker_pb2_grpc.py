@@ -91,6 +91,11 @@ class WorkerStub:
                 request_serializer=reconfig_dot_v1_dot_worker__pb2.ImportKVRequest.SerializeToString,
                 response_deserializer=reconfig_dot_v1_dot_worker__pb2.ImportKVResponse.FromString,
                 _registered_method=True)
+        self.ExportKV = channel.unary_unary(
+                '/reconfig.v1.Worker/ExportKV',
+                request_serializer=reconfig_dot_v1_dot_worker__pb2.ExportKVRequest.SerializeToString,
+                response_deserializer=reconfig_dot_v1_dot_worker__pb2.ExportKVResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -202,6 +207,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportKV(self, request, context):
+        """Send KV slices of some blocks of this worker's live pool to another instance's worker on another host,
+        over a torch.distributed (gloo) group of the two that the receiver hosts (its ImportKV calls this);
+        returns once every slice is sent. Runs beside the steps. INVALID_ARGUMENT: a layer or block this worker
+        does not hold; UNAVAILABLE: the receiver's group could not be joined.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -259,6 +274,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ImportKV,
                     request_deserializer=reconfig_dot_v1_dot_worker__pb2.ImportKVRequest.FromString,
                     response_serializer=reconfig_dot_v1_dot_worker__pb2.ImportKVResponse.SerializeToString,
+            ),
+            'ExportKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportKV,
+                    request_deserializer=reconfig_dot_v1_dot_worker__pb2.ExportKVRequest.FromString,
+                    response_serializer=reconfig_dot_v1_dot_worker__pb2.ExportKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -560,6 +580,33 @@ class Worker:
             '/reconfig.v1.Worker/ImportKV',
             reconfig_dot_v1_dot_worker__pb2.ImportKVRequest.SerializeToString,
             reconfig_dot_v1_dot_worker__pb2.ImportKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reconfig.v1.Worker/ExportKV',
+            reconfig_dot_v1_dot_worker__pb2.ExportKVRequest.SerializeToString,
+            reconfig_dot_v1_dot_worker__pb2.ExportKVResponse.FromString,
             options,
             channel_credentials,
             insecure,
