@@ -1,9 +1,10 @@
-"""Hosts as Linux namespaces, for testing what crosses a network without a cluster (tests/multihost, bench/multihost.py).
+"""Hosts as Linux namespaces, for testing what crosses a network without a cluster (tests/multihost and
+bench/multihost.py).
 
 Each host is a network namespace (`ip netns`) with its own hostname (a UTS namespace) and its own /dev/shm (a mount
 namespace with a fresh tmpfs there), all on one link: a bridge in the first host's namespace and a veth pair from
-it to every other host. Addresses exist only inside the namespaces made here (10.77.0.0/24 by default: nothing outside sees it);
-`close()` kills every process left in them and deletes them. A holder process keeps each host's UTS and mount
+it to every other host. Addresses exist only inside the namespaces made here (10.77.0.0/24 by default: nothing
+outside sees it); `close()` kills every process left in them and deletes them. A holder process keeps each host's UTS and mount
 namespaces; a process runs "on" a host by entering its holder's namespaces (nsenter), so every process of a host
 sees that host's /dev/shm and name, and the network of its netns. Needs root and iproute2; `unavailable()` says why
 not (the tests skip saying so).
