@@ -10,7 +10,9 @@ Each row (one query head of one token) is computed as:
     denom  = sum of p over each chunk of KEY_CHUNK keys, the chunks folded in order (cumsum)
     out    = sum of p V over each chunk (a [R, KEY_CHUNK] x [KEY_CHUNK, D] GEMM), folded in order, / denom
 The chunks sit at fixed positions (from position 0), so a longer padded batch only appends chunks of zeros.
-Everything is computed in float32; exp runs on whole vectors (numerics.whole_vectors).
+Everything is computed in float32; exp runs on whole vectors (numerics.whole_vectors). On the CPU both products
+run through ordered_gemm.ordered_matmul (a BLAS's batched GEMM gives a row other bits at other shapes there); on a
+GPU through torch.matmul, its rows padded as the worker's probe found needed (numerics.probe).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 from services.model.attention import AttentionMetadata
 from services.model.numerics import whole_vectors
+from services.model.ordered_gemm import ordered_matmul
 
 KEY_CHUNK = 64     # keys per chunk of the ordered fold
 ROW_MULTIPLE = 8   # one KV head's query rows are padded to a multiple of this (>= every numerics.ROW_MULTIPLES)
@@ -79,12 +82,19 @@ def _attend(query: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, positi
     visible = key_positions <= limit  # [B, R, L]
     if sliding_window is not None:
         visible &= key_positions > limit - sliding_window
-    # Scores: [R, D] x [D, L] per (head, sequence) (a column's product does not depend on L: numerics.probe).
-    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale).masked_fill_(~visible, float("-inf"))
+    # Scores: [R, D] x [D, L] per (head, sequence) (a column's product does not depend on L).
+    scores = _matmul_nt(q, keys).mul_(scale).masked_fill_(~visible, float("-inf"))
     weights = whole_vectors(torch.exp, scores.sub_(scores.amax(-1, keepdim=True)))  # [Hkv, B, R, L]
     chunked = weights.view(num_kv_heads, batch, padded_rows, num_chunks, KEY_CHUNK)
     denominator = chunked.sum(-1).cumsum(-1)[..., -1:]  # [Hkv, B, R, 1]
-    partial = torch.matmul(chunked.transpose(2, 3), values)  # [Hkv, B, nC, R, D]: [R, C] x [C, D] per chunk
+    partial = _matmul_nt(chunked.transpose(2, 3), values.transpose(-1, -2))  # [Hkv, B, nC, R, D]: [R, C] x [C, D]
     out = partial.cumsum(2)[:, :, -1].div_(denominator)  # [Hkv, B, R, D]
     out = out[:, :, :num_rows].reshape(num_kv_heads, batch, n, group, head_dim).permute(1, 2, 0, 3, 4)
     return out.reshape(batch, n, num_q_heads, head_dim).to(query.dtype)
+
+
+def _matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., M, K] x b [..., N, K] -> [..., M, N] float32, invariantly (see the module's docstring)."""
+    if a.device.type == "cpu":
+        return ordered_matmul(a, b)
+    return torch.matmul(a, b.transpose(-1, -2))

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from services.model.numerics import ordered_sum, pad_rows, whole_vectors
+from services.model.numerics import FAST, Numerics, ordered_sum, whole_vectors
 from services.model.spec import RopeSpec
 
 
@@ -166,15 +166,15 @@ class Linear:
     ended: pack on the model thread, or on a thread that ends (services.worker.staging.pack_on_own_thread)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False,
-                 row_multiple: int = 1) -> None:
+                 numerics: Numerics = FAST) -> None:
         """keep_weight: W is held elsewhere too (a tied lm_head shares the embedding), so dropping it frees nothing.
-        row_multiple: x's rows are padded to a multiple of this (invariant numerics: services/model/numerics.py)."""
+        numerics: invariant mode's products take its GEMM rule (services/model/numerics.py)."""
         if weight.stride(0) == 0:
             raise ValueError("a packed Linear's placeholder is not a weight: reuse the Linear itself")
         self.weight = weight  # [out, in]
         self.bias = bias      # [out] or None
         self.keep_weight = keep_weight
-        self.row_multiple = row_multiple
+        self.numerics = numerics
         self.packed: torch.Tensor | None = None
 
     def pack(self) -> None:
@@ -187,8 +187,9 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in] -> [N, out]."""
-        if x.shape[0] % self.row_multiple:
-            return self(pad_rows(x, self.row_multiple))[: x.shape[0]]
+        if self.numerics.is_invariant:
+            y = self.numerics.linear(x, self.weight)
+            return y + self.bias if self.bias is not None else y
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, x.shape[0])
@@ -208,7 +209,7 @@ class RowParallelLinear:
         self.group = group
         self.pieces = pieces  # ranges of in_local (invariant numerics), or None: one product, all-reduced
         self._piece_linears = None if pieces is None else [  # views of W's columns: no copy
-            Linear(linear.weight[:, p.start:p.stop], row_multiple=linear.row_multiple) for p in pieces]
+            Linear(linear.weight[:, p.start:p.stop], numerics=linear.numerics) for p in pieces]
 
     def regrouped(self, group: TPGroup) -> RowParallelLinear:
         """The same weights reducing over another TP group."""

@@ -48,10 +48,10 @@ class DenseMLP:
         self.gate_up = Linear(
             torch.cat([loader.rows(n + ".weight", wp.intermediate) for n in gate_up]),  # [2 * I_local, h]
             torch.cat([loader.rows(n + ".bias", wp.intermediate) for n in gate_up]) if spec.mlp_bias else None,
-            row_multiple=numerics.row_multiple,
+            numerics=numerics,
         )
         self.down_proj = RowParallelLinear(
-            Linear(loader.cols(prefix + "mlp.down_proj.weight", wp.intermediate), row_multiple=numerics.row_multiple),
+            Linear(loader.cols(prefix + "mlp.down_proj.weight", wp.intermediate), numerics=numerics),
             loader.full(prefix + "mlp.down_proj.bias") if spec.mlp_bias else None,
             group,
             reduction_pieces(numerics.intermediate_bounds, wp.intermediate) if numerics.is_invariant else None,
@@ -86,11 +86,11 @@ class DecoderLayer:
         qkv = [(p + f"self_attn.{n}_proj", r) for n, r in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))]
         self.qkv = Linear(torch.cat([loader.rows(n + ".weight", r) for n, r in qkv]),  # [(Hq+2Hkv)_local*D, h]
                           torch.cat([loader.rows(n + ".bias", r) for n, r in qkv]) if spec.qkv_bias else None,
-                          row_multiple=numerics.row_multiple)
+                          numerics=numerics)
         self.q_norm = loader.full(p + "self_attn.q_norm.weight") if spec.qk_norm else None
         self.k_norm = loader.full(p + "self_attn.k_norm.weight") if spec.qk_norm else None
         self.o_proj = RowParallelLinear(
-            Linear(loader.cols(p + "self_attn.o_proj.weight", q_rows), row_multiple=numerics.row_multiple),
+            Linear(loader.cols(p + "self_attn.o_proj.weight", q_rows), numerics=numerics),
             loader.full(p + "self_attn.o_proj.bias") if spec.o_bias else None,
             group,
             reduction_pieces(numerics.head_bounds, wp.q_heads, d) if numerics.is_invariant else None,
@@ -186,9 +186,9 @@ class ShardedCausalLM:
             if same_vocab and previous.lm_head is not None:
                 head = previous.lm_head.linear  # same rows: reuse them as they are (packed, maybe)
             elif tied and self.embed is not None:  # on this worker already: do not load it twice
-                head = Linear(self.embed.weight, keep_weight=True, row_multiple=numerics.row_multiple)
+                head = Linear(self.embed.weight, keep_weight=True, numerics=numerics)
             else:
-                head = Linear(loader.rows(EMBED if tied else LM_HEAD, wp.vocab_rows), row_multiple=numerics.row_multiple)
+                head = Linear(loader.rows(EMBED if tied else LM_HEAD, wp.vocab_rows), numerics=numerics)
             self.lm_head = ParallelLMHead(head, spec.vocab_size, group)
 
     def _layer(self, layer_id: int, loader: ShardLoader, group: TPGroup, moe_group: TPGroup,

@@ -12,19 +12,20 @@ from services.model.expert_reshard import (
     ALONGSIDE, ExpertLedger, ExpertSwitch, ExpertWeights, can_reshard, expert_bytes, reshard_experts, reshard_wanted,
 )
 from services.model.layers import ShardLoader, TPGroup
-from services.model.numerics import FAST, Numerics, ordered_sum, padded_linear, reduction_pieces, whole_vectors
+from services.model.numerics import FAST, Numerics, ordered_sum, reduction_pieces, whole_vectors
 from services.model.spec import ModelSpec
 from services.topology import WorkerPlacement
 from services.topology.experts import expert_copies, expert_tensor_names, router_tensor_name
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
-          cast_weights: bool, row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+          cast_weights: bool, numerics: Numerics = FAST) -> tuple[torch.Tensor, torch.Tensor]:
     """Hugging Face's router, in its order of operations: softmax in float32, top-k, optional renormalization;
     Qwen3-MoE casts the weights back to x's dtype (cast_weights), Mixtral keeps them in float32 (its weighted sum
-    is then taken in float32). x [T, hidden] -> (weights [T, k], logical expert ids [T, k] int64). row_multiple:
-    invariant numerics' GEMM rows rule (services/model/numerics.py)."""
-    probs = F.softmax(padded_linear(x, router, row_multiple), dim=-1, dtype=torch.float32)  # [T, E]
+    is then taken in float32). x [T, hidden] -> (weights [T, k], logical expert ids [T, k] int64). numerics:
+    invariant mode's GEMM rule (services/model/numerics.py)."""
+    logits = numerics.linear(x, router) if numerics.is_invariant else F.linear(x, router)
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -39,13 +40,13 @@ def expert_mlp(x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
 
 
 def expert_mlp_pieces(x: torch.Tensor, weights: ExpertWeights, pieces: Sequence[range],
-                      row_multiple: int) -> torch.Tensor:
+                      numerics: Numerics) -> torch.Tensor:
     """Invariant numerics: one expert's (slice's) SwiGLU with its down projection cut into `pieces` of its local
     intermediate, each piece's partial product apart. x [N, hidden] -> [N, len(pieces) * hidden]."""
     gate_up, down = weights
-    gate, up = padded_linear(x, gate_up, row_multiple).chunk(2, dim=-1)
+    gate, up = numerics.linear(x, gate_up).chunk(2, dim=-1)
     hidden = whole_vectors(F.silu, gate) * up  # [N, I_local]
-    return torch.cat([padded_linear(hidden[:, p.start:p.stop], down[:, p.start:p.stop], row_multiple)
+    return torch.cat([numerics.linear(hidden[:, p.start:p.stop], down[:, p.start:p.stop])
                       for p in pieces], dim=-1)
 
 
@@ -119,7 +120,7 @@ class SparseMoeBlock:
         self.moe_style = spec.moe_style
         # Invariant numerics: each expert's down projection in pieces cut at every TP degree's bounds; the TP
         # form gathers the pieces of every assignment and adds them in order, as one rank (TP1, EP) does.
-        self.row_multiple = numerics.row_multiple
+        self.numerics = numerics
         self.pieces = reduction_pieces(numerics.expert_bounds, self.intermediate) if numerics.is_invariant else None
         self.released = False  # an in-place switch took its experts (restore_experts brings them back)
         num_physical = len(phy2log) if phy2log is not None else spec.num_experts
@@ -203,7 +204,7 @@ class SparseMoeBlock:
         if self.released:
             raise RuntimeError(f"layer {self.layer_id}: its experts went to an in-place switch; restore them first")
         weights, experts = route(x, self.router, self.top_k, self.renormalize, self.cast_weights,
-                                 self.row_multiple)  # [T, k] each
+                                 self.numerics)  # [T, k] each
         slots = physical_slots(experts, self.num_copies, self.copy_slots)  # [T, k]
         if self.counts_load:
             self.load += torch.bincount(slots.reshape(-1), minlength=self.num_physical)
@@ -271,7 +272,7 @@ class SparseMoeBlock:
                 chunk = inputs[start:start + count]
                 outputs[start:start + count] = (
                     expert_mlp(chunk, self.experts[local]) if self.pieces is None
-                    else expert_mlp_pieces(chunk, self.experts[local], self.pieces, self.row_multiple))
+                    else expert_mlp_pieces(chunk, self.experts[local], self.pieces, self.numerics))
                 start += count
         return outputs
 

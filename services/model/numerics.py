@@ -3,12 +3,13 @@ no bit of a token's hidden state depends on the batch it shares a step with, on 
 the layout (TP degree, PP stages, EP) serving it, so a live switch provably changes no token.
 
 Invariant mode rests on these rules, each enforced in one place:
-- GEMM rows (`Linear.row_multiple`): a product's rows are padded to a multiple of `row_multiple`, the smallest
-  of ROW_MULTIPLES under which the device's BLAS reduces each output element of an [M, K] x [K, N] product in one
-  order whatever M, N and the row's position (`choose_row_multiple`, at a worker's start; a worker refuses the
-  mode where none holds). MKL in float32 computes a block of one row, and of two or three, in other orders than a
-  block of four or more (a product of 11 rows differs from one of 12 in its last three), and oneDNN's bfloat16
-  GEMM adds a lone row in another order than a block: 4 for both on this project's CPUs.
+- GEMMs: on the CPU every product (linear layers, the router, attention's) runs through
+  services/model/ordered_gemm.py, a kernel that adds each output element in one order fixed by its reduction
+  length alone, whatever the other rows and columns, the thread count or the CPU: no BLAS keeps that promise on
+  every CPU (MKL's float32 GEMM and oneDNN's AMX bfloat16 GEMM give a row other bits at other row counts, at any
+  padding, on this project's Xeons). On a GPU a product's rows are padded to a multiple of `row_multiple`, the
+  smallest of ROW_MULTIPLES under which `probe` finds the device's GEMMs invariant (`choose_row_multiple`, at a
+  worker's start; the worker refuses the mode where none holds).
 - TP reductions (`reduction_pieces`): a row-parallel layer's reduction dimension (and each expert's, in an MoE
   model: services/model/moe.py) is cut at every shard boundary of every TP degree the model allows on
   INVARIANT_WORKERS workers; each piece's partial product is computed on its own, the partials are gathered in
@@ -31,8 +32,12 @@ import torch
 import torch.nn.functional as F
 
 from services.contracts.numerics import MODES
+from services.model.ordered_gemm import ordered_matmul
 
-ROW_MULTIPLES = (1, 4, 8)  # the row paddings invariant mode tries, cheapest first (choose_row_multiple)
+LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # F.linear(x, weight)
+MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # torch.matmul(a, b)
+
+ROW_MULTIPLES = (1, 4, 8)  # the row paddings invariant mode tries on a GPU, cheapest first (choose_row_multiple)
 # A stack cuts its row-parallel reductions for every TP degree the model allows on this many workers (or its own
 # world, if larger): stacks of up to this many workers then give the same bits, whatever their size and layout.
 INVARIANT_WORKERS = 8
@@ -46,6 +51,7 @@ class Numerics:
 
     mode: str = "fast"
     row_multiple: int = 1                      # a GEMM's rows are padded to a multiple of this (1: none)
+    ordered_gemm: bool = False                 # products by ordered_gemm.ordered_matmul (invariant mode, CPU)
     head_bounds: tuple[int, ...] = ()          # query-head boundaries of o_proj's pieces (invariant mode)
     intermediate_bounds: tuple[int, ...] = ()  # intermediate boundaries of down_proj's pieces (invariant mode)
     expert_bounds: tuple[int, ...] = ()        # an expert's intermediate boundaries of its down pieces (MoE)
@@ -57,6 +63,19 @@ class Numerics:
     @property
     def is_invariant(self) -> bool:
         return self.mode == "invariant"
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [N, in] x weight [out, in] -> [N, out] in x's dtype, by this mode's GEMM rule."""
+        if self.ordered_gemm:
+            return ordered_matmul(x, weight).to(x.dtype)
+        return padded_linear(x, weight, self.row_multiple)
+
+    @property
+    def gemm(self) -> str:
+        """What computes the products, in words (a worker's start log, `reconfigctl status`)."""
+        if self.ordered_gemm:
+            return "ordered"
+        return f"blas, rows padded to {self.row_multiple}" if self.row_multiple > 1 else "blas"
 
 
 FAST = Numerics()
@@ -82,11 +101,12 @@ def reduction_pieces(bounds: Sequence[int], held: range, unit: int = 1) -> tuple
 
 
 def invariant_numerics(num_heads: int, intermediate_size: int, tp_sizes: Iterable[int],
-                       row_multiple: int = ROW_MULTIPLES[-1], moe_intermediate_size: int = 0) -> Numerics:
+                       row_multiple: int | None = None, moe_intermediate_size: int = 0) -> Numerics:
     """Invariant numerics for a model whose TP layouts use the degrees `tp_sizes` (an EP layout holds its
-    experts whole and cuts them at the same bounds)."""
+    experts whole and cuts them at the same bounds). row_multiple: None for the ordered GEMM (the CPU's), else the
+    BLAS rows rule's multiple (a GPU's: choose_row_multiple)."""
     tp_sizes = tuple(tp_sizes)
-    return Numerics("invariant", row_multiple, slice_bounds(num_heads, tp_sizes),
+    return Numerics("invariant", row_multiple or 1, row_multiple is None, slice_bounds(num_heads, tp_sizes),
                     slice_bounds(intermediate_size, tp_sizes),
                     slice_bounds(moe_intermediate_size, tp_sizes) if moe_intermediate_size else ())
 
@@ -102,11 +122,12 @@ def padded_linear(x: torch.Tensor, weight: torch.Tensor, row_multiple: int) -> t
     return F.linear(pad_rows(x, row_multiple), weight)[: x.shape[0]]
 
 
-def choose_row_multiple(device: torch.device, dtype: torch.dtype) -> int:
+def choose_row_multiple(device: torch.device, dtype: torch.dtype, linear: LinearFn = F.linear,
+                        matmul: MatmulFn = torch.matmul) -> int:
     """The smallest of ROW_MULTIPLES under which probe() finds this device's GEMMs invariant; RuntimeError saying
     what failed when none is."""
     for row_multiple in ROW_MULTIPLES:
-        failures = probe(device, dtype, row_multiple)
+        failures = probe(device, dtype, row_multiple, linear=linear, matmul=matmul)
         if not failures:
             return row_multiple
     raise RuntimeError(f"invariant numerics cannot hold on {device} in {dtype}: even with rows padded to a multiple "
@@ -151,12 +172,13 @@ def _order_revealing_rows(num_rows: int, k: int, generator: torch.Generator) -> 
     return rows
 
 
-def probe(device: torch.device, dtype: torch.dtype, row_multiple: int, seed: int = 0) -> list[str]:
+def probe(device: torch.device, dtype: torch.dtype, row_multiple: int, seed: int = 0, linear: LinearFn = F.linear,
+          matmul: MatmulFn = torch.matmul) -> list[str]:
     """What of invariant mode's GEMM rule fails on this device and dtype (empty: it holds): with rows padded to a
     multiple of row_multiple, every row's product must be bitwise the same at every row count and at every
     position in the batch (tails included), at any column count, and in a batched product whatever the batch.
     Random rows and order-revealing ones (_order_revealing_rows). Cheap (tens of ms); run where the mode is
-    chosen."""
+    chosen. linear and matmul: the products probed (F.linear's and torch.matmul's signatures)."""
     generator = torch.Generator().manual_seed(seed)
     failures = []
     for k, n in ((64, 64), (128, 96), (320, 192), (1024, 80)):
@@ -165,24 +187,24 @@ def probe(device: torch.device, dtype: torch.dtype, row_multiple: int, seed: int
         x = torch.stack([row for pair in zip(_order_revealing_rows(165, k, generator),
                                              torch.randn(165, k, generator=generator)) for row in pair])
         x = x.to(device=device, dtype=dtype)  # order-revealing and random rows alternate
-        whole = F.linear(x[:-(330 % row_multiple) or None], weight)  # every row of x, in one product
+        whole = linear(x[:-(330 % row_multiple) or None], weight)  # every row of x, in one product
         for rows in sorted({-(-r // row_multiple) * row_multiple for r in (1, 2, 3, 5, 11, 17, 64, 257, 300)}):
             for start in (0, 1, 9, 327 - rows):  # the same rows, a product of `rows` rows starting at `start`
                 if start >= 0 and start + rows <= whole.shape[0] and not torch.equal(
-                        F.linear(x[start: start + rows], weight), whole[start: start + rows]):
+                        linear(x[start: start + rows], weight), whole[start: start + rows]):
                     failures.append(f"linear [{rows}, {k}] x [{k}, {n}] from row {start}: a row's product depends "
                                     "on the row count or its position")
-        if not torch.equal(F.linear(x[:64], weight[n // 4:]), F.linear(x[:64], weight)[:, n // 4:]):
+        if not torch.equal(linear(x[:64], weight[n // 4:]), linear(x[:64], weight)[:, n // 4:]):
             failures.append(f"linear [{k}, {n}]: a column's product depends on the column count")
     a = torch.cat([_order_revealing_rows(12 * row_multiple, 64, generator).view(12, row_multiple, 64)[:, :, None],
                    torch.randn(12, row_multiple, 1, 64, generator=generator)], dim=2).view(12, 2 * row_multiple, 64)
     a = a.to(device=device, dtype=dtype)
     b = torch.cat([torch.ones(12, 64, 64), torch.randn(12, 64, 64, generator=generator)], dim=2)
     b = b.to(device=device, dtype=dtype)
-    whole = torch.matmul(a, b)
-    if not (torch.equal(torch.matmul(a[:1], b[:1]), whole[:1]) and torch.equal(torch.matmul(a[3:7], b[3:7]),
+    whole = matmul(a, b)
+    if not (torch.equal(matmul(a[:1], b[:1]), whole[:1]) and torch.equal(matmul(a[3:7], b[3:7]),
                                                                                  whole[3:7])):
         failures.append("batched matmul: a matrix's product depends on the batch")
-    if not torch.equal(torch.matmul(a[:4], b[:4, :, 32:]), whole[:4, :, 32:]):
+    if not torch.equal(matmul(a[:4], b[:4, :, 32:]), whole[:4, :, 32:]):
         failures.append("batched matmul: a column's product depends on the column count")
     return failures

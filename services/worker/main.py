@@ -63,7 +63,8 @@ async def serve_worker(config: WorkerConfig, ready: Connection | None = None) ->
         loop.add_signal_handler(sig, servicer.stopped.set)
     log.info("worker.ready", rank=config.rank, port=port, step_port=shard.step_port, topology=str(topology), join=config.join,
              param_bytes=shard.info().param_bytes, kv_blocks=shard.info().num_kv_blocks,
-             num_threads=shard.num_threads, seconds=round(time.perf_counter() - started, 3))
+             num_threads=shard.num_threads, numerics=shard.numerics.mode, gemm=shard.numerics.gemm,
+             seconds=round(time.perf_counter() - started, 3))
     if ready is not None:
         ready.send({"rank": config.rank, "port": port, "pid": os.getpid()})
     try:

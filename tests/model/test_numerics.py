@@ -29,6 +29,7 @@ from services.model.numerics import (
     reduction_pieces,
     slice_bounds,
 )
+from services.model.ordered_gemm import ordered_matmul
 from services.model.spec import ModelSpec
 from services.topology import Topology, place
 from services.topology.eplb import initial_expert_maps
@@ -74,39 +75,57 @@ def test_ordered_sum_adds_the_pieces_in_order_in_float32():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_probe_holds_here_at_the_multiple_it_chooses(dtype):
-    """Which multiple a CPU needs is its own: Intel's MKL adds a lone row (float32: a block of two or three) in
-    another order, where an AMD EPYC's bf16 GEMMs need no padding at all."""
-    chosen = choose_row_multiple(CPU, dtype)
-    assert chosen in (1, 2, 4, 8) and probe(CPU, dtype, chosen) == [] and probe(CPU, dtype, 8) == []
-    assert all(probe(CPU, dtype, smaller) for smaller in (1, 2, 4) if smaller < chosen)  # the smallest that holds
+def test_the_ordered_gemm_passes_the_probe_at_every_thread_count(dtype):
+    """Invariant mode's CPU products (ordered_gemm): every row the same bits at every row count, position and
+    column count, whatever the CPU's BLAS does (MKL and oneDNN fail this probe on some of this project's CPUs)."""
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            assert probe(CPU, dtype, 1, linear=ordered_matmul, matmul=_ordered_bmm) == []
+    finally:
+        torch.set_num_threads(before)
 
 
-def test_the_probe_catches_a_gemm_whose_rows_depend_on_the_row_count(monkeypatch):
-    """A GEMM that adds a row in another order unless the rows come in fours (as MKL's lone-row kernel does),
-    played on any CPU: the probe must name it at multiples 1 and 2, pass it at 4, and the mode must pad to 4."""
-    import services.model.numerics as numerics
-
-    linear = torch.nn.functional.linear
-
-    def row_count_dependent(x, weight, bias=None):
-        out = linear(x, weight, bias)
-        if x.dim() == 2 and x.shape[0] % 4:  # the other order: the last bit of every product differs
-            out = torch.nextafter(out, torch.full_like(out, float("inf")))
-        return out
-
-    monkeypatch.setattr(numerics.F, "linear", row_count_dependent)
-    assert probe(CPU, torch.float32, 1) and probe(CPU, torch.float32, 2)
-    assert probe(CPU, torch.float32, 4) == []
-    assert choose_row_multiple(CPU, torch.float32) == 4
+def _ordered_bmm(a, b):
+    return ordered_matmul(a, b.transpose(-1, -2))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_padded_linear_gives_a_row_the_same_bits_at_any_batch(dtype):
+def test_the_ordered_gemm_computes_the_product(dtype):
+    generator = torch.Generator().manual_seed(3)
+    for m, k, n in ((1, 1, 1), (5, 17, 3), (64, 576, 130), (9, 16, 2)):
+        a, b = torch.randn(m, k, generator=generator).to(dtype), torch.randn(n, k, generator=generator).to(dtype)
+        assert torch.allclose(ordered_matmul(a, b).double(), a.double() @ b.double().T, rtol=1e-5, atol=1e-4 * k ** 0.5)
+    batched = torch.randn(2, 3, 4, 8, generator=generator)
+    assert torch.allclose(ordered_matmul(batched, batched), batched @ batched.transpose(-1, -2), atol=1e-5)
+    assert ordered_matmul(torch.empty(0, 4), torch.empty(3, 4)).shape == (0, 3)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        ordered_matmul(torch.ones(2, 2, dtype=torch.float64), torch.ones(2, 2, dtype=torch.float64))
+
+
+def test_the_probe_catches_a_gemm_whose_rows_depend_on_the_row_count():
+    """A GEMM that adds a row in another order unless the rows come in fours (as MKL's lone-row kernel does),
+    played on any CPU: the probe must name it at multiples 1 and 2, pass it at 4, and the mode must pad to 4."""
+
+    def row_count_dependent(x, weight):
+        out = ordered_matmul(x, weight)
+        if x.shape[0] % 4:  # the other order: the last bit of every product differs
+            out = torch.nextafter(out, torch.full_like(out, float("inf")))
+        return out
+
+    assert probe(CPU, torch.float32, 1, linear=row_count_dependent, matmul=_ordered_bmm)
+    assert probe(CPU, torch.float32, 2, linear=row_count_dependent, matmul=_ordered_bmm)
+    assert probe(CPU, torch.float32, 4, linear=row_count_dependent, matmul=_ordered_bmm) == []
+    assert choose_row_multiple(CPU, torch.float32, linear=row_count_dependent, matmul=_ordered_bmm) == 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_invariant_linear_gives_a_row_the_same_bits_at_any_batch(dtype):
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 64, generator=generator).to(dtype)
     x = torch.randn(70, 64, generator=generator).to(dtype)
-    linear = Linear(weight, row_multiple=choose_row_multiple(CPU, dtype))
+    linear = Linear(weight, numerics=invariant_numerics(4, 8, (1,)))
     alone = linear(x[9:10])
     assert all(torch.equal(linear(x[start:rows])[9 - start: 10 - start], alone)
                for start in (0, 3, 9) for rows in (10, 11, 12, 17, 33, 70))
@@ -280,8 +299,7 @@ def llama_dir(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_invariant_logits_are_bitwise_the_same_in_any_batch_chunking_and_tp_degree(llama_dir, dtype):
     spec = ModelSpec.from_dir(llama_dir)
-    numerics = invariant_numerics(spec.shape.num_heads, spec.shape.intermediate_size, (1, 2, 4),
-                                  choose_row_multiple(CPU, dtype))  # what a worker takes
+    numerics = invariant_numerics(spec.shape.num_heads, spec.shape.intermediate_size, (1, 2, 4))  # what a CPU worker takes
     reference = _serve(_StageModel(llama_dir, 1, dtype, numerics).step, "together")
     for tp in (1, 2, 4):
         model = _StageModel(llama_dir, tp, dtype, numerics)
@@ -300,8 +318,7 @@ def test_64_random_prompts_get_the_same_bf16_logits_alone_and_together(tmp_path)
     rng = random.Random(39)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(1, 40))] for _ in range(64)]
     spec = ModelSpec.from_dir(llama_dir)
-    numerics = invariant_numerics(spec.shape.num_heads, spec.shape.intermediate_size, (1,),
-                                  choose_row_multiple(CPU, torch.bfloat16))
+    numerics = invariant_numerics(spec.shape.num_heads, spec.shape.intermediate_size, (1,))
     model = _StageModel(llama_dir, 1, torch.bfloat16, numerics)
     alone = _serve(model.step, "alone", prompts, 3)
     for schedule in ("together", "chunked"):
@@ -335,7 +352,7 @@ def test_moe_logits_are_bitwise_the_same_in_tp_and_ep_layouts_and_any_batch(hf_m
     dispatched by all-to-all) give every token the same bits, together, alone and chunked."""
     spec = ModelSpec.from_dir(hf_moe_checkpoint)
     numerics = invariant_numerics(spec.shape.num_heads, spec.shape.intermediate_size, (1, 2, 4),
-                                  choose_row_multiple(CPU, dtype), spec.shape.moe_intermediate_size)
+                                  moe_intermediate_size=spec.shape.moe_intermediate_size)
     reference = _serve(_StageModel(hf_moe_checkpoint, 1, dtype, numerics).step, "together")
     for tp, ep in ((2, 1), (4, 1), (1, 2), (1, 4)):
         model = _StageModel(hf_moe_checkpoint, tp, dtype, numerics, ep=ep)
