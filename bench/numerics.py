@@ -2,7 +2,7 @@
 tokens change with its batch or its layout.
 
     python bench/numerics.py [--model tiny-llama] [--dtypes float32,bfloat16] [--batch-sizes 1,16,64]
-                             [--layouts tp1pp1:1,tp2pp1:2] [--quick]
+                             [--layouts tp1pp1:1,tp2pp1:2] [--kv-cache-mib 256] [--quick]
 
 For each dtype, numerics mode and layout (its own LocalCluster of real workers), the same prompts are served at
 each batch size: the batch of 16 is the first 16 prompts of the batch of 64, the batch of 1 the first prompt, so a
@@ -23,9 +23,9 @@ from pathlib import Path
 from report import apply_defaults, paired_bars, write_report
 
 DEFAULTS = dict(model="tiny-llama", dtypes="float32,bfloat16", batch_sizes="1,16,64", layouts="tp1pp1:1,tp2pp1:2",
-                prompt_len=24, new_tokens=48, repeats=2)
+                prompt_len=24, new_tokens=48, repeats=2, kv_cache_mib=256)
 QUICK = dict(model="tiny-llama", dtypes="bfloat16", batch_sizes="1,8", layouts="tp1pp1:1,tp2pp1:2", prompt_len=8,
-             new_tokens=12, repeats=1)
+             new_tokens=12, repeats=1, kv_cache_mib=64)
 MODES = ("fast", "invariant")
 
 
@@ -53,7 +53,7 @@ def measure(args: argparse.Namespace, dtype: str, numerics: str, topology: str, 
         return rows
 
     config = ClusterConfig(model=args.model, num_workers=num_workers, topology=topology, dtype=dtype,
-                           numerics=numerics, kv_cache_bytes=64 << 20, block_size=16,
+                           numerics=numerics, kv_cache_bytes=int(args.kv_cache_mib) << 20, block_size=16,
                            env={"RECONFIG_LOG_LEVEL": "WARNING"})
     with LocalCluster(config) as cluster:
         return asyncio.run(run(cluster.worker_addresses))
