@@ -141,21 +141,22 @@ def _plot(rows: list[dict], path: Path, title: str) -> None:
     switches = [r for r in rows if r["kind"] == "switch"]
     moves = [r for r in rows if r["kind"] == "move"]
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    xs = range(len(switches))
-    left.bar([x - 0.2 for x in xs], [r["one_host"] for r in switches], 0.4, label="one host (shm)")
-    left.bar([x + 0.2 for x in xs], [r["two_hosts"] for r in switches], 0.4, label="two hosts (torch.distributed)")
-    left.set_xticks(list(xs), [r["case"] for r in switches])
-    left.set_ylabel("switch downtime (ms)")
-    left.legend()
-    xs = range(len(moves))
-    right.bar([x - 0.2 for x in xs], [r["kv"] for r in moves], 0.4, label="with its KV")
-    right.bar([x + 0.2 for x in xs], [r["reprefill"] for r in moves], 0.4, label="by re-prefill")
-    right.set_xticks(list(xs), [r["case"] for r in moves])
-    right.set_ylabel("a move between hosts (ms)")
-    right.legend()
+    _paired(left, switches, ("one_host", "one host (shm)"), ("two_hosts", "two hosts (torch.distributed)"),
+            "switch downtime (ms)")
+    _paired(right, moves, ("kv", "with its KV"), ("reprefill", "by re-prefill"), "a move between hosts (ms)")
     figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
+
+
+def _paired(axes, rows: list[dict], first: tuple[str, str], second: tuple[str, str], ylabel: str) -> None:
+    """Two bars per row (first and second: (key, label)), one tick per row's case."""
+    xs = range(len(rows))
+    for offset, (key, label) in ((-0.2, first), (0.2, second)):
+        axes.bar([x + offset for x in xs], [r[key] for r in rows], 0.4, label=label)
+    axes.set_xticks(list(xs), [r["case"] for r in rows])
+    axes.set_ylabel(ylabel)
+    axes.legend()
 
 
 def main() -> int:
