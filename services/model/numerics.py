@@ -72,7 +72,7 @@ class Numerics:
 
     @property
     def gemm(self) -> str:
-        """What computes the products, in words (a worker's start log, `reconfigctl status`)."""
+        """What computes the products, in words (the worker.ready log line)."""
         if self.ordered_gemm:
             return "ordered"
         return f"blas, rows padded to {self.row_multiple}" if self.row_multiple > 1 else "blas"
