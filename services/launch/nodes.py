@@ -96,8 +96,16 @@ class NodeMismatch(RuntimeError):
 
 
 def register(store, record: NodeRecord) -> None:
-    """A follower's record, for the leader (`store`: a TCPStore client of the leader's)."""
-    store.set(_NODE_KEY.format(record.node_rank), record.to_json())
+    """A follower's record, for the leader (`store`: a TCPStore client of the leader's); returns once the
+    leader can see it."""
+    _set_visibly(store, _NODE_KEY.format(record.node_rank), record.to_json())
+
+
+def _set_visibly(store, key: str, value: str) -> None:
+    """Set `key` and return once every client of the store can read it. A TCPStore client's set is not
+    acknowledged; its connection is served in order, so a read behind it returns only after the set is applied."""
+    store.set(key, value)
+    store.get(key)
 
 
 def wait_for_nodes(store, layout: NodeLayout, timeout_s: float) -> list[NodeRecord]:
@@ -125,8 +133,8 @@ def check_records(records: list[NodeRecord], layout: NodeLayout, digest: str) ->
 
 
 def announce_stop(store) -> None:
-    """The leader is stopping: the followers stop their processes."""
-    store.set(_STOP_KEY, "1")
+    """The leader is stopping: the followers stop their processes (returns once they can see it)."""
+    _set_visibly(store, _STOP_KEY, "1")
 
 
 def leader_gone(store) -> str:
