@@ -29,17 +29,30 @@ class DecodeBatch:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillBatch:
+    """A step's prefill chunks, attended to in one padded SDPA call (on a GPU: one launch, not one per chunk)."""
+
+    token_rows: torch.Tensor       # [S, n] each chunk's rows in the step's [T] arrays (padding: row 0)
+    real: torch.Tensor             # [S, n] True on a chunk's own rows
+    real_token_rows: torch.Tensor  # token_rows[real]
+    slots: torch.Tensor            # [S, ctx] flat cache slots of each chunk's context (padding: slot 0)
+    q_pos: torch.Tensor            # [S, n] each query's position
+    mask: torch.Tensor             # [S, 1, n, ctx] causal, within the chunk's context; padding rows see key 0
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     """Per-step attention inputs shared by every layer of a worker (built once per step, not per layer)."""
 
     sequences: tuple[SequenceSlice, ...]   # every sequence of the step, in batch order
     slot_mapping: torch.Tensor  # [T] flat cache slot (block * block_size + offset) of each new token
     block_size: int
-    prefills: tuple[SequenceSlice, ...] = ()  # multi-token sequences, attended one by one
+    prefills: tuple[SequenceSlice, ...] = ()  # multi-token sequences, attended one by one (or prefill_batch)
     decodes: DecodeBatch | None = None        # single-token sequences, attended in one call
     # [T] the row of this step's keys/values each slot of slot_mapping receives; None: row i. A padded decode step
     # (CUDA graphs) repeats a real row in its padding rows, slot included: the duplicate writes carry equal bytes.
     write_rows: torch.Tensor | None = None
+    prefill_batch: PrefillBatch | None = None  # the prefills in one call (on a GPU, when there are several)
 
     @classmethod
     def build(cls, starts: list[int], lengths: list[int], block_tables: list[list[int]], block_size: int,
@@ -63,7 +76,8 @@ class AttentionMetadata:
         prefills = tuple(s for s in sequences if s.num_new_tokens != 1)
         decode_batch = _decode_batch([sequences[i] for i in decodes], [tables[i] for i in decodes], block_size,
                                      token_start, device) if decodes else None
-        return cls(tuple(sequences), slot_mapping, block_size, prefills, decode_batch)
+        batched = prefill_batch(prefills, device) if len(prefills) > 1 and device.type == "cuda" else None
+        return cls(tuple(sequences), slot_mapping, block_size, prefills, decode_batch, prefill_batch=batched)
 
     @classmethod
     def padded_decode(cls, positions: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -108,6 +122,8 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMet
     if decodes is not None:
         out[decodes.token_index] = _batched_decode(query, cache, decodes, scale, sliding_window)
     flat = cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_blocks * block_size, Hkv, D]
+    if meta.prefill_batch is not None:
+        return _batched_prefill(query, flat, meta.prefill_batch, scale, sliding_window, out)
     for seq in meta.prefills:
         q = query[seq.token_start: seq.token_start + seq.num_new_tokens]  # [n, Hq, D]
         kv = flat.index_select(1, seq.context_slots)  # [2, ctx, Hkv, D]
@@ -123,6 +139,42 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMet
             enable_gqa=True,
         )
         out[seq.token_start: seq.token_start + seq.num_new_tokens] = attn[0].transpose(0, 1)
+    return out
+
+
+def prefill_batch(prefills: tuple[SequenceSlice, ...], device: torch.device) -> PrefillBatch:
+    """The padded indices and mask that attend a step's prefill chunks in one call (built once per step, on the
+    host but for the context slots, already on the device)."""
+    num_new = torch.tensor([p.num_new_tokens for p in prefills])
+    context = torch.tensor([p.context_len for p in prefills])
+    rows = torch.arange(int(num_new.max()))
+    real = rows[None, :] < num_new[:, None]                                             # [S, n]
+    token_rows = torch.where(real, torch.tensor([p.token_start for p in prefills])[:, None] + rows, 0)
+    q_pos = (context - num_new)[:, None] + rows                                         # [S, n]
+    k_pos = torch.arange(int(context.max()))
+    mask = (k_pos <= q_pos[:, :, None]) & (k_pos < context[:, None, None])
+    mask |= ~real[:, :, None] & (k_pos == 0)  # a padding row sees key 0 alone (one that sees nothing: NaN)
+    slots = torch.nn.utils.rnn.pad_sequence([p.context_slots for p in prefills], batch_first=True)  # [S, ctx]
+    token_rows, real, real_rows, q_pos, mask = (t.to(device, non_blocking=True) for t in (
+        token_rows, real, token_rows[real], q_pos, mask[:, None]))
+    return PrefillBatch(token_rows, real, real_rows, slots, q_pos, mask)
+
+
+def _batched_prefill(query: torch.Tensor, flat: torch.Tensor, batch: PrefillBatch, scale: float,
+                     sliding_window: int | None, out: torch.Tensor) -> torch.Tensor:
+    """The prefill chunks of a step in one attention call: queries and keys padded to the longest chunk and
+    context, masked per chunk (causal, its own context, the window). Writes their rows of `out` and returns it."""
+    q = query[batch.token_rows]                                                           # [S, n, Hq, D]
+    kv = flat[:, batch.slots]                                                             # [2, S, ctx, Hkv, D]
+    mask = batch.mask
+    if sliding_window is not None:
+        k_pos = torch.arange(batch.slots.shape[1], device=query.device)
+        mask = mask & ((batch.q_pos[:, :, None] - k_pos) < sliding_window)[:, None]
+        mask |= (~batch.real[:, :, None] & (k_pos == 0))[:, None]
+    attn = F.scaled_dot_product_attention(q.transpose(1, 2), kv[0].to(q.dtype).transpose(1, 2),
+                                          kv[1].to(q.dtype).transpose(1, 2), attn_mask=mask, is_causal=False,
+                                          scale=scale, enable_gqa=True)                  # [S, Hq, n, D]
+    out[batch.real_token_rows] = attn.transpose(1, 2)[batch.real]
     return out
 
 

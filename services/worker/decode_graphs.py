@@ -30,6 +30,7 @@ import torch
 from services.contracts.step import SequenceStep
 from services.model.attention import AttentionMetadata
 from services.model.llama import ShardedCausalLM
+from services.worker.device_io import staged, to_device
 from services.worker.kv_cache import KVCache
 
 log = structlog.get_logger(__name__)
@@ -112,8 +113,10 @@ class DecodeGraphs:
         longest = max(s.start_position + 1 for s in seqs)
         return self.max_keys is None or longest <= self.max_keys
 
-    def run(self, seqs: tuple[SequenceStep, ...] | list[SequenceStep], hidden: torch.Tensor | None) -> DecodeResult:
-        """One decode step of `seqs` (hidden: the received states [B, hidden] on stages after the first)."""
+    def run(self, seqs: tuple[SequenceStep, ...] | list[SequenceStep], hidden: torch.Tensor | None,
+            feed: tuple[list[int], torch.Tensor] | None = None) -> DecodeResult:
+        """One decode step of `seqs` (hidden: the received states [B, hidden] on stages after the first; feed: the
+        rows fed PENDING_TOKEN and their tokens, on the device). Nothing here waits for the device."""
         self._check_kv()
         block_size = self.kv_cache.block_size
         rows = len(seqs)
@@ -122,7 +125,10 @@ class DecodeGraphs:
         graph = self._graphs.get((batch, num_blocks))
         if graph is None:
             graph = self._graphs[(batch, num_blocks)] = self._new(batch, num_blocks)
-        graph.packed.copy_(self._packed(seqs, batch, num_blocks), non_blocking=True)
+        graph.packed.copy_(staged(self._packed(seqs, batch, num_blocks), self.device), non_blocking=True)
+        if feed is not None:
+            fed, tokens = feed
+            graph.fields()[0].index_copy_(0, to_device(fed, self.device), tokens)
         if graph.hidden_in is not None:
             graph.hidden_in[:rows].copy_(hidden)
             if batch > rows:
@@ -172,10 +178,11 @@ class DecodeGraphs:
             self._kv_ptrs = pointers
 
     def _packed(self, seqs, batch: int, num_blocks: int) -> torch.Tensor:
-        """The step's inputs, padded to `batch` rows with copies of row 0, as one host int64 tensor."""
+        """The step's inputs, padded to `batch` rows with copies of row 0, as one host int64 tensor (a pending
+        token as 0: the feed replaces it; padding rows' tokens are never read back, nor their keys written)."""
         pad = batch - len(seqs)
-        first = seqs[0]
-        tokens = [s.token_ids[0] for s in seqs] + [first.token_ids[0]] * pad
+        tokens = [max(s.token_ids[0], 0) for s in seqs]
+        tokens += [tokens[0]] * pad
         positions = [s.start_position for s in seqs]
         positions += [positions[0]] * pad
         context_lens = [p + 1 for p in positions]

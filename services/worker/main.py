@@ -73,6 +73,7 @@ async def serve_worker(config: WorkerConfig, ready: Connection | None = None) ->
         step_server.close()
         await server.stop(grace=1.0)
         servicer.model_thread.shutdown(wait=True, cancel_futures=True)
+        servicer.readback_thread.shutdown(wait=True, cancel_futures=True)
         shard.close()
         parallel.close()
         log.info("worker.stopped", rank=config.rank)

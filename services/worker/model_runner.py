@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -12,6 +13,7 @@ from services.model.attention import AttentionMetadata
 from services.model.llama import ShardedCausalLM
 from services.topology import Placement, WorkerPlacement
 from services.worker.decode_graphs import DecodeGraphs
+from services.worker.device_io import to_device
 from services.worker.faults import FAULTS
 from services.worker.kv_cache import KVCache
 from services.worker.logits_processor import needs_processing
@@ -22,6 +24,62 @@ from services.worker.sampler import sample_outputs
 class PendingTokenMissing(ValueError):
     """A step fed PENDING_TOKEN for a position this worker's previous step did not sample (the step before it
     failed, or the router sent it ahead where it must not): the step fails before any collective."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Sampled:
+    """What a step sampled, kept for the step sent after it: the tokens stay on the device, and only which row of
+    them belongs to which request at which position is known on the host."""
+
+    tokens: torch.Tensor                                     # [R] int64, on the device
+    rows: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # request id -> (row, position)
+
+
+_NOTHING_SAMPLED = _Sampled(torch.empty(0, dtype=torch.int64))
+
+
+@dataclass(slots=True)
+class _Sampling:
+    """What (part of) a step drew on the last stage: outputs sampled on the host, and rows sampled on the device,
+    whose tokens stay there until the step's readback."""
+
+    outputs: list[SequenceOutput] = dataclasses.field(default_factory=list)
+    request_ids: tuple[str, ...] = ()      # the rows sampled on the device, ...
+    tokens: torch.Tensor | None = None     # ... their tokens [len(request_ids)] int64, on the device
+
+    def joined(self, other: _Sampling) -> _Sampling:
+        if other.tokens is None or self.tokens is None:
+            request_ids, tokens = (self.request_ids, self.tokens) if other.tokens is None else (
+                other.request_ids, other.tokens)
+        else:
+            request_ids, tokens = self.request_ids + other.request_ids, torch.cat([self.tokens, other.tokens])
+        return _Sampling(self.outputs + other.outputs, request_ids, tokens)
+
+
+class LaunchedStep:
+    """A step whose device work is queued. Its StepOutput is complete, or waits for the tokens it sampled on the
+    device: they come to the host by a non-blocking copy into pinned memory, and `result()` (on a thread other than
+    the model thread's, which goes on to launch the next step) waits for that copy alone."""
+
+    __slots__ = ("output", "request_ids", "tokens", "event", "order")
+
+    def __init__(self, output: StepOutput, request_ids: tuple[str, ...] = (), tokens: torch.Tensor | None = None,
+                 event: torch.cuda.Event | None = None, order: dict[str, int] | None = None) -> None:
+        self.output = output            # complete but for the rows of `tokens`
+        self.request_ids = request_ids  # the request of each row of `tokens`
+        self.tokens = tokens            # [len(request_ids)] int64 host tensor (filled once `event` completes)
+        self.event = event
+        self.order = order              # the batch's order of requests, where outputs come in another
+
+    def result(self) -> StepOutput:
+        if self.tokens is None:
+            return self.output
+        if self.event is not None:
+            self.event.synchronize()
+        outputs = self.output.outputs + tuple(map(SequenceOutput, self.request_ids, self.tokens.tolist()))
+        if self.order is not None:
+            outputs = tuple(sorted(outputs, key=lambda o: self.order[o.request_id]))
+        return dataclasses.replace(self.output, outputs=outputs)
 
 
 class ModelRunner:
@@ -49,8 +107,8 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, kv_cache, device, capture=True)
         elif cuda_graphs:
             self.graphs_refused = why_not
-        # What the previous step sampled, by request: (position, token); a step sent ahead feeds these.
-        self._sampled: dict[str, tuple[int, int]] = {}
+        # What the previous step sampled; a step sent ahead feeds these tokens, on the device.
+        self._sampled = _NOTHING_SAMPLED
 
     graphs_refused = ""  # why decode graphs are off in this layout, when asked for
 
@@ -66,61 +124,130 @@ class ModelRunner:
             return "the stage's collectives run over gloo (shared GPU)"
         return None
 
-    @torch.inference_mode()
     def execute(self, batch: StepBatch, rank: int) -> StepOutput:
-        """Run one step. Only the last stage's TP rank 0 returns outputs (in an EP layout, every last-stage rank,
-        each for its own requests); in a single-stage layout every rank samples and remembers the tokens for a
-        step sent ahead (PENDING_TOKEN inputs)."""
-        if not batch.sequences:
-            return StepOutput(batch.step_id, rank)
-        batch = self._with_sampled_inputs(batch)
-        self._sampled = {}  # a step that fails leaves nothing for the next one to feed
-        output = self._execute(batch, rank)
-        if self.keeps_samples:
-            self._sampled = self._samples(batch, output.outputs)
-            if self.wp.tp_rank != 0:
-                output = dataclasses.replace(output, outputs=())
-        return output
+        """Run one step and wait for its output (launch(), then its result)."""
+        return self.launch(batch, rank).result()
 
-    def _samples(self, batch: StepBatch, outputs) -> dict[str, tuple[int, int]]:
-        """(position, token) of what this step sampled, by request. With several TP ranks, only what every rank
-        drew alike (greedy or seeded): a request sampled without a seed draws differently on each rank."""
-        several = self.placement.topology.tp > 1
-        positions = {s.request_id: s.start_position + len(s.token_ids) for s in batch.sequences
-                     if not several or s.sampling.draws_alike}
-        return {o.request_id: (positions[o.request_id], o.token_id) for o in outputs
-                if o.token_id >= 0 and o.request_id in positions}
-
-    def _with_sampled_inputs(self, batch: StepBatch) -> StepBatch:
-        """The batch with each PENDING_TOKEN input replaced by the token the previous step sampled there."""
-        if not any(s.token_ids == (PENDING_TOKEN,) for s in batch.sequences):
-            return batch
-        if not self.keeps_samples:  # every rank of the layout refuses alike, before any collective
-            raise PendingTokenMissing(f"step {batch.step_id} feeds pending tokens, which only the ranks of a "
-                                      f"single-stage layout keep, not those of {self.placement.topology}")
-        seqs = []
-        for s in batch.sequences:
-            if s.token_ids == (PENDING_TOKEN,):
-                position, token_id = self._sampled.get(s.request_id, (-1, -1))
-                if position != s.start_position:
-                    raise PendingTokenMissing(
-                        f"step {batch.step_id} feeds the token of {s.request_id!r} at position {s.start_position}, "
-                        f"which this worker's previous step did not sample")
-                s = dataclasses.replace(s, token_ids=(token_id,))
-            seqs.append(s)
-        return StepBatch(batch.step_id, tuple(seqs), batch.commit_expert_map)
-
-    def _execute(self, batch: StepBatch, rank: int) -> StepOutput:
+    @torch.inference_mode()
+    def launch(self, batch: StepBatch, rank: int) -> LaunchedStep:
+        """Queue one step's device work; no host synchronisation where every row that samples is plain greedy
+        (its tokens are drawn on the device). Only the last stage's TP rank 0 returns outputs (in an EP layout,
+        every last-stage rank, each for its own requests); in a single-stage layout every rank samples and keeps
+        the tokens on the device for a step sent ahead (PENDING_TOKEN inputs)."""
         started = time.perf_counter()
+        if not batch.sequences:
+            return LaunchedStep(StepOutput(batch.step_id, rank))
+        feed = self._pending_feed(batch.sequences)
+        self._sampled = _NOTHING_SAMPLED  # a step that fails leaves nothing for the next one to feed
         seqs = batch.sequences
         if self.is_data_parallel:
             seqs = tuple(s for s in seqs if s.dp_rank == self.wp.dp_rank)
             if not seqs:  # the stage has work, this rank none: its MoE layers still join the stage's all-to-alls
                 self.model.forward_empty()
-                return StepOutput(batch.step_id, rank, compute_seconds=time.perf_counter() - started)
-            batch = StepBatch(batch.step_id, seqs)
-        if self.graphs is not None and self.graphs.accepts(seqs):
-            return self._execute_graph(batch, seqs, rank, started)
+                return LaunchedStep(StepOutput(batch.step_id, rank, compute_seconds=time.perf_counter() - started))
+        output = StepOutput(batch.step_id, rank)
+        sampling, output = self._run(seqs, feed, rank, output)
+        if sampling is not None and self.keeps_samples:
+            self._sampled = self._samples(seqs, sampling)
+        output = dataclasses.replace(output, compute_seconds=time.perf_counter() - started)
+        if sampling is None or self.wp.tp_rank != 0:  # (every rank of an EP layout is its stage's rank 0)
+            return LaunchedStep(output)
+        output = dataclasses.replace(output, outputs=tuple(sampling.outputs))
+        order = {s.request_id: i for i, s in enumerate(seqs)} if sampling.outputs and sampling.tokens is not None \
+            else None
+        if sampling.tokens is None:
+            return LaunchedStep(output)
+        if sampling.tokens.device.type != "cuda":
+            return LaunchedStep(output, sampling.request_ids, sampling.tokens, order=order)
+        host = torch.empty(sampling.tokens.shape, dtype=sampling.tokens.dtype, pin_memory=True)
+        host.copy_(sampling.tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return LaunchedStep(output, sampling.request_ids, host, event, order)
+
+    def _run(self, seqs, feed, rank: int, output: StepOutput) -> tuple[_Sampling | None, StepOutput]:
+        """The step's model work: through a decode graph, eagerly, or (a step of decodes and prefill chunks) its
+        decodes through their graph and the rest eagerly, one after the other. What it sampled (None: nothing, or
+        not the last stage), and `output` with its timings."""
+        graphs = self.graphs
+        if graphs is None:
+            return self._run_eager(seqs, feed, rank, output)
+        if graphs.accepts(seqs):
+            return self._run_graph(seqs, feed), output
+        decodes = [i for i, s in enumerate(seqs) if graphs.accepts((s,))]
+        if not decodes or not graphs.accepts([seqs[i] for i in decodes]):
+            return self._run_eager(seqs, feed, rank, output)
+        rest = [i for i in range(len(seqs)) if i not in set(decodes)]
+        position = {i: j for j, i in enumerate(decodes)}  # a pending row is a decode row
+        decode_feed = None if feed is None else ([position[i] for i in feed[0]], feed[1])
+        sampled = self._run_graph(tuple(seqs[i] for i in decodes), decode_feed)
+        rest_sampled, output = self._run_eager(tuple(seqs[i] for i in rest), None, rank, output)
+        if sampled is None or rest_sampled is None:
+            return sampled or rest_sampled, output
+        return sampled.joined(rest_sampled), output
+
+    def _samples(self, seqs, sampling: _Sampling) -> _Sampled:
+        """What this step sampled (on the device, by row), with the position each token holds. With several TP
+        ranks, only what every rank drew alike (greedy or seeded): a request sampled without a seed draws
+        differently on each rank."""
+        several = self.placement.topology.tp > 1
+        positions = {s.request_id: s.start_position + len(s.token_ids) for s in seqs
+                     if not several or s.sampling.draws_alike}
+        request_ids, tokens = sampling.request_ids, sampling.tokens
+        on_host = [(o.request_id, o.token_id) for o in sampling.outputs if o.token_id >= 0]
+        if on_host:
+            host_tokens = to_device([t for _, t in on_host], self.device)
+            request_ids = request_ids + tuple(r for r, _ in on_host)
+            tokens = host_tokens if tokens is None else torch.cat([tokens, host_tokens])
+        if tokens is None:
+            return _NOTHING_SAMPLED
+        return _Sampled(tokens, {request_id: (row, positions[request_id]) for row, request_id in enumerate(request_ids)
+                                 if request_id in positions})
+
+    def _pending_feed(self, seqs) -> tuple[list[int], torch.Tensor] | None:
+        """For a step fed PENDING_TOKEN: the rows of `seqs` that are, and the tokens the previous step sampled for
+        them (on the device, in that order); None when no row is."""
+        pending = [i for i, s in enumerate(seqs) if s.token_ids == (PENDING_TOKEN,)]
+        if not pending:
+            return None
+        if not self.keeps_samples:  # every rank of the layout refuses alike, before any collective
+            raise PendingTokenMissing(f"step feeds pending tokens, which only the ranks of a single-stage layout "
+                                      f"keep, not those of {self.placement.topology}")
+        sources = []
+        for i in pending:
+            s = seqs[i]
+            row, position = self._sampled.rows.get(s.request_id, (-1, -1))
+            if position != s.start_position:
+                raise PendingTokenMissing(
+                    f"a step feeds the token of {s.request_id!r} at position {s.start_position}, which this "
+                    f"worker's previous step did not sample")
+            sources.append(row)
+        tokens = self._sampled.tokens
+        if sources != list(range(len(tokens))):  # (in a steady decode, every row of the previous step, in order)
+            tokens = tokens.index_select(0, to_device(sources, self.device))
+        return pending, tokens
+
+    def _sampling(self, seqs, wanted: list[int], logits: torch.Tensor, num_prompt_rows: int,
+                  greedy: torch.Tensor | None = None) -> _Sampling | None:
+        """What the rows `wanted` draw from `logits` (after `num_prompt_rows` rows of prompt logprobs): on the
+        device when every one is plain greedy (`greedy`: its argmax, when already drawn), else on the host
+        (temperature, logprobs, logits processors: the logits come over whole). None on a rank that neither
+        returns nor keeps them."""
+        if not num_prompt_rows and self._greedy_only(seqs, wanted):
+            tokens = logits.max(dim=-1).indices if greedy is None else greedy  # as the host's sample() draws
+            return _Sampling(request_ids=tuple(seqs[i].request_id for i in wanted),
+                             tokens=tokens.clone())  # (a graph's outputs are overwritten by its next replay)
+        if not (self.wp.tp_rank == 0 or self.keeps_samples):
+            return None
+        return _Sampling(sample_outputs(list(seqs), wanted, logits.cpu(), num_prompt_rows))
+
+    @staticmethod
+    def _greedy_only(seqs, wanted: list[int]) -> bool:
+        """Whether every row that samples takes the argmax of its raw logits, and asks for nothing more."""
+        return all(seqs[i].sample and seqs[i].sampling.is_greedy and seqs[i].sampling.num_logprobs is None
+                   and not seqs[i].return_logits and not needs_processing(seqs[i]) for i in wanted)
+
+    def _run_eager(self, seqs, feed, rank: int, output: StepOutput) -> tuple[_Sampling | None, StepOutput]:
         meta = AttentionMetadata.build(
             [s.start_position for s in seqs],
             [len(s.token_ids) for s in seqs],
@@ -131,30 +258,28 @@ class ModelRunner:
         positions = torch.tensor([s.start_position + i for s in seqs for i in range(len(s.token_ids))],
                                  dtype=torch.int64, device=self.device)
         if self.prev_rank is None:
-            inputs = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64, device=self.device)
+            inputs = to_device([t for s in seqs for t in s.token_ids], self.device)
+            if feed is not None:  # a pending input is a step's one token: its row's first
+                rows, tokens = feed
+                inputs.index_copy_(0, to_device([meta.sequences[i].token_start for i in rows], self.device), tokens)
         else:
-            shape = (batch.num_tokens, self.model.spec.hidden_size)
+            shape = (sum(len(s.token_ids) for s in seqs), self.model.spec.hidden_size)
             inputs = self.parallel.recv(shape, self.model.dtype, self.device, self.prev_rank)
         forward_started = time.perf_counter()
         hidden = self.model.forward(inputs, positions, self.kv_cache.layers, meta)  # [T, hidden]
-        forward_s = self._measured("forward", forward_started, rank)
+        output = dataclasses.replace(output, forward_seconds=self._measured("forward", forward_started, rank))
         if self.next_rank is not None:
             self.parallel.send(hidden, self.next_rank)
-            return StepOutput(batch.step_id, rank, compute_seconds=time.perf_counter() - started,
-                              forward_seconds=forward_s)
+            return None, output
         head_started = time.perf_counter()
         wanted = [i for i, s in enumerate(seqs) if s.sample or s.return_logits]
-        prompt_rows = self._prompt_logprob_rows(batch, meta)
-        outputs: list[SequenceOutput] = []
-        if wanted or prompt_rows:
-            last = [meta.sequences[i].token_start + meta.sequences[i].num_new_tokens - 1 for i in wanted]
-            rows = torch.tensor(prompt_rows + last, device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))  # [R, vocab]; a TP collective
-            if self.wp.tp_rank == 0 or self.keeps_samples:
-                outputs = sample_outputs(list(seqs), wanted, logits.cpu(), len(prompt_rows))
-        head_s = self._measured("forward", head_started, rank)
-        return StepOutput(batch.step_id, rank, tuple(outputs), compute_seconds=time.perf_counter() - started,
-                          forward_seconds=forward_s, head_seconds=head_s)
+        prompt_rows = self._prompt_logprob_rows(seqs, meta)
+        if not wanted and not prompt_rows:
+            return None, output
+        last = [meta.sequences[i].token_start + meta.sequences[i].num_new_tokens - 1 for i in wanted]
+        logits = self.model.compute_logits(hidden.index_select(0, to_device(prompt_rows + last, self.device)))
+        sampling = self._sampling(seqs, wanted, logits, len(prompt_rows))  # the lm_head above: a TP collective
+        return sampling, dataclasses.replace(output, head_seconds=self._measured("forward", head_started, rank))
 
     @staticmethod
     def _measured(point: str, started: float, rank: int) -> float:
@@ -163,36 +288,31 @@ class ModelRunner:
         seconds = time.perf_counter() - started
         return seconds + FAULTS.slowdown(point, seconds, rank=rank)
 
-    def _execute_graph(self, batch: StepBatch, seqs, rank: int, started: float) -> StepOutput:
-        """A decode step through its CUDA graph: one host synchronisation, for the tokens (or the logits when a
-        request needs more than greedy argmax)."""
+    def _run_graph(self, seqs, feed) -> _Sampling | None:
+        """A decode step through its CUDA graph: no host synchronisation when every row samples greedily (the
+        tokens are drawn inside the graph; else its logits come to the host)."""
         hidden = None
         if self.prev_rank is not None:
             hidden = self.parallel.recv((len(seqs), self.model.spec.hidden_size), self.model.dtype, self.device,
                                         self.prev_rank)
-        result = self.graphs.run(seqs, hidden)
+        result = self.graphs.run(seqs, hidden, feed)
         if self.next_rank is not None:
             self.parallel.send(result.hidden, self.next_rank)
-            return StepOutput(batch.step_id, rank, compute_seconds=time.perf_counter() - started)
-        outputs: list[SequenceOutput] = []
-        if self.wp.tp_rank == 0 or self.keeps_samples:
-            wanted = [i for i, s in enumerate(seqs) if s.sample or s.return_logits]
-            chosen = [seqs[i] for i in wanted]
-            if all(s.sample and s.sampling.is_greedy and s.sampling.num_logprobs is None and not s.return_logits
-                   and not needs_processing(s) for s in chosen):
-                tokens = result.greedy.tolist()
-                outputs = [SequenceOutput(seqs[i].request_id, tokens[i]) for i in wanted]
-            elif wanted:
-                rows = torch.tensor(wanted, device=self.device)
-                outputs = sample_outputs(list(seqs), wanted, result.logits.index_select(0, rows).cpu(), 0)
-        return StepOutput(batch.step_id, rank, tuple(outputs), compute_seconds=time.perf_counter() - started)
+            return None
+        wanted = [i for i, s in enumerate(seqs) if s.sample or s.return_logits]
+        if not wanted:
+            return None
+        if len(wanted) == len(seqs):
+            return self._sampling(seqs, wanted, result.logits, 0, result.greedy)
+        rows = to_device(wanted, self.device)
+        return self._sampling(seqs, wanted, result.logits.index_select(0, rows), 0, result.greedy.index_select(0, rows))
 
     @staticmethod
-    def _prompt_logprob_rows(batch: StepBatch, meta: AttentionMetadata) -> list[int]:
+    def _prompt_logprob_rows(seqs, meta: AttentionMetadata) -> list[int]:
         """Rows of the hidden states whose logits give the prompt logprobs asked for: the first
         len(prompt_logprob_token_ids) positions fed for each sequence, in batch order."""
         rows: list[int] = []
-        for s, slice_ in zip(batch.sequences, meta.sequences, strict=True):
+        for s, slice_ in zip(seqs, meta.sequences, strict=True):
             if len(s.prompt_logprob_token_ids) > len(s.token_ids):
                 raise ValueError(f"{s.request_id}: {len(s.prompt_logprob_token_ids)} prompt logprobs asked for "
                                  f"{len(s.token_ids)} positions fed")

@@ -20,7 +20,7 @@ from services.rpc.tls import TLSConfig
 from services.worker.expert_balance import ExpertMapError
 from services.worker.faults import FAULTS
 from services.worker.kv_import import ImportRefused
-from services.worker.model_runner import PendingTokenMissing
+from services.worker.model_runner import LaunchedStep, PendingTokenMissing
 from services.worker.shard import WorkerShard
 from services.worker.switch import SwitchFailed, apply_switch
 
@@ -42,6 +42,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         # EPLB's prepare: its collectives (the stage's CPU group) run beside the steps (the device group).
         self.eplb_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eplb")
+        # A step's tokens reach the host, and become its output, here: the model thread launches the next step
+        # meanwhile. One thread: outputs complete in launch order.
+        self.readback_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="readback")
         # Staging builds the target's shard beside the steps (not on the model thread), at a low OS priority.
         self.stage_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
         self.stopped = asyncio.Event()
@@ -52,26 +55,45 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Rank in the current world (a regroup renumbers it)."""
         return self.shard.rank
 
-    def _run_step(self, batch: StepBatch) -> StepOutput:
+    def _run_step(self, batch: StepBatch) -> LaunchedStep:
+        """On the model thread: launch the step (its output may wait for the device: _finish_step)."""
         runner = self.shard.runner
         if runner is None:
-            return StepOutput(batch.step_id, self.rank, error=f"worker {self.rank} is on standby: it holds no shard")
+            return LaunchedStep(StepOutput(batch.step_id, self.rank,
+                                           error=f"worker {self.rank} is on standby: it holds no shard"))
         if self.shard.needs_apply:
-            return StepOutput(batch.step_id, self.rank, error=f"worker {self.rank} was regrouped: its layout runs "
-                                                              "again after the next ApplySwitch")
+            return LaunchedStep(StepOutput(batch.step_id, self.rank, error=f"worker {self.rank} was regrouped: its "
+                                                                            "layout runs again after the next ApplySwitch"))
         try:
             if batch.commit_expert_map:
                 self.shard.balancer.commit(batch.commit_expert_map)
-            output = runner.execute(batch, self.rank)
+            launched = runner.launch(batch, self.rank)
             self.shard.balancer.record()
-            return output
+            return launched
         except PendingTokenMissing as exc:  # refused before any collective: the world stands
             log.warning("worker.step_refused", step_id=batch.step_id, error=str(exc))
-            return StepOutput(batch.step_id, self.rank, error=str(exc))
+            return LaunchedStep(StepOutput(batch.step_id, self.rank, error=f"step {batch.step_id}: {exc}"))
         except Exception as exc:  # a failed step answers with an error; the stream stays open
-            log.exception("worker.step_failed", step_id=batch.step_id)
-            self.shard.leave_world(exc)  # peers may be blocked on this step's collectives: let them fail now
-            return StepOutput(batch.step_id, self.rank, error=f"{type(exc).__name__}: {exc}")
+            return LaunchedStep(self._failed(batch.step_id, exc))
+
+    def _finish_step(self, launched: LaunchedStep) -> StepOutput:
+        """On the readback thread: the step's output, once its tokens are on the host."""
+        try:
+            return launched.result()
+        except Exception as exc:  # the device failed the step after its launch
+            return self._failed(launched.output.step_id, exc)
+
+    def _failed(self, step_id: int, exc: Exception) -> StepOutput:
+        log.exception("worker.step_failed", step_id=step_id)
+        self.shard.leave_world(exc)  # peers may be blocked on this step's collectives: let them fail now
+        return StepOutput(step_id, self.rank, error=f"{type(exc).__name__}: {exc}")
+
+    async def _step(self, batch: StepBatch) -> StepOutput:
+        loop = asyncio.get_running_loop()
+        launched = await loop.run_in_executor(self.model_thread, self._run_step, batch)
+        if launched.tokens is None:  # nothing to wait for
+            return launched.output
+        return await loop.run_in_executor(self.readback_thread, self._finish_step, launched)
 
     def begin_step(self, request: worker_pb2.StepRequest) -> tuple[asyncio.Future[StepOutput], tuple | None]:
         """Queue a step on the model thread (steps run in the order they arrive); its output's future and, for a
@@ -85,8 +107,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             refused = loop.create_future()
             refused.set_result(StepOutput(request.step_id, self.rank, error=str(exc)))
             return refused, None
-        future = loop.run_in_executor(self.model_thread, self._run_step, batch)
-        return future, batch.sequences if request.HasField("rows") else None
+        return asyncio.ensure_future(self._step(batch)), batch.sequences if request.HasField("rows") else None
 
     async def GetInfo(self, request, context):  # noqa: N802
         info = self.shard.info()  # cheap, and answers during a switch (which holds the model thread)

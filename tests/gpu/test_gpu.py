@@ -14,18 +14,21 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from services.controller.recovery import Recoverer
 from services.controller.status import OperationState
 from services.launch.cluster import ClusterConfig, LocalCluster
 from services.launch.generate import generate
 from services.model.spec import ModelSpec
+from services.contracts.step import PENDING_TOKEN, SequenceStep, StepBatch
 from services.router.contracts import GenerationRequest
 from services.router.driver import Driver
 from services.topology import Topology, place, plan_kv_migration
 from tests.conftest import hf_greedy, make_checkpoint, until
 from tests.reconfigure.conftest import generated_tokens, open_live_stack, serve_alone_together_and_switched
 from tests.reconfigure.helpers import background, wait_for_recovery
+from tests.worker.helpers import in_process_runner
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5], list(range(20, 41)), [150, 7, 99, 12, 3]]
 NUM_NEW_TOKENS = 24
@@ -196,3 +199,32 @@ async def test_invariant_numerics_switches_change_no_token_of_64_bf16_streams(ch
                                                                                 ["tp2pp1", "tp1pp2", "tp2pp2"], 32)
     assert [tokens[:32] for tokens in together] == alone
     assert switched == together
+
+
+def test_a_step_ahead_launches_without_waiting_for_the_device(checkpoint):
+    """Issue 37 part 3: a greedy decode step sent ahead (PENDING_TOKEN inputs) launches through its CUDA graph with
+    no host synchronisation (torch's sync debug mode raises on one): its tokens come from the previous step's, on
+    the device, and reach the host only in result(). The tokens equal transformers'."""
+    expected, _ = hf_greedy(checkpoint, PROMPTS, NUM_NEW_TOKENS)
+    runner = in_process_runner(ModelSpec.from_dir(checkpoint), checkpoint, True, device=torch.device("cuda"))
+    tables = [tuple(range(i * 16, (i + 1) * 16)) for i in range(len(PROMPTS))]
+    got = [[] for _ in PROMPTS]
+    try:
+        prefill = tuple(SequenceStep(f"r{i}", tuple(p), 0, t) for i, (p, t) in enumerate(zip(PROMPTS, tables)))
+        launched = runner.launch(StepBatch(0, prefill), 0)
+        for step in range(1, NUM_NEW_TOKENS + 1):
+            seqs = tuple(SequenceStep(f"r{i}", (PENDING_TOKEN,), len(p) + step - 1, t)
+                         for i, (p, t) in enumerate(zip(PROMPTS, tables)))
+            if step > 2:  # steps 1 and 2 capture the graph (a capture synchronises)
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                ahead = runner.launch(StepBatch(step, seqs), 0) if step < NUM_NEW_TOKENS else None
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            for i, out in enumerate(launched.result().outputs):  # the step before, read back after this launch
+                got[i].append(out.token_id)
+            launched = ahead
+    finally:
+        runner.kv_cache.close()
+    assert runner.graphs.num_graphs >= 1
+    assert got == expected

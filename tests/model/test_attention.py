@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 import torch.nn.functional as F
 
-from services.model.attention import AttentionMetadata, paged_attention, write_kv
+from services.model.attention import AttentionMetadata, paged_attention, prefill_batch, write_kv
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 
@@ -71,8 +74,6 @@ def test_batch_of_sequences_is_independent():
 
 
 def test_short_block_table_is_an_error():
-    import pytest
-
     with pytest.raises(ValueError, match="2 needed for 5 tokens"):
         AttentionMetadata.build([0], [5], [[0]], BLOCK, torch.device("cpu"))
 
@@ -92,3 +93,32 @@ def test_decodes_of_different_lengths_in_one_batch_equal_dense():
     out = paged_attention(torch.stack([q[-1] for q in qs]), cache, decode, DIM**-0.5)
     for i in range(3):
         torch.testing.assert_close(out[i], _dense(qs[i], ks[i], vs[i])[-1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_prefill_chunks_in_one_call_equal_dense(window):
+    """The batched prefill (one padded SDPA call for every chunk of a step: what a GPU runs) against dense causal
+    attention, with chunks that start mid-sequence, of unequal lengths, beside a decode, and a sliding window."""
+    torch.manual_seed(4)
+    lengths, tables = [9, 5, 12, 6], [[7, 2, 5], [0, 4], [3, 1, 6, 8], [9, 10]]
+    starts, news = [4, 0, 2, 5], [5, 5, 10, 1]  # chunks of 5, 5 and 10 tokens after a cached prefix; one decode
+    qs = [torch.randn(n, HEADS, DIM) for n in lengths]
+    ks = [torch.randn(n, KV_HEADS, DIM) for n in lengths]
+    vs = [torch.randn(n, KV_HEADS, DIM) for n in lengths]
+    cache = torch.zeros(2, 12, BLOCK, KV_HEADS, DIM)
+    cpu = torch.device("cpu")
+    cached = AttentionMetadata.build([0, 0], [4, 2], [tables[0], tables[2]], BLOCK, cpu)
+    write_kv(cache, torch.cat([ks[0][:4], ks[2][:2]]), torch.cat([vs[0][:4], vs[2][:2]]), cached.slot_mapping)
+    cached = AttentionMetadata.build([0], [5], [tables[3]], BLOCK, cpu)
+    write_kv(cache, ks[3][:5], vs[3][:5], cached.slot_mapping)
+    meta = AttentionMetadata.build(starts, news, tables, BLOCK, cpu)
+    assert meta.prefill_batch is None and len(meta.prefills) == 3  # built on a GPU only; here by hand
+    meta = dataclasses.replace(meta, prefill_batch=prefill_batch(meta.prefills, cpu))
+    rows = [slice(s, s + n) for s, n in zip(starts, news)]
+    write_kv(cache, torch.cat([k[r] for k, r in zip(ks, rows)]), torch.cat([v[r] for v, r in zip(vs, rows)]),
+             meta.slot_mapping)
+    out = paged_attention(torch.cat([q[r] for q, r in zip(qs, rows)]), cache, meta, DIM**-0.5, window)
+    offset = 0
+    for q, k, v, r, n in zip(qs, ks, vs, rows, news):
+        torch.testing.assert_close(out[offset:offset + n], _dense(q, k, v, window)[r], atol=1e-5, rtol=1e-5)
+        offset += n

@@ -36,15 +36,17 @@ def random_cache(worker: WorkerPlacement, rank: int, seed: int, device: str = "c
 RUNNER_BLOCK_SIZE, RUNNER_NUM_BLOCKS = 4, 96
 
 
-def in_process_runner(spec, model_dir, graphs: bool, topology: Topology = Topology(1, 1)) -> ModelRunner:
-    """A runner in process over rank 0 of `topology` (its collectives on one rank: only tp1pp1 runs steps)."""
+def in_process_runner(spec, model_dir, graphs: bool, topology: Topology = Topology(1, 1),
+                      device: torch.device = CPU) -> ModelRunner:
+    """A runner in process over rank 0 of `topology` (its collectives on one rank: only tp1pp1 runs steps);
+    graphs: the fixed-shape decode step, captured as CUDA graphs on a GPU."""
     tensors = load_file(model_dir / "model.safetensors")
     placement = place(topology, spec.shape)
     wp = placement.workers[0]
-    loader = ShardLoader(tensors.__getitem__, set(tensors), torch.float32, CPU)
-    cache = KVCache(wp.layers, len(wp.kv_heads), spec.head_dim, RUNNER_BLOCK_SIZE, torch.float32, CPU,
+    loader = ShardLoader(tensors.__getitem__, set(tensors), torch.float32, device)
+    cache = KVCache(wp.layers, len(wp.kv_heads), spec.head_dim, RUNNER_BLOCK_SIZE, torch.float32, device,
                     num_blocks=RUNNER_NUM_BLOCKS)
-    runner = ModelRunner(ShardedCausalLM(spec, wp, loader, SingleRankGroup()), cache, placement, wp, None, CPU)
+    runner = ModelRunner(ShardedCausalLM(spec, wp, loader, SingleRankGroup()), cache, placement, wp, None, device)
     if graphs:
-        runner.graphs = DecodeGraphs(runner.model, cache, CPU, capture=False)
+        runner.graphs = DecodeGraphs(runner.model, cache, device, capture=device.type == "cuda")
     return runner

@@ -31,8 +31,8 @@ DEVICE_CALLERS = ("services.model.", "services.worker.model_runner:", "services.
 MUST_SEE = {  # what the scenario exercises: agreements, rollback metadata, PP hand-off, TP, KV over the channel
     ("all_reduce", "services.worker.shard:WorkerShard.agree"),
     ("all_gather_object", "services.worker.switch:_rollback"),
-    ("send", "services.worker.model_runner:ModelRunner._execute"),
-    ("recv", "services.worker.model_runner:ModelRunner._execute"),
+    ("send", "services.worker.model_runner:ModelRunner._run_eager"),
+    ("recv", "services.worker.model_runner:ModelRunner._run_eager"),
     ("batch_isend_irecv", "services.worker.channel:DistChannel.exchange"),
 }
 START, TARGET = "tp1pp2", "tp2pp1"

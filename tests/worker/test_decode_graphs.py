@@ -146,3 +146,46 @@ def test_graphs_captured_ahead_over_the_layers_a_staged_pool_will_hold(tmp_path)
     finally:
         live.kv_cache.close()
         staged.close()
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["tokens-known", "tokens-pending"])
+def test_decodes_stay_on_the_graph_when_a_prefill_arrives(tmp_path, ahead):
+    """A step of decodes and prefill chunks runs its decodes through their graph and the chunks eagerly, one after
+    the other (issue 37 part 5): every request still gets transformers' tokens, fed pending or not, and each
+    decode row went through the graph."""
+    model_dir = make_checkpoint(tmp_path / "llama", "llama", seed=3)
+    prompts = [[5, 6, 7, 8, 9], [3, 4], list(range(20, 33)), list(range(40, 51))]
+    tables = [tuple(range(i * 8, (i + 1) * 8)) for i in range(len(prompts))]
+    num_new = 6
+    expected, _ = hf_greedy(model_dir, prompts, num_new)
+    runner = in_process_runner(ModelSpec.from_dir(model_dir), model_dir, graphs=True)
+    graph_rows = []
+    run = runner.graphs.run
+    runner.graphs.run = lambda seqs, *args: graph_rows.append(len(seqs)) or run(seqs, *args)
+    got = [[] for _ in prompts]
+    late = prompts[3]  # arrives at step 2, in two chunks: 6 tokens that do not sample, then the rest
+    try:
+        for step in range(num_new + 3):
+            seqs = []
+            for i, p in enumerate(prompts[:3]):
+                if step == 0:
+                    seqs.append(SequenceStep(f"r{i}", tuple(p), 0, tables[i]))
+                elif len(got[i]) < num_new:
+                    token = (got[i][-1],) if not ahead else (-1,)
+                    seqs.append(SequenceStep(f"r{i}", token, len(p) + len(got[i]) - 1, tables[i]))
+            if step == 2:
+                seqs.insert(1, SequenceStep("r3", tuple(late[:6]), 0, tables[3], sample=False))
+            elif step == 3:
+                seqs.append(SequenceStep("r3", tuple(late[6:]), 6, tables[3]))
+            elif step > 3 and len(got[3]) < num_new:
+                seqs.append(SequenceStep("r3", (-1,) if ahead else (got[3][-1],), len(late) + len(got[3]) - 1,
+                                         tables[3]))
+            result = runner.execute(StepBatch(step, tuple(seqs)), 0)
+            assert [o.request_id for o in result.outputs] == [s.request_id for s in seqs if s.sample]  # batch order
+            for out in result.outputs:
+                got[int(out.request_id[1:])].append(out.token_id)
+    finally:
+        runner.kv_cache.close()
+    assert got == expected
+    assert graph_rows[:3] == [3, 3, 3]  # steps 1-3: the decodes on the graph, beside r3's chunks
+    assert graph_rows[3] == 4  # then r3 decodes with them

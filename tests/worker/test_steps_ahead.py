@@ -44,6 +44,29 @@ def test_pending_tokens_are_the_ones_sampled_the_step_before(tmp_path, graphs):
     assert outputs == expected
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode-graphs"])
+def test_pending_tokens_follow_their_request_when_rows_move(tmp_path, graphs):
+    """The tokens stay on the device, by row: a step ahead whose rows come in another order, or fewer of them,
+    or beside a request it did not sample, still feeds each request its own token."""
+    model_dir = make_checkpoint(tmp_path / "llama", "llama", seed=5)
+    prompts = {"a": [5, 6, 7, 8, 9], "b": [3, 4], "c": list(range(20, 33))}
+    tables = {"a": tuple(range(0, 8)), "b": tuple(range(8, 16)), "c": tuple(range(16, 24))}
+    expected = dict(zip(prompts, hf_greedy(model_dir, list(prompts.values()), 5)[0]))
+    orders = [("a", "b", "c"), ("c", "a", "b"), ("b", "c"), ("c", "b", "a"), ("a", "c", "b")]
+    got = {name: [] for name in prompts}
+    with runner_of(model_dir, graphs) as runner:
+        for step, order in enumerate(orders):
+            seqs = tuple(SequenceStep(name, tuple(prompts[name]) if step == 0 else
+                                      (PENDING_TOKEN,) if name in orders[step - 1] else (got[name][-1],),
+                                      0 if step == 0 else len(prompts[name]) + len(got[name]) - 1, tables[name])
+                         for name in order)
+            for out in runner.execute(StepBatch(step, seqs), 0).outputs:
+                got[out.request_id].append(out.token_id)
+    # "a" sat step 2 out: step 3 feeds it the token the router holds, and "b" and "c" theirs, pending
+    assert got == {name: expected[name][:len(got[name])] for name in got}
+    assert [len(got[name]) for name in "abc"] == [4, 5, 5]
+
+
 def test_a_pending_token_the_previous_step_did_not_sample_is_refused(tmp_path):
     model_dir = make_checkpoint(tmp_path / "llama", "llama", seed=5)
     table = tuple(range(0, 8))
