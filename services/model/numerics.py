@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from services.contracts.numerics import MODES
+from services.model.ordered_gemm import kind as ordered_gemm_kind
 from services.model.ordered_gemm import ordered_matmul
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # F.linear(x, weight)
@@ -74,7 +75,7 @@ class Numerics:
     def gemm(self) -> str:
         """What computes the products, in words (the worker.ready log line)."""
         if self.ordered_gemm:
-            return "ordered"
+            return f"ordered ({ordered_gemm_kind()})"
         return f"blas, rows padded to {self.row_multiple}" if self.row_multiple > 1 else "blas"
 
 

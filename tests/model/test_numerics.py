@@ -3,6 +3,7 @@ prompt's chunking and the TP degree, in float32 and bfloat16; the fast mode, for
 
 from __future__ import annotations
 
+import platform
 import random
 import threading
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from services.model.numerics import (
     reduction_pieces,
     slice_bounds,
 )
+from services.model import ordered_gemm
 from services.model.ordered_gemm import ordered_matmul
 from services.model.spec import ModelSpec
 from services.topology import Topology, place
@@ -102,6 +104,27 @@ def test_the_ordered_gemm_computes_the_product(dtype):
     assert ordered_matmul(torch.empty(0, 4), torch.empty(3, 4)).shape == (0, 3)
     with pytest.raises(TypeError, match="float32 or bfloat16"):
         ordered_matmul(torch.ones(2, 2, dtype=torch.float64), torch.ones(2, 2, dtype=torch.float64))
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 compiler flag")
+def test_the_vector_and_the_portable_kernel_give_the_same_bits(monkeypatch):
+    """The AVX-512 path (where the CPU has it) and the portable C one, built here with -mno-avx512f, compute every
+    element in the same order: the same bits, so hosts of other CPUs agree (an instance across hosts)."""
+    vector = ordered_gemm.load()
+    portable = ordered_gemm.build(("-mno-avx512f",))
+    assert not portable.ordered_gemm_vector()
+    generator = torch.Generator().manual_seed(5)
+    cases = [((1, 7, 5), None), ((3, 9, 17), None), ((64, 130, 576), None), ((7, 13, 100), None), ((9, 5, 1), None),
+             ((4, 8, 33), 3)]
+    for dtype in DTYPES:
+        for (m, n, k), groups in cases:
+            lead = () if groups is None else (groups,)
+            a = torch.randn(*lead, m, k, generator=generator).to(dtype)
+            b = torch.randn(*lead, n, k, generator=generator).to(dtype)
+            expected = ordered_matmul(a, b)
+            monkeypatch.setattr(ordered_gemm, "_library", portable)
+            assert torch.equal(ordered_matmul(a, b), expected), (dtype, m, n, k, ordered_gemm.kind())
+            monkeypatch.setattr(ordered_gemm, "_library", vector)
 
 
 def test_the_probe_catches_a_gemm_whose_rows_depend_on_the_row_count():
