@@ -48,9 +48,10 @@ class _Sampling:
     tokens: torch.Tensor | None = None     # ... their tokens [len(request_ids)] int64, on the device
 
     def joined(self, other: _Sampling) -> _Sampling:
-        if other.tokens is None or self.tokens is None:
-            request_ids, tokens = (self.request_ids, self.tokens) if other.tokens is None else (
-                other.request_ids, other.tokens)
+        if self.tokens is None:
+            request_ids, tokens = other.request_ids, other.tokens
+        elif other.tokens is None:
+            request_ids, tokens = self.request_ids, self.tokens
         else:
             request_ids, tokens = self.request_ids + other.request_ids, torch.cat([self.tokens, other.tokens])
         return _Sampling(self.outputs + other.outputs, request_ids, tokens)
@@ -153,10 +154,10 @@ class ModelRunner:
         if sampling is None or self.wp.tp_rank != 0:  # (every rank of an EP layout is its stage's rank 0)
             return LaunchedStep(output)
         output = dataclasses.replace(output, outputs=tuple(sampling.outputs))
-        order = {s.request_id: i for i, s in enumerate(seqs)} if sampling.outputs and sampling.tokens is not None \
-            else None
         if sampling.tokens is None:
             return LaunchedStep(output)
+        # outputs sampled on the host and on the device (a mixed step's parts) go back in batch order
+        order = {s.request_id: i for i, s in enumerate(seqs)} if sampling.outputs else None
         if sampling.tokens.device.type != "cuda":
             return LaunchedStep(output, sampling.request_ids, sampling.tokens, order=order)
         host = torch.empty(sampling.tokens.shape, dtype=sampling.tokens.dtype, pin_memory=True)
@@ -175,10 +176,11 @@ class ModelRunner:
         if graphs.accepts(seqs):
             return self._run_graph(seqs, feed), output
         decodes = [i for i, s in enumerate(seqs) if graphs.accepts((s,))]
-        if not decodes or not graphs.accepts([seqs[i] for i in decodes]):
+        position = {i: j for j, i in enumerate(decodes)}  # row in the step -> row among its decodes
+        if (not decodes or not graphs.accepts([seqs[i] for i in decodes])
+                or (feed is not None and any(i not in position for i in feed[0]))):  # pending rows: decodes only
             return self._run_eager(seqs, feed, rank, output)
-        rest = [i for i in range(len(seqs)) if i not in set(decodes)]
-        position = {i: j for j, i in enumerate(decodes)}  # a pending row is a decode row
+        rest = [i for i in range(len(seqs)) if i not in position]
         decode_feed = None if feed is None else ([position[i] for i in feed[0]], feed[1])
         sampled = self._run_graph(tuple(seqs[i] for i in decodes), decode_feed)
         rest_sampled, output = self._run_eager(tuple(seqs[i] for i in rest), None, rank, output)
