@@ -66,14 +66,15 @@ def _attend(query: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, positi
     num_chunks = -(-slots.shape[1] // KEY_CHUNK)
     num_keys = num_chunks * KEY_CHUNK
     slots = F.pad(slots, (0, num_keys - slots.shape[1])).reshape(-1)  # slot 0 past the end: masked below
-    # Head-major gathers ([Hkv, B * L, D], one pass each): (head, sequence) is every product's batch.
-    keys = flat[0].transpose(0, 1).index_select(1, slots).float().view(num_kv_heads, batch, num_keys, head_dim)
-    values = flat[1].transpose(0, 1).index_select(1, slots).float()
-    values = values.view(num_kv_heads, batch, num_chunks, KEY_CHUNK, head_dim)
+    # (head, sequence) is every product's batch: keys as gathered ([B, L, Hkv, D] viewed head-major, no copy),
+    # values transposed to [Hkv, B, D, L] (a product's reduction runs along contiguous elements).
+    keys = flat[0].index_select(0, slots).view(batch, num_keys, num_kv_heads, head_dim).permute(2, 0, 1, 3)
+    values = flat[1].index_select(0, slots).view(batch, num_keys, num_kv_heads, head_dim).permute(2, 0, 3, 1)
+    values = values.contiguous().view(num_kv_heads * batch, head_dim, num_chunks, KEY_CHUNK).transpose(1, 2)
     # One KV head's rows: its `group` query heads of each of the n tokens, token-major, padded.
     num_rows = n * group
     padded_rows = -(-num_rows // ROW_MULTIPLE) * ROW_MULTIPLE
-    q = query.float().view(batch, n, num_kv_heads, group, head_dim).permute(2, 0, 1, 3, 4)
+    q = query.view(batch, n, num_kv_heads, group, head_dim).permute(2, 0, 1, 3, 4)
     q = F.pad(q.reshape(num_kv_heads, batch, num_rows, head_dim), (0, 0, 0, padded_rows - num_rows))
     row_positions = F.pad(positions[:, :, None].expand(batch, n, group).reshape(batch, num_rows),
                           (0, padded_rows - num_rows))  # a padding row sees key 0 (its result is dropped)
@@ -84,17 +85,18 @@ def _attend(query: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, positi
         visible &= key_positions > limit - sliding_window
     # Scores: [R, D] x [D, L] per (head, sequence) (a column's product does not depend on L).
     scores = _matmul_nt(q, keys).mul_(scale).masked_fill_(~visible, float("-inf"))
-    weights = whole_vectors(torch.exp, scores.sub_(scores.amax(-1, keepdim=True)))  # [Hkv, B, R, L]
-    chunked = weights.view(num_kv_heads, batch, padded_rows, num_chunks, KEY_CHUNK)
-    denominator = chunked.sum(-1).cumsum(-1)[..., -1:]  # [Hkv, B, R, 1]
-    partial = _matmul_nt(chunked.transpose(2, 3), values.transpose(-1, -2))  # [Hkv, B, nC, R, D]: [R, C] x [C, D]
-    out = partial.cumsum(2)[:, :, -1].div_(denominator)  # [Hkv, B, R, D]
+    weights = whole_vectors(torch.exp, scores.sub_(scores.amax(-1, keepdim=True)))  # [Hkv, B, R, L] float32
+    denominator = weights.view(num_kv_heads, batch, padded_rows, num_chunks, KEY_CHUNK).sum(-1).cumsum(-1)[..., -1:]
+    chunked = weights.view(num_kv_heads * batch, padded_rows, num_chunks, KEY_CHUNK).transpose(1, 2)
+    partial = _matmul_nt(chunked, values)  # [Hkv * B, nC, R, D]: [R, C] x [C, D] per chunk
+    out = partial.cumsum(1)[:, -1].view(num_kv_heads, batch, padded_rows, head_dim).div_(denominator)
     out = out[:, :, :num_rows].reshape(num_kv_heads, batch, n, group, head_dim).permute(1, 2, 0, 3, 4)
     return out.reshape(batch, n, num_q_heads, head_dim).to(query.dtype)
 
 
 def _matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [..., M, K] x b [..., N, K] -> [..., M, N] float32, invariantly (see the module's docstring)."""
+    """a [..., M, K] x b [..., N, K] -> [..., M, N] float32, invariantly (see the module's docstring); on a GPU in
+    float32 (a bfloat16 operand is exact in it)."""
     if a.device.type == "cpu":
         return ordered_matmul(a, b)
-    return torch.matmul(a, b.transpose(-1, -2))
+    return torch.matmul(a.float(), b.float().transpose(-1, -2))

@@ -208,19 +208,16 @@ class RowParallelLinear:
         self.bias = bias      # [out] (full; added after the reduction, so once)
         self.group = group
         self.pieces = pieces  # ranges of in_local (invariant numerics), or None: one product, all-reduced
-        self._piece_linears = None if pieces is None else [  # views of W's columns: no copy
-            Linear(linear.weight[:, p.start:p.stop], numerics=linear.numerics) for p in pieces]
 
     def regrouped(self, group: TPGroup) -> RowParallelLinear:
         """The same weights reducing over another TP group."""
         return RowParallelLinear(self.linear, self.bias, group, self.pieces)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._piece_linears is None:
+        if self.pieces is None:
             y = self.group.all_reduce(self.linear(x))
         else:
-            partials = torch.cat([piece(x[:, p.start:p.stop]) for p, piece in zip(self.pieces, self._piece_linears)],
-                                 dim=-1)  # [N, pieces_local * out]
+            partials = self.linear.numerics.linear_pieces(x, self.linear.weight, self.pieces)  # [N, pieces_local * out]
             gathered = self.group.all_gather_last_dim(partials)  # [N, pieces_total * out], in piece order
             y = ordered_sum(gathered, len(self.pieces) * self.group.size, x.dtype)
         return y + self.bias if self.bias is not None else y

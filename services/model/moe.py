@@ -46,8 +46,7 @@ def expert_mlp_pieces(x: torch.Tensor, weights: ExpertWeights, pieces: Sequence[
     gate_up, down = weights
     gate, up = numerics.linear(x, gate_up).chunk(2, dim=-1)
     hidden = whole_vectors(F.silu, gate) * up  # [N, I_local]
-    return torch.cat([numerics.linear(hidden[:, p.start:p.stop], down[:, p.start:p.stop])
-                      for p in pieces], dim=-1)
+    return numerics.linear_pieces(hidden, down, pieces)
 
 
 def load_expert(loader: ShardLoader, style: str, layer: int, expert: int, intermediate: range) -> ExpertWeights:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from services.contracts.numerics import MODES
 from services.model.ordered_gemm import kind as ordered_gemm_kind
-from services.model.ordered_gemm import ordered_matmul
+from services.model.ordered_gemm import ordered_matmul, ordered_pieces
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # F.linear(x, weight)
 MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # torch.matmul(a, b)
@@ -70,6 +70,14 @@ class Numerics:
         if self.ordered_gemm:
             return ordered_matmul(x, weight).to(x.dtype)
         return padded_linear(x, weight, self.row_multiple)
+
+    def linear_pieces(self, x: torch.Tensor, weight: torch.Tensor, pieces: Sequence[range]) -> torch.Tensor:
+        """x [N, in] x weight [out, in], each piece (adjacent ranges of `in`) apart -> [N, len(pieces) * out] in x's
+        dtype, piece p's partial product in columns [p * out, (p + 1) * out): a row-parallel layer's partials."""
+        if self.ordered_gemm:
+            return ordered_pieces(x, weight, tuple(pieces)).to(x.dtype)
+        return torch.cat([padded_linear(x[:, p.start:p.stop], weight[:, p.start:p.stop], self.row_multiple)
+                          for p in pieces], dim=-1)
 
     @property
     def gemm(self) -> str:

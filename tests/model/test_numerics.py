@@ -31,7 +31,7 @@ from services.model.numerics import (
     slice_bounds,
 )
 from services.model import ordered_gemm
-from services.model.ordered_gemm import ordered_matmul
+from services.model.ordered_gemm import ordered_matmul, ordered_pieces
 from services.model.spec import ModelSpec
 from services.topology import Topology, place
 from services.topology.eplb import initial_expert_maps
@@ -106,6 +106,28 @@ def test_the_ordered_gemm_computes_the_product(dtype):
         ordered_matmul(torch.ones(2, 2, dtype=torch.float64), torch.ones(2, 2, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pieces_strides_and_mixed_dtypes_give_the_bits_of_separate_contiguous_products(dtype):
+    """ordered_pieces (a row-parallel layer's partials in one call, runs of equal widths and an odd one), strided
+    operands (the attention's gathered keys, read in place) and a float32 operand against a bfloat16 one (the
+    attention's weights against its values) compute every element as ordered_matmul of contiguous copies does."""
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(13, 100, generator=generator).to(dtype)
+    weight = torch.randn(9, 100, generator=generator).to(dtype)
+    pieces = (range(0, 20), range(20, 40), range(40, 53), range(53, 66), range(66, 100))
+    expected = torch.cat([ordered_matmul(x[:, p.start:p.stop].contiguous(), weight[:, p.start:p.stop].contiguous())
+                          for p in pieces], dim=-1)
+    assert torch.equal(ordered_pieces(x, weight, pieces), expected)
+    keys = torch.randn(3, 70, 2, 32, generator=generator).to(dtype).permute(2, 0, 1, 3)  # [2, 3, 70, 32] strided
+    q = torch.randn(2, 3, 8, 32, generator=generator).to(dtype)
+    assert torch.equal(ordered_matmul(q, keys), ordered_matmul(q, keys.contiguous()))
+    five = torch.randn(2, 2, 3, 5, 7, generator=generator).to(dtype)  # more than two leading dimensions
+    assert torch.equal(ordered_matmul(five, five), ordered_matmul(five.reshape(12, 5, 7), five.reshape(12, 5, 7)).view(
+        2, 2, 3, 5, 5))
+    weights = torch.randn(6, 40, generator=generator)  # float32
+    assert torch.equal(ordered_matmul(weights, weight[:, :40]), ordered_matmul(weights, weight[:, :40].float()))
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 compiler flag")
 def test_the_vector_and_the_portable_kernel_give_the_same_bits(monkeypatch):
     """The AVX-512 path (where the CPU has it) and the portable C one, built here with -mno-avx512f, compute every
@@ -125,6 +147,10 @@ def test_the_vector_and_the_portable_kernel_give_the_same_bits(monkeypatch):
             monkeypatch.setattr(ordered_gemm, "_library", portable)
             assert torch.equal(ordered_matmul(a, b), expected), (dtype, m, n, k, ordered_gemm.kind())
             monkeypatch.setattr(ordered_gemm, "_library", vector)
+    a, b = torch.randn(5, 9, 70, generator=generator), torch.randn(5, 6, 70, generator=generator).bfloat16()
+    expected = ordered_matmul(a, b)  # mixed dtypes
+    monkeypatch.setattr(ordered_gemm, "_library", portable)
+    assert torch.equal(ordered_matmul(a, b), expected)
 
 
 def test_the_probe_catches_a_gemm_whose_rows_depend_on_the_row_count():
