@@ -4,15 +4,18 @@ or in a decode step. The invariant numerics mode's attention (services/model/num
 fast one.
 
 Each row (one query head of one token) is computed as:
-    scores = q · K^T over keys padded to a multiple of KEY_CHUNK (rows padded to a multiple of ROW_MULTIPLE)
+    scores = q · K^T over keys padded to a multiple of KEY_CHUNK (on a GPU rows padded to a multiple of ROW_MULTIPLE)
     m      = max over the visible keys                  (max is exact in any order)
     p      = exp(scores - m), 0 past the row's context  (masked keys add exact zeros below)
     denom  = sum of p over each chunk of KEY_CHUNK keys, the chunks folded in order (cumsum)
-    out    = sum of p V over each chunk (a [R, KEY_CHUNK] x [KEY_CHUNK, D] GEMM), folded in order, / denom
+    out    = sum of p V / denom: on the CPU one ordered product ([R, L] x [L, D], every key added in order from the
+             first, so a longer padded batch only adds exact zeros at the end); on a GPU per chunk (a
+             [R, KEY_CHUNK] x [KEY_CHUNK, D] GEMM), the chunks folded in order
 The chunks sit at fixed positions (from position 0), so a longer padded batch only appends chunks of zeros.
 Everything is computed in float32; exp runs on whole vectors (numerics.whole_vectors). On the CPU both products
-run through ordered_gemm.ordered_matmul (a BLAS's batched GEMM gives a row other bits at other shapes there); on a
-GPU through torch.matmul, its rows padded as the worker's probe found needed (numerics.probe).
+run through ordered_gemm.ordered_matmul (a BLAS's batched GEMM gives a row other bits at other shapes there), the
+gathered values read in place; on a GPU through torch.matmul, its rows padded as the worker's probe found needed
+(numerics.probe).
 """
 
 from __future__ import annotations
@@ -66,14 +69,13 @@ def _attend(query: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, positi
     num_chunks = -(-slots.shape[1] // KEY_CHUNK)
     num_keys = num_chunks * KEY_CHUNK
     slots = F.pad(slots, (0, num_keys - slots.shape[1])).reshape(-1)  # slot 0 past the end: masked below
-    # (head, sequence) is every product's batch: keys as gathered ([B, L, Hkv, D] viewed head-major, no copy),
-    # values transposed to [Hkv, B, D, L] (a product's reduction runs along contiguous elements).
+    # (head, sequence) is every product's batch: keys and values as gathered, [B, L, Hkv, D] viewed head-major.
     keys = flat[0].index_select(0, slots).view(batch, num_keys, num_kv_heads, head_dim).permute(2, 0, 1, 3)
     values = flat[1].index_select(0, slots).view(batch, num_keys, num_kv_heads, head_dim).permute(2, 0, 3, 1)
-    values = values.contiguous().view(num_kv_heads * batch, head_dim, num_chunks, KEY_CHUNK).transpose(1, 2)
-    # One KV head's rows: its `group` query heads of each of the n tokens, token-major, padded.
+    on_cpu = query.device.type == "cpu"  # the ordered GEMM: every row alone, keys added in order from the first
+    # One KV head's rows: its `group` query heads of each of the n tokens, token-major (padded for a GPU's GEMM).
     num_rows = n * group
-    padded_rows = -(-num_rows // ROW_MULTIPLE) * ROW_MULTIPLE
+    padded_rows = num_rows if on_cpu else -(-num_rows // ROW_MULTIPLE) * ROW_MULTIPLE
     q = query.view(batch, n, num_kv_heads, group, head_dim).permute(2, 0, 1, 3, 4)
     q = F.pad(q.reshape(num_kv_heads, batch, num_rows, head_dim), (0, 0, 0, padded_rows - num_rows))
     row_positions = F.pad(positions[:, :, None].expand(batch, n, group).reshape(batch, num_rows),
@@ -87,9 +89,13 @@ def _attend(query: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, positi
     scores = _matmul_nt(q, keys).mul_(scale).masked_fill_(~visible, float("-inf"))
     weights = whole_vectors(torch.exp, scores.sub_(scores.amax(-1, keepdim=True)))  # [Hkv, B, R, L] float32
     denominator = weights.view(num_kv_heads, batch, padded_rows, num_chunks, KEY_CHUNK).sum(-1).cumsum(-1)[..., -1:]
-    chunked = weights.view(num_kv_heads * batch, padded_rows, num_chunks, KEY_CHUNK).transpose(1, 2)
-    partial = _matmul_nt(chunked, values)  # [Hkv * B, nC, R, D]: [R, C] x [C, D] per chunk
-    out = partial.cumsum(1)[:, -1].view(num_kv_heads, batch, padded_rows, head_dim).div_(denominator)
+    if on_cpu:  # [R, L] x [L, D] per (head, sequence), values read in place; masked keys add exact zeros
+        out = ordered_matmul(weights, values).div_(denominator)
+    else:  # in chunks at fixed positions (a GPU's GEMM reduces a longer L in another order)
+        chunked = weights.view(num_kv_heads * batch, padded_rows, num_chunks, KEY_CHUNK).transpose(1, 2)
+        values = values.reshape(num_kv_heads * batch, head_dim, num_chunks, KEY_CHUNK).transpose(1, 2)
+        partial = _matmul_nt(chunked, values)  # [Hkv * B, nC, R, D]: [R, C] x [C, D] per chunk
+        out = partial.cumsum(1)[:, -1].view(num_kv_heads, batch, padded_rows, head_dim).div_(denominator)
     out = out[:, :, :num_rows].reshape(num_kv_heads, batch, n, group, head_dim).permute(1, 2, 0, 3, 4)
     return out.reshape(batch, n, num_q_heads, head_dim).to(query.dtype)
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from services.model.numerics import FAST, Numerics, ordered_sum, whole_vectors
+from services.model.ordered_gemm import pack as pack_panels
 from services.model.spec import RopeSpec
 
 
@@ -176,6 +177,11 @@ class Linear:
         self.keep_weight = keep_weight
         self.numerics = numerics
         self.packed: torch.Tensor | None = None
+        self.panels: torch.Tensor | None = None  # W packed for the ordered GEMM (invariant numerics on a CPU)
+        if numerics.ordered_gemm:
+            self.panels = pack_panels(weight)
+            if not keep_weight:
+                self.weight = weight.new_zeros(()).expand(weight.shape)
 
     def pack(self) -> None:
         """Move W into MKL's packed layout (where it exists; idempotent). The dense W is dropped: a zero-stride
@@ -188,7 +194,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in] -> [N, out]."""
         if self.numerics.is_invariant:
-            y = self.numerics.linear(x, self.weight)
+            y = self.numerics.linear(x, self.weight, self.panels)
             return y + self.bias if self.bias is not None else y
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
@@ -217,7 +223,7 @@ class RowParallelLinear:
         if self.pieces is None:
             y = self.group.all_reduce(self.linear(x))
         else:
-            partials = self.linear.numerics.linear_pieces(x, self.linear.weight, self.pieces)  # [N, pieces_local * out]
+            partials = self.linear.numerics.linear_pieces(x, self.linear.weight, self.pieces, self.linear.panels)
             gathered = self.group.all_gather_last_dim(partials)  # [N, pieces_total * out], in piece order
             y = ordered_sum(gathered, len(self.pieces) * self.group.size, x.dtype)
         return y + self.bias if self.bias is not None else y

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from services.contracts.numerics import MODES
 from services.model.ordered_gemm import kind as ordered_gemm_kind
-from services.model.ordered_gemm import ordered_matmul, ordered_pieces
+from services.model.ordered_gemm import ordered_linear, ordered_matmul, ordered_pieces
+from services.model.ordered_gemm import pack as pack_panels
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # F.linear(x, weight)
 MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # torch.matmul(a, b)
@@ -65,17 +66,22 @@ class Numerics:
     def is_invariant(self) -> bool:
         return self.mode == "invariant"
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x [N, in] x weight [out, in] -> [N, out] in x's dtype, by this mode's GEMM rule."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, panels: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, in] x weight [out, in] -> [N, out] in x's dtype, by this mode's GEMM rule. panels: the weight
+        packed for the ordered GEMM (ordered_gemm.pack), where it was (`weight` then gives only the shape)."""
         if self.ordered_gemm:
-            return ordered_matmul(x, weight).to(x.dtype)
+            out = ordered_matmul(x, weight) if panels is None else ordered_linear(x, panels, weight.shape[0])
+            return out.to(x.dtype)
         return padded_linear(x, weight, self.row_multiple)
 
-    def linear_pieces(self, x: torch.Tensor, weight: torch.Tensor, pieces: Sequence[range]) -> torch.Tensor:
+    def linear_pieces(self, x: torch.Tensor, weight: torch.Tensor, pieces: Sequence[range],
+                      panels: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, in] x weight [out, in], each piece (adjacent ranges of `in`) apart -> [N, len(pieces) * out] in x's
-        dtype, piece p's partial product in columns [p * out, (p + 1) * out): a row-parallel layer's partials."""
+        dtype, piece p's partial product in columns [p * out, (p + 1) * out): a row-parallel layer's partials.
+        panels: as for `linear` (packed here when not given)."""
         if self.ordered_gemm:
-            return ordered_pieces(x, weight, tuple(pieces)).to(x.dtype)
+            panels = pack_panels(weight) if panels is None else panels
+            return ordered_pieces(x, panels, weight.shape[0], tuple(pieces)).to(x.dtype)
         return torch.cat([padded_linear(x[:, p.start:p.stop], weight[:, p.start:p.stop], self.row_multiple)
                           for p in pieces], dim=-1)
 

@@ -39,112 +39,96 @@ import torch
 
 from services.model.cache import default_cache_dir
 
-LANES = 16  # accumulators per output element: part of the order, so fixed (not the machine's vector width)
+PANEL = 32  # columns of b per panel (the C's NR)
 
 _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define VECTOR 1
 #endif
 
-#define LANES 16
+#define MR 8   /* rows of a tile */
+#define NR 32  /* columns of a tile: a panel of b */
 
-static inline float fold(const float *acc) {
-    return ((((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])))
-            + (((acc[8] + acc[9]) + (acc[10] + acc[11])) + ((acc[12] + acc[13]) + (acc[14] + acc[15]))));
-}
-
+/* A tile: out[i, j] = sum over k of a[i, k] * b(k, j) for i < R, j < nr (<= NR), each a chain of fused
+   multiply-adds in k order from 0. a: float32, row stride lda; b(k, j) at b[k * ldb + j] (float32 or bfloat16);
+   out: row stride ldo. */
 #ifdef VECTOR
-static inline __m512 load_f32(const void *p, int64_t i) { return _mm512_loadu_ps((const float *)p + i); }
-static inline __m512 load_bf16(const void *p, int64_t i) {
-    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline __m512 mload_f32(const void *p, int64_t i, __mmask16 m) {
-    return _mm512_maskz_loadu_ps(m, (const float *)p + i);
-}
-static inline __m512 mload_bf16(const void *p, int64_t i, __mmask16 m) {
-    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-/* MB rows of a (row stride lda) against NB rows of b (row stride ldb), one 16-lane register per element. */
-#define TILE(NAME, LOADA, MLOADA, LOADB, MLOADB, MB, NB)                                              \
-static void NAME(const void *a, const void *b, float *out, int64_t m0, int64_t n0, int64_t K,        \
-                 int64_t lda, int64_t ldb, int64_t ldo) {                                             \
-    __m512 acc[MB][NB], av[MB], bv[NB];                                                               \
-    for (int i = 0; i < MB; i++)                                                                      \
-        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();                                 \
-    int64_t k = 0;                                                                                    \
-    for (; k + LANES <= K; k += LANES) {                                                              \
-        for (int i = 0; i < MB; i++) av[i] = LOADA(a, (m0 + i) * lda + k);                            \
-        for (int j = 0; j < NB; j++) bv[j] = LOADB(b, (n0 + j) * ldb + k);                            \
-        for (int i = 0; i < MB; i++)                                                                  \
-            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_fmadd_ps(av[i], bv[j], acc[i][j]);       \
-    }                                                                                                 \
-    if (k < K) {                                                                                      \
-        __mmask16 m = (__mmask16)((1u << (K - k)) - 1);                                               \
-        for (int i = 0; i < MB; i++) av[i] = MLOADA(a, (m0 + i) * lda + k, m);                        \
-        for (int j = 0; j < NB; j++) bv[j] = MLOADB(b, (n0 + j) * ldb + k, m);                        \
-        for (int i = 0; i < MB; i++)                                                                  \
-            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_mask3_fmadd_ps(av[i], bv[j], acc[i][j], m); \
-    }                                                                                                 \
-    float lanes[LANES];                                                                               \
-    for (int i = 0; i < MB; i++)                                                                      \
-        for (int j = 0; j < NB; j++) {                                                                \
-            _mm512_storeu_ps(lanes, acc[i][j]);                                                       \
-            out[(m0 + i) * ldo + n0 + j] = fold(lanes);                                               \
+static inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+/* float32 b: columns [0, 16) and [16, 32) of the tile. */
+#define MASKS_F32(nr) const __mmask16 mlo = first(nr), mhi = first((nr) - 16);
+#define LOAD_F32(b, i, lo, hi) {                                                                      \
+    lo = _mm512_maskz_loadu_ps(mlo, (const float *)(b) + (i));                                        \
+    hi = _mm512_maskz_loadu_ps(mhi, (const float *)(b) + (i) + 16); }
+#define STORE_F32(o, lo, hi) {                                                                        \
+    _mm512_mask_storeu_ps(o, mlo, lo);                                                                \
+    _mm512_mask_storeu_ps((o) + 16, mhi, hi); }
+/* bfloat16 b: 32 columns in one load; the even columns (each 32-bit lane's low half) and the odd ones. */
+#define MASKS_BF16(nr)                                                                                \
+    const __mmask16 mlo = first(nr), mhi = first((nr) - 16);                                          \
+    const __mmask32 mall = (nr) >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (nr)) - 1);      \
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);                                         \
+    const __m512i first_half = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);   \
+    const __m512i second_half = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+#define LOAD_BF16(b, i, lo, hi) {                                                                     \
+    __m512i x = _mm512_maskz_loadu_epi16(mall, (const uint16_t *)(b) + (i));                          \
+    lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));                                               \
+    hi = _mm512_castsi512_ps(_mm512_and_si512(x, high)); }
+#define STORE_BF16(o, lo, hi) {                                                                       \
+    _mm512_mask_storeu_ps(o, mlo, _mm512_permutex2var_ps(lo, first_half, hi));                       \
+    _mm512_mask_storeu_ps((o) + 16, mhi, _mm512_permutex2var_ps(lo, second_half, hi)); }
+#define KERNEL(NAME, R, T)                                                                            \
+static void NAME(const float *a, int64_t lda, const void *b, int64_t ldb, float *out, int64_t ldo,    \
+                 int64_t K, int64_t nr) {                                                             \
+    MASKS_##T(nr)                                                                                     \
+    __m512 lo[R], hi[R], blo, bhi;                                                                    \
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) lo[i] = hi[i] = _mm512_setzero_ps();          \
+    for (int64_t k = 0; k < K; k++) {                                                                 \
+        LOAD_##T(b, k * ldb, blo, bhi)                                                                \
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                         \
+            __m512 av = _mm512_set1_ps(a[i * lda + k]);                                               \
+            lo[i] = _mm512_fmadd_ps(av, blo, lo[i]);                                                  \
+            hi[i] = _mm512_fmadd_ps(av, bhi, hi[i]);                                                  \
         }                                                                                             \
+    }                                                                                                 \
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) STORE_##T(out + i * ldo, lo[i], hi[i])        \
 }
 #else
-static inline float load_f32(const void *p, int64_t i) { return ((const float *)p)[i]; }
-static inline float load_bf16(const void *p, int64_t i) {
-    uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+static inline float scalar_F32(const void *b, int64_t i) { return ((const float *)b)[i]; }
+static inline float scalar_BF16(const void *b, int64_t i) {
+    uint32_t bits = (uint32_t)((const uint16_t *)b)[i] << 16;
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
 }
-#define TILE(NAME, LOADA, MLOADA, LOADB, MLOADB, MB, NB)                                              \
-static void NAME(const void *a, const void *b, float *out, int64_t m0, int64_t n0, int64_t K,        \
-                 int64_t lda, int64_t ldb, int64_t ldo) {                                             \
-    float acc[MB][NB][LANES];                                                                         \
+#define KERNEL(NAME, R, T)                                                                            \
+static void NAME(const float *a, int64_t lda, const void *b, int64_t ldb, float *out, int64_t ldo,    \
+                 int64_t K, int64_t nr) {                                                             \
+    float acc[R][NR];                                                                                 \
     memset(acc, 0, sizeof acc);                                                                       \
-    int64_t k = 0;                                                                                    \
-    for (; k + LANES <= K; k += LANES)                                                                \
-        for (int i = 0; i < MB; i++)                                                                  \
-            for (int j = 0; j < NB; j++)                                                              \
-                for (int l = 0; l < LANES; l++)                                                       \
-                    acc[i][j][l] = fmaf(LOADA(a, (m0 + i) * lda + k + l), LOADB(b, (n0 + j) * ldb + k + l), \
-                                        acc[i][j][l]);                                                \
-    for (int l = 0; k + l < K; l++)                                                                   \
-        for (int i = 0; i < MB; i++)                                                                  \
-            for (int j = 0; j < NB; j++)                                                              \
-                acc[i][j][l] = fmaf(LOADA(a, (m0 + i) * lda + k + l), LOADB(b, (n0 + j) * ldb + k + l), \
-                                    acc[i][j][l]);                                                    \
-    for (int i = 0; i < MB; i++)                                                                      \
-        for (int j = 0; j < NB; j++)                                                                  \
-            out[(m0 + i) * ldo + n0 + j] = fold(acc[i][j]);                                           \
+    for (int64_t k = 0; k < K; k++)                                                                   \
+        for (int i = 0; i < R; i++)                                                                   \
+            for (int64_t j = 0; j < nr; j++) acc[i][j] = fmaf(a[i * lda + k], scalar_##T(b, k * ldb + j), acc[i][j]); \
+    for (int i = 0; i < R; i++)                                                                       \
+        for (int64_t j = 0; j < nr; j++) out[i * ldo + j] = acc[i][j];                                \
 }
 #endif
 
-/* Every tile shape for a's and b's dtypes (f: float32, h: bfloat16). */
-#define TILES(AB, LA, MLA, LB, MLB)                                                                   \
-    TILE(tile_##AB##_44, LA, MLA, LB, MLB, 4, 4)                                                      \
-    TILE(tile_##AB##_14, LA, MLA, LB, MLB, 1, 4)                                                      \
-    TILE(tile_##AB##_41, LA, MLA, LB, MLB, 4, 1)                                                      \
-    TILE(tile_##AB##_11, LA, MLA, LB, MLB, 1, 1)
-TILES(ff, load_f32, mload_f32, load_f32, mload_f32)
-TILES(fh, load_f32, mload_f32, load_bf16, mload_bf16)
-TILES(hf, load_bf16, mload_bf16, load_f32, mload_f32)
-TILES(hh, load_bf16, mload_bf16, load_bf16, mload_bf16)
+#define KERNELS(T)                                                                                    \
+    KERNEL(kernel_##T##_1, 1, T) KERNEL(kernel_##T##_2, 2, T) KERNEL(kernel_##T##_3, 3, T)             \
+    KERNEL(kernel_##T##_4, 4, T) KERNEL(kernel_##T##_5, 5, T) KERNEL(kernel_##T##_6, 6, T)             \
+    KERNEL(kernel_##T##_7, 7, T) KERNEL(kernel_##T##_8, 8, T)
+KERNELS(F32)
+KERNELS(BF16)
 
-typedef void (*tile_fn)(const void *, const void *, float *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                        int64_t);
-static const tile_fn TILE_FNS[4][4] = {
-    {tile_ff_44, tile_ff_14, tile_ff_41, tile_ff_11}, {tile_fh_44, tile_fh_14, tile_fh_41, tile_fh_11},
-    {tile_hf_44, tile_hf_14, tile_hf_41, tile_hf_11}, {tile_hh_44, tile_hh_14, tile_hh_41, tile_hh_11}};
+typedef void (*kernel_fn)(const float *, int64_t, const void *, int64_t, float *, int64_t, int64_t, int64_t);
+static const kernel_fn KERNEL_FNS[2][MR] = {
+    {kernel_F32_1, kernel_F32_2, kernel_F32_3, kernel_F32_4, kernel_F32_5, kernel_F32_6, kernel_F32_7, kernel_F32_8},
+    {kernel_BF16_1, kernel_BF16_2, kernel_BF16_3, kernel_BF16_4, kernel_BF16_5, kernel_BF16_6, kernel_BF16_7,
+     kernel_BF16_8}};
 
 int ordered_gemm_vector(void) {
 #ifdef VECTOR
@@ -154,36 +138,27 @@ int ordered_gemm_vector(void) {
 #endif
 }
 
-/* out[g1, g2] = a[g1, g2] b[g1, g2]^T for every (g1, g2) < (G1, G2): a [M, K], b [N, K], out [M, N] float32, each
-   with its own strides in elements (st: a's g1, g2 and row strides, then b's, then out's; a row's K elements are
-   contiguous). Tiles of 4 x 4 elements; a column of tiles (4 rows of b) meets every row tile in turn, so b's rows
-   stay in cache. a_bf16 / b_bf16: that operand is bfloat16 (else float32). */
-void ordered_gemm(const void *a, const void *b, float *out, int64_t G1, int64_t G2, int64_t M, int64_t N,
-                  int64_t K, const int64_t *st, int a_bf16, int b_bf16, int threads) {
-    const tile_fn *t = TILE_FNS[2 * (a_bf16 != 0) + (b_bf16 != 0)];
-    const int64_t ea = a_bf16 ? 2 : 4, eb = b_bf16 ? 2 : 4;
-    const int64_t mt = (M + 3) / 4, nt = (N + 3) / 4;
+/* out[g1, g2] = a[g1, g2] b[g1, g2] for every (g1, g2) < (G1, G2): a [M, K] float32, b [K, N] float32 or
+   bfloat16, out [M, N] float32. p: G1, G2, M, N, K, b_bf16, threads, then strides in elements: a's g1, g2 and
+   row; b's g1, g2, row (k) and panel (b's columns come in panels of NR: column n of row k at
+   (n / NR) * panel + k * row + n % NR; NR for a plain row-major b); out's g1, g2 and row. Tiles of MR x NR; the
+   row tiles meet one panel of b in turn, so it stays in cache. */
+void ordered_gemm(const float *a, const void *b, float *out, const int64_t *p) {
+    const int64_t G1 = p[0], G2 = p[1], M = p[2], N = p[3], K = p[4], threads = p[6];
+    const int64_t *st = p + 7;
+    const kernel_fn *kernels = KERNEL_FNS[p[5] != 0];
+    const int64_t eb = p[5] ? 2 : 4, mt = (M + MR - 1) / MR, nt = (N + NR - 1) / NR;
     int parallel = threads > 1 && G1 * G2 * M * N * K >= (1 << 18);  /* a small product is not worth waking threads */
     #pragma omp parallel for collapse(4) schedule(static) num_threads(threads) if(parallel)
     for (int64_t g1 = 0; g1 < G1; g1++)
         for (int64_t g2 = 0; g2 < G2; g2++)
             for (int64_t tj = 0; tj < nt; tj++)
                 for (int64_t ti = 0; ti < mt; ti++) {
-                    const char *ag = (const char *)a + (g1 * st[0] + g2 * st[1]) * ea;
-                    const char *bg = (const char *)b + (g1 * st[3] + g2 * st[4]) * eb;
-                    float *og = out + g1 * st[6] + g2 * st[7];
-                    const int64_t lda = st[2], ldb = st[5], ldo = st[8];
-                    int64_t m0 = ti * 4, n0 = tj * 4, mb = M - m0 < 4 ? M - m0 : 4, nb = N - n0 < 4 ? N - n0 : 4;
-                    if (mb == 4 && nb == 4) {
-                        t[0](ag, bg, og, m0, n0, K, lda, ldb, ldo);
-                    } else if (nb == 4) {
-                        for (int64_t m = m0; m < m0 + mb; m++) t[1](ag, bg, og, m, n0, K, lda, ldb, ldo);
-                    } else if (mb == 4) {
-                        for (int64_t n = n0; n < n0 + nb; n++) t[2](ag, bg, og, m0, n, K, lda, ldb, ldo);
-                    } else {
-                        for (int64_t m = m0; m < m0 + mb; m++)
-                            for (int64_t n = n0; n < n0 + nb; n++) t[3](ag, bg, og, m, n, K, lda, ldb, ldo);
-                    }
+                    const int64_t m0 = ti * MR, n0 = tj * NR;
+                    const int64_t mr = M - m0 < MR ? M - m0 : MR, nr = N - n0 < NR ? N - n0 : NR;
+                    kernels[mr - 1](a + g1 * st[0] + g2 * st[1] + m0 * st[2], st[2],
+                                    (const char *)b + (g1 * st[3] + g2 * st[4] + tj * st[6]) * eb, st[5],
+                                    out + g1 * st[7] + g2 * st[8] + m0 * st[9] + n0, st[9], K, nr);
                 }
 }
 """
@@ -245,8 +220,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
             os.replace(built, target)  # atomic: workers building it at once all load a whole file
     library = ctypes.CDLL(str(target))
     library.ordered_gemm.restype = None
-    library.ordered_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 5,
-                                     ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    library.ordered_gemm.argtypes = [ctypes.c_void_p] * 4
     library.ordered_gemm_vector.restype = ctypes.c_int
     return library
 
@@ -269,8 +243,9 @@ def ordered_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [..., M, K] x b [..., N, K] -> [..., M, N] float32 (b's rows, not its columns, as in F.linear), every
     element reduced in the fixed order of the module's docstring. CPU tensors, each float32 or bfloat16 (a
     bfloat16 operand is exact in float32: mixing them is the float32 product of the values); the leading
-    dimensions of a and b equal (b may have none: one weight for every batch). Any strides but a unit one along K
-    (else a copy). Called for every product of a step: a few microseconds of Python around the kernel."""
+    dimensions of a and b equal (b may have none: one weight for every batch). Any strides: b is read in place
+    where its N elements are adjacent (a transposed view, as `values.transpose(-1, -2)`), else copied so; a weight
+    used at every step is best packed once (`pack`, `ordered_linear`)."""
     _check(a, b)
     shape, k = a.shape, a.shape[-1]
     if b.dim() == 2:  # one weight: every row of a is a row of one product
@@ -278,24 +253,44 @@ def ordered_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             raise ValueError(f"ordered_matmul: shapes {tuple(a.shape)} and {tuple(b.shape)} do not match")
         out = torch.empty((*shape[:-1], b.shape[0]), dtype=torch.float32)
         if out.numel():
-            rows = a.reshape(-1, k)
-            _gemm(rows[None, None], b[None, None], out.view(1, 1, -1, b.shape[0]))
+            _plain(a.reshape(-1, k)[None, None], b[None, None], out.view(1, 1, -1, b.shape[0]))
         return out
     if b.shape[:-2] != shape[:-2] or b.shape[-1] != k:
         raise ValueError(f"ordered_matmul: shapes {tuple(a.shape)} and {tuple(b.shape)} do not match")
     out = torch.empty((*shape[:-1], b.shape[-2]), dtype=torch.float32)
     if out.numel():
-        _gemm(_four(a), _four(b), _four(out))
+        _plain(_four(a), _four(b), _four(out))
     return out
 
 
-def ordered_pieces(x: torch.Tensor, weight: torch.Tensor, pieces: tuple[range, ...]) -> torch.Tensor:
-    """x [N, in] x weight [out, in] over each piece of the input columns apart (adjacent ranges of in) ->
-    [N, len(pieces) * out] float32: piece p's partial product in columns [p * out, (p + 1) * out), each the bits
-    ordered_matmul(x[:, p], weight[:, p]) gives, in one call per run of pieces of one width."""
-    _check(x, weight)
-    rows, width = x.shape[0], weight.shape[0]
-    out = torch.empty((rows, len(pieces) * width), dtype=torch.float32)
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] (F.linear's) -> its panels [ceil(N / PANEL), K, PANEL] (zero columns past N), the layout
+    ordered_linear reads: a tile's columns of one row of b in one line of cache, a panel's rows one after another."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = torch.nn.functional.pad(weight, (0, 0, 0, panels * PANEL - n))
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def ordered_linear(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] x a packed weight (pack: [N, K] -> panels) -> [M, N] float32, the bits ordered_matmul(x, weight)
+    gives. Called for every product of a step: a few microseconds of Python around the kernel."""
+    x = _rows(x, panels)
+    m, k = x.shape
+    out = torch.empty((m, n), dtype=torch.float32)
+    if m and n:
+        _gemm(x, panels, out, 1, 1, m, n, k, (0, 0, x.stride(0), 0, 0, PANEL, k * PANEL, 0, 0, n))
+    return out
+
+
+def ordered_pieces(x: torch.Tensor, panels: torch.Tensor, n: int, pieces: tuple[range, ...]) -> torch.Tensor:
+    """x [M, K] x a packed weight [N, K], each piece of the reduction (adjacent ranges of K) apart ->
+    [M, len(pieces) * N] float32: piece p's partial product in columns [p * N, (p + 1) * N), each the bits
+    ordered_matmul(x[:, p], weight[:, p]) gives; one call per run of pieces of one width."""
+    x = _rows(x, panels)
+    m, k = x.shape
+    width = len(pieces) * n
+    out = torch.empty((m, width), dtype=torch.float32)
     if not out.numel():
         return out
     first = 0
@@ -304,20 +299,32 @@ def ordered_pieces(x: torch.Tensor, weight: torch.Tensor, pieces: tuple[range, .
         last = first + 1
         while last < len(pieces) and len(pieces[last]) == size and pieces[last].start == pieces[last - 1].stop:
             last += 1
-        count, stop = last - first, start + (last - first) * size
-        _gemm(x[:, start:stop].unflatten(1, (count, size)).transpose(0, 1)[None],  # [1, count, N, size]
-              weight[:, start:stop].unflatten(1, (count, size)).transpose(0, 1)[None],  # [1, count, out, size]
-              out[:, first * width: last * width].unflatten(1, (count, width)).transpose(0, 1)[None])
+        # piece first + i: x's columns and every panel's rows from start + i * size, out's columns from
+        # (first + i) * n
+        _gemm(x[:, start:], panels[:, start:], out[:, first * n:], 1, last - first, m, n, size,
+              (0, size, x.stride(0), 0, size * PANEL, PANEL, k * PANEL, 0, n, width))
         first = last
     return out
 
 
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _check(a: torch.Tensor, b: torch.Tensor) -> None:
-    for t in (a, b):
-        if t.dtype is not torch.float32 and t.dtype is not torch.bfloat16:
-            raise TypeError(f"ordered_matmul takes float32 or bfloat16 tensors, not {a.dtype} and {b.dtype}")
-        if t.device.type != "cpu":
-            raise ValueError("ordered_matmul runs on the CPU")
+    if a.dtype not in _DTYPES or b.dtype not in _DTYPES:
+        raise TypeError(f"ordered_matmul takes float32 or bfloat16 tensors, not {a.dtype} and {b.dtype}")
+    if a.is_cuda or b.is_cuda or a.device.type != "cpu" or b.device.type != "cpu":
+        raise ValueError("ordered_matmul runs on the CPU")
+
+
+def _rows(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the kernel reads a: float32, each row's elements adjacent."""
+    _check(x, panels)
+    if x.dim() != 2 or x.shape[1] != panels.shape[1]:
+        raise ValueError(f"ordered_linear: x {tuple(x.shape)} does not match panels {tuple(panels.shape)}")
+    if x.dtype is not torch.float32:
+        return x.float()  # the kernel broadcasts a's elements as float32 (exact)
+    return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
 
 
 def _four(t: torch.Tensor) -> torch.Tensor:
@@ -330,18 +337,23 @@ def _four(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *t.shape[-2:])[None]
 
 
-def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """The kernel: out = a b^T for each of [G1, G2]; a [G1, G2, M, K], b [G1, G2, N, K] (a stride 0 repeats one),
-    out [G1, G2, M, N] float32."""
-    k = a.shape[-1]
-    if k == 0:
-        out.zero_()
-        return
-    if k > 1 and a.stride(-1) != 1:
+def _plain(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out = a b^T for each of [G1, G2]: a [G1, G2, M, K], b [G1, G2, N, K] (a stride 0 repeats one), out
+    [G1, G2, M, N] float32."""
+    if a.dtype is not torch.float32:
+        a = a.float()  # the kernel broadcasts a's elements as float32 (exact)
+    elif a.shape[-1] > 1 and a.stride(-1) != 1:
         a = a.contiguous()
-    if k > 1 and b.stride(-1) != 1:
-        b = b.contiguous()
-    g1, g2, m, n = out.shape
-    strides = (ctypes.c_int64 * 9)(*a.stride()[:3], *b.stride()[:3], *out.stride()[:3])
-    (_library or load()).ordered_gemm(a.data_ptr(), b.data_ptr(), out.data_ptr(), g1, g2, m, n, k, strides,
-                                      a.dtype is torch.bfloat16, b.dtype is torch.bfloat16, torch.get_num_threads())
+    bt = b.transpose(-1, -2)  # [G1, G2, K, N]: the kernel's b, its N elements adjacent
+    if bt.shape[-1] > 1 and bt.stride(-1) != 1:
+        bt = bt.contiguous()
+    _gemm(a, bt, out, *out.shape, a.shape[-1], (*a.stride()[:3], *bt.stride()[:3], PANEL, *out.stride()[:3]))
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, g1: int, g2: int, m: int, n: int, k: int,
+          strides: tuple[int, ...]) -> None:
+    """The kernel: out [G1, G2, M, N] = a [G1, G2, M, K] (float32, rows of adjacent elements) x b, whose element
+    (g1, g2, k, n) is at g1 * s0 + g2 * s1 + k * s2 + (n // PANEL) * s3 + n % PANEL; strides: a's (g1, g2, row),
+    b's (s0, s1, s2, s3), out's (g1, g2, row), in elements from each tensor's first."""
+    params = (ctypes.c_int64 * 17)(g1, g2, m, n, k, b.dtype is torch.bfloat16, torch.get_num_threads(), *strides)
+    (_library or load()).ordered_gemm(a.data_ptr(), b.data_ptr(), out.data_ptr(), params)

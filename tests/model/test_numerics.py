@@ -31,7 +31,7 @@ from services.model.numerics import (
     slice_bounds,
 )
 from services.model import ordered_gemm
-from services.model.ordered_gemm import ordered_matmul, ordered_pieces
+from services.model.ordered_gemm import ordered_linear, ordered_matmul, ordered_pieces, pack
 from services.model.spec import ModelSpec
 from services.topology import Topology, place
 from services.topology.eplb import initial_expert_maps
@@ -108,19 +108,24 @@ def test_the_ordered_gemm_computes_the_product(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_pieces_strides_and_mixed_dtypes_give_the_bits_of_separate_contiguous_products(dtype):
-    """ordered_pieces (a row-parallel layer's partials in one call, runs of equal widths and an odd one), strided
-    operands (the attention's gathered keys, read in place) and a float32 operand against a bfloat16 one (the
-    attention's weights against its values) compute every element as ordered_matmul of contiguous copies does."""
+    """ordered_pieces (a row-parallel layer's partials in one call, runs of equal widths and an odd one), a packed
+    weight, strided operands (the attention's gathered values, read in place) and a float32 operand against a
+    bfloat16 one (the attention's weights against its values) compute every element as ordered_matmul of
+    contiguous copies does."""
     generator = torch.Generator().manual_seed(11)
     x = torch.randn(13, 100, generator=generator).to(dtype)
     weight = torch.randn(9, 100, generator=generator).to(dtype)
     pieces = (range(0, 20), range(20, 40), range(40, 53), range(53, 66), range(66, 100))
     expected = torch.cat([ordered_matmul(x[:, p.start:p.stop].contiguous(), weight[:, p.start:p.stop].contiguous())
                           for p in pieces], dim=-1)
-    assert torch.equal(ordered_pieces(x, weight, pieces), expected)
+    assert torch.equal(ordered_pieces(x, pack(weight), 9, pieces), expected)
+    assert torch.equal(ordered_linear(x, pack(weight), 9), ordered_matmul(x, weight))  # packed: the same bits
     keys = torch.randn(3, 70, 2, 32, generator=generator).to(dtype).permute(2, 0, 1, 3)  # [2, 3, 70, 32] strided
     q = torch.randn(2, 3, 8, 32, generator=generator).to(dtype)
     assert torch.equal(ordered_matmul(q, keys), ordered_matmul(q, keys.contiguous()))
+    values = torch.randn(3, 70, 2, 32, generator=generator).to(dtype).permute(2, 0, 3, 1)  # [2, 3, 32, 70] in place
+    scores = torch.randn(2, 3, 8, 70, generator=generator)
+    assert torch.equal(ordered_matmul(scores, values), ordered_matmul(scores, values.contiguous()))
     five = torch.randn(2, 2, 3, 5, 7, generator=generator).to(dtype)  # more than two leading dimensions
     assert torch.equal(ordered_matmul(five, five), ordered_matmul(five.reshape(12, 5, 7), five.reshape(12, 5, 7)).view(
         2, 2, 3, 5, 5))
