@@ -220,10 +220,13 @@ class RowParallelLinear:
         return RowParallelLinear(self.linear, self.bias, group, self.pieces)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        numerics, weight, panels = self.linear.numerics, self.linear.weight, self.linear.panels
         if self.pieces is None:
             y = self.group.all_reduce(self.linear(x))
+        elif self.group.size == 1:  # the same sum, bitwise, without the partials (one kernel call on a CPU)
+            y = numerics.reduced_pieces(x, weight, self.pieces, panels)
         else:
-            partials = self.linear.numerics.linear_pieces(x, self.linear.weight, self.pieces, self.linear.panels)
+            partials = numerics.linear_pieces(x, weight, self.pieces, panels)  # [N, pieces_local * out]
             gathered = self.group.all_gather_last_dim(partials)  # [N, pieces_total * out], in piece order
             y = ordered_sum(gathered, len(self.pieces) * self.group.size, x.dtype)
         return y + self.bias if self.bias is not None else y

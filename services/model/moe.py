@@ -46,7 +46,7 @@ def expert_mlp_pieces(x: torch.Tensor, weights: ExpertWeights, pieces: Sequence[
     gate_up, down = weights
     gate, up = numerics.linear(x, gate_up).chunk(2, dim=-1)
     hidden = whole_vectors(F.silu, gate) * up  # [N, I_local]
-    return numerics.linear_pieces(hidden, down, pieces)
+    return numerics.linear_pieces(hidden, down, pieces).to(x.dtype)
 
 
 def load_expert(loader: ShardLoader, style: str, layer: int, expert: int, intermediate: range) -> ExpertWeights:

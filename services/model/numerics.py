@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from services.contracts.numerics import MODES
 from services.model.ordered_gemm import kind as ordered_gemm_kind
-from services.model.ordered_gemm import ordered_linear, ordered_matmul, ordered_pieces
+from services.model.ordered_gemm import ordered_linear, ordered_matmul, ordered_pieces, ordered_pieces_sum
 from services.model.ordered_gemm import pack as pack_panels
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # F.linear(x, weight)
@@ -76,14 +76,22 @@ class Numerics:
 
     def linear_pieces(self, x: torch.Tensor, weight: torch.Tensor, pieces: Sequence[range],
                       panels: torch.Tensor | None = None) -> torch.Tensor:
-        """x [N, in] x weight [out, in], each piece (adjacent ranges of `in`) apart -> [N, len(pieces) * out] in x's
-        dtype, piece p's partial product in columns [p * out, (p + 1) * out): a row-parallel layer's partials.
-        panels: as for `linear` (packed here when not given)."""
+        """x [N, in] x weight [out, in], each piece (adjacent ranges of `in`) apart -> [N, len(pieces) * out], piece
+        p's partial product in columns [p * out, (p + 1) * out): a row-parallel layer's partials, for ordered_sum
+        after a gather. float32 from the ordered GEMM (the sum `reduced_pieces` computes in one call), else in x's
+        dtype. panels: as for `linear` (packed here when not given)."""
         if self.ordered_gemm:
-            panels = pack_panels(weight) if panels is None else panels
-            return ordered_pieces(x, panels, weight.shape[0], tuple(pieces)).to(x.dtype)
+            return ordered_pieces(x, pack_panels(weight) if panels is None else panels, weight.shape[0], tuple(pieces))
         return torch.cat([padded_linear(x[:, p.start:p.stop], weight[:, p.start:p.stop], self.row_multiple)
                           for p in pieces], dim=-1)
+
+    def reduced_pieces(self, x: torch.Tensor, weight: torch.Tensor, pieces: Sequence[range],
+                       panels: torch.Tensor | None = None) -> torch.Tensor:
+        """ordered_sum(linear_pieces(...)) in x's dtype, bitwise: a row-parallel layer on one rank."""
+        if self.ordered_gemm:
+            panels = pack_panels(weight) if panels is None else panels
+            return ordered_pieces_sum(x, panels, weight.shape[0], tuple(pieces)).to(x.dtype)
+        return ordered_sum(self.linear_pieces(x, weight, pieces, panels), len(pieces), x.dtype)
 
     @property
     def gemm(self) -> str:

@@ -31,7 +31,7 @@ from services.model.numerics import (
     slice_bounds,
 )
 from services.model import ordered_gemm
-from services.model.ordered_gemm import ordered_linear, ordered_matmul, ordered_pieces, pack
+from services.model.ordered_gemm import ordered_linear, ordered_matmul, ordered_pieces, ordered_pieces_sum, pack
 from services.model.spec import ModelSpec
 from services.topology import Topology, place
 from services.topology.eplb import initial_expert_maps
@@ -120,6 +120,9 @@ def test_pieces_strides_and_mixed_dtypes_give_the_bits_of_separate_contiguous_pr
                           for p in pieces], dim=-1)
     assert torch.equal(ordered_pieces(x, pack(weight), 9, pieces), expected)
     assert torch.equal(ordered_linear(x, pack(weight), 9), ordered_matmul(x, weight))  # packed: the same bits
+    for cut in (pieces, (range(0, 30), range(30, 60), range(60, 90), range(90, 100))):  # kernel-summed: the same
+        assert torch.equal(ordered_pieces_sum(x, pack(weight), 9, cut),
+                           ordered_sum(ordered_pieces(x, pack(weight), 9, cut), len(cut), torch.float32))
     keys = torch.randn(3, 70, 2, 32, generator=generator).to(dtype).permute(2, 0, 1, 3)  # [2, 3, 70, 32] strided
     q = torch.randn(2, 3, 8, 32, generator=generator).to(dtype)
     assert torch.equal(ordered_matmul(q, keys), ordered_matmul(q, keys.contiguous()))
@@ -153,9 +156,11 @@ def test_the_vector_and_the_portable_kernel_give_the_same_bits(monkeypatch):
             assert torch.equal(ordered_matmul(a, b), expected), (dtype, m, n, k, ordered_gemm.kind())
             monkeypatch.setattr(ordered_gemm, "_library", vector)
     a, b = torch.randn(5, 9, 70, generator=generator), torch.randn(5, 6, 70, generator=generator).bfloat16()
-    expected = ordered_matmul(a, b)  # mixed dtypes
+    x, panels, pieces = a[0], pack(b[0]), (range(0, 32), range(32, 64), range(64, 70))
+    expected = ordered_matmul(a, b), ordered_pieces_sum(x, panels, 6, pieces)  # mixed dtypes; pieces summed
     monkeypatch.setattr(ordered_gemm, "_library", portable)
-    assert torch.equal(ordered_matmul(a, b), expected)
+    assert torch.equal(ordered_matmul(a, b), expected[0])
+    assert torch.equal(ordered_pieces_sum(x, panels, 6, pieces), expected[1])
 
 
 def test_the_probe_catches_a_gemm_whose_rows_depend_on_the_row_count():
