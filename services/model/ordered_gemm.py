@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from services.model import attention_kernel
 from services.model.cache import default_cache_dir
 
 PANEL = 32  # columns of b per panel (the C's NR)
@@ -45,7 +46,7 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define VECTOR 1
 #endif
@@ -220,16 +221,17 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
         raise OrderedGemmUnavailable("invariant numerics on a CPU compiles a small C kernel (ordered_gemm) on first "
                                      "use, and no C compiler was found: install gcc, or set CC")
     flags = (*_FLAGS, *extra_flags)
-    parts = (_SOURCE, compiler, *flags, *_LIBS, _cpu_key(), sys.platform)
+    source = _SOURCE + attention_kernel.SOURCE
+    parts = (source, compiler, *flags, *_LIBS, _cpu_key(), sys.platform)
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     target = _cache_dir() / f"ordered_gemm-{key[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-            source = Path(scratch) / "ordered_gemm.c"
-            source.write_text(_SOURCE)
+            path = Path(scratch) / "ordered_gemm.c"
+            path.write_text(source)
             built = Path(scratch) / target.name
-            result = subprocess.run([compiler, *flags, str(source), "-o", str(built), *_LIBS], capture_output=True,
+            result = subprocess.run([compiler, *flags, str(path), "-o", str(built), *_LIBS], capture_output=True,
                                     text=True)
             if result.returncode:
                 raise OrderedGemmUnavailable(f"compiling the ordered GEMM kernel with {compiler} failed: "
@@ -238,6 +240,8 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     library = ctypes.CDLL(str(target))
     library.ordered_gemm.restype = None
     library.ordered_gemm.argtypes = [ctypes.c_void_p] * 4
+    library.ordered_attention.restype = None
+    library.ordered_attention.argtypes = [*[ctypes.c_void_p] * 8, ctypes.c_float]
     library.ordered_gemm_vector.restype = ctypes.c_int
     return library
 

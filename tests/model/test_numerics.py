@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from services.model.attention import AttentionMetadata, paged_attention
+from services.model import invariant_attention as invariant_attention_module
 from services.model.invariant_attention import invariant_attention
 from services.model.layers import Linear, ShardLoader, SingleRankGroup
 from services.model.llama import ShardedCausalLM
@@ -226,6 +227,32 @@ def test_invariant_attention_agrees_with_the_fast_one(dtype):
     fast = _attention(paged_attention, query, cache, contexts, news).float()
     invariant = _attention(invariant_attention, query, cache, contexts, news).float()
     torch.testing.assert_close(invariant, fast, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+    # a GPU's form (padded rows and key chunks, torch.matmul), run here on the CPU
+    padded = _attention(lambda *args: invariant_attention_module._padded(*args, None), query, cache, contexts, news)
+    torch.testing.assert_close(padded.float(), fast, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 compiler flag")
+def test_the_cpu_attention_kernel_gives_the_same_bits_on_the_vector_and_the_portable_path(monkeypatch):
+    """services/model/attention_kernel.py: the AVX-512 and the portable build (its own exp, the same operations)
+    agree bitwise, with a head size and key counts off the vector width, with and without a sliding window; and
+    the result is the fast attention's within bf16's tolerance."""
+    vector, portable = ordered_gemm.load(), ordered_gemm.build(("-mno-avx512f",))
+    generator = torch.Generator().manual_seed(4)
+    for dtype in DTYPES:
+        cache = torch.randn(2, 120, BLOCK, 2, 40, generator=generator).to(dtype)
+        query = torch.randn(200, 6, 40, generator=generator).to(dtype)
+        for window in (None, 9):
+            def attend(fn):
+                return lambda q, c, m, s: fn(q, c, m, s, window)
+            contexts, news = [5, 37, 90, 200], [1, 1, 20, 3]
+            expected = _attention(attend(invariant_attention), query, cache, contexts, news)
+            monkeypatch.setattr(ordered_gemm, "_library", portable)
+            assert torch.equal(_attention(attend(invariant_attention), query, cache, contexts, news), expected)
+            monkeypatch.setattr(ordered_gemm, "_library", vector)
+            fast = _attention(attend(paged_attention), query, cache, contexts, news).float()
+            torch.testing.assert_close(expected.float(), fast, atol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                                       rtol=0)
 
 
 # ---- the whole model, TP ranks as threads ---------------------------------------------------------------------------
