@@ -1,4 +1,4 @@
-"""The C source of invariant numerics' attention on a CPU (invariant_attention.py calls it; ordered_gemm.build
+"""The C source of invariant numerics' attention on a CPU (invariant_attention.py calls it; cpu_kernels.build
 compiles it with the GEMM into one library). Every row (one query head of one token) alone, in a fixed order:
 
     s_j   = (q · k_j) * scale for each visible key j (from the window's first to the token's position): the dot

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from services.model.attention import AttentionMetadata
 from services.model.numerics import whole_vectors
-from services.model import ordered_gemm
+from services.model import cpu_kernels
 
 KEY_CHUNK = 64     # keys per chunk of the ordered fold
 ROW_MULTIPLE = 8   # one KV head's query rows are padded to a multiple of this (>= every numerics.ROW_MULTIPLES)
@@ -86,7 +86,7 @@ def _ordered(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, 
     if num_tokens:
         params = (ctypes.c_int64 * 7)(num_tokens, num_q_heads, cache.shape[3], head_dim, sliding_window or 0,
                                       cache.dtype is torch.bfloat16, torch.get_num_threads())
-        ordered_gemm.load().ordered_attention(q.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(),
+        cpu_kernels.library().ordered_attention(q.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(),
                                               slots.data_ptr(), first.data_ptr(), positions.data_ptr(),
                                               out.data_ptr(), params, scale)
     return out.to(query.dtype)

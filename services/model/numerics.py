@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from services.contracts.numerics import MODES
-from services.model.ordered_gemm import kind as ordered_gemm_kind
+from services.model.cpu_kernels import kind as ordered_gemm_kind
 from services.model.ordered_gemm import ordered_linear, ordered_matmul, ordered_pieces, ordered_pieces_sum
 from services.model.ordered_gemm import pack as pack_panels
 

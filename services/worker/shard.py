@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 import torch
 
-from services.model import ordered_gemm
+from services.model import cpu_kernels
 from services.model.expert_reshard import ALONGSIDE, ExpertSwitch
 from services.model.layers import ShardLoader, SingleRankGroup
 from services.model.llama import ShardedCausalLM
@@ -68,13 +68,13 @@ def shard_numerics(config: WorkerConfig, spec: ModelSpec, device: torch.device, 
     """The stack's numerics. Invariant: row-parallel reductions cut for every TP degree the model allows on
     INVARIANT_WORKERS workers or this world's, whichever is more (so a switch between any two layouts changes no
     bit, and stacks of up to INVARIANT_WORKERS workers agree with each other), GEMM rows padded as this device's
-    BLAS needs (on the CPU, the ordered GEMM: services/model/ordered_gemm.py)."""
+    BLAS needs (on the CPU, the ordered GEMM and attention: services/model/cpu_kernels.py)."""
     if config.numerics == "fast":
         return FAST
     num_workers = max(config.world_size, INVARIANT_WORKERS)
     tp_sizes = {t.tp for t in candidate_topologies(spec.shape, num_workers) if not t.is_expert_parallel}
     if device.type == "cpu":
-        ordered_gemm.load()  # built (or found in the cache) now: a machine without a C compiler fails at start
+        cpu_kernels.load()  # built (or found in the cache) now: a machine without a C compiler fails at start
     return invariant_numerics(spec.shape.num_heads, spec.shape.intermediate_size, sorted(tp_sizes),
                               None if device.type == "cpu" else choose_row_multiple(device, dtype),
                               spec.shape.moe_intermediate_size)

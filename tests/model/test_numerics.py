@@ -31,7 +31,7 @@ from services.model.numerics import (
     reduction_pieces,
     slice_bounds,
 )
-from services.model import ordered_gemm
+from services.model import cpu_kernels
 from services.model.ordered_gemm import ordered_linear, ordered_matmul, ordered_pieces, ordered_pieces_sum, pack
 from services.model.spec import ModelSpec
 from services.topology import Topology, place
@@ -141,8 +141,8 @@ def test_pieces_strides_and_mixed_dtypes_give_the_bits_of_separate_contiguous_pr
 def test_the_vector_and_the_portable_kernel_give_the_same_bits(monkeypatch):
     """The AVX-512 path (where the CPU has it) and the portable C one, built here with -mno-avx512f, compute every
     element in the same order: the same bits, so hosts of other CPUs agree (an instance across hosts)."""
-    vector = ordered_gemm.load()
-    portable = ordered_gemm.build(("-mno-avx512f",))
+    vector = cpu_kernels.load()
+    portable = cpu_kernels.build(("-mno-avx512f",))
     assert not portable.ordered_gemm_vector()
     generator = torch.Generator().manual_seed(5)
     cases = [((1, 7, 5), None), ((3, 9, 17), None), ((64, 130, 576), None), ((7, 13, 100), None), ((9, 5, 1), None),
@@ -153,13 +153,13 @@ def test_the_vector_and_the_portable_kernel_give_the_same_bits(monkeypatch):
             a = torch.randn(*lead, m, k, generator=generator).to(dtype)
             b = torch.randn(*lead, n, k, generator=generator).to(dtype)
             expected = ordered_matmul(a, b)
-            monkeypatch.setattr(ordered_gemm, "_library", portable)
-            assert torch.equal(ordered_matmul(a, b), expected), (dtype, m, n, k, ordered_gemm.kind())
-            monkeypatch.setattr(ordered_gemm, "_library", vector)
+            monkeypatch.setattr(cpu_kernels, "_library", portable)
+            assert torch.equal(ordered_matmul(a, b), expected), (dtype, m, n, k, cpu_kernels.kind())
+            monkeypatch.setattr(cpu_kernels, "_library", vector)
     a, b = torch.randn(5, 9, 70, generator=generator), torch.randn(5, 6, 70, generator=generator).bfloat16()
     x, panels, pieces = a[0], pack(b[0]), (range(0, 32), range(32, 64), range(64, 70))
     expected = ordered_matmul(a, b), ordered_pieces_sum(x, panels, 6, pieces)  # mixed dtypes; pieces summed
-    monkeypatch.setattr(ordered_gemm, "_library", portable)
+    monkeypatch.setattr(cpu_kernels, "_library", portable)
     assert torch.equal(ordered_matmul(a, b), expected[0])
     assert torch.equal(ordered_pieces_sum(x, panels, 6, pieces), expected[1])
 
@@ -237,7 +237,7 @@ def test_the_cpu_attention_kernel_gives_the_same_bits_on_the_vector_and_the_port
     """services/model/attention_kernel.py: the AVX-512 and the portable build (its own exp, the same operations)
     agree bitwise, with a head size and key counts off the vector width, with and without a sliding window; and
     the result is the fast attention's within bf16's tolerance."""
-    vector, portable = ordered_gemm.load(), ordered_gemm.build(("-mno-avx512f",))
+    vector, portable = cpu_kernels.load(), cpu_kernels.build(("-mno-avx512f",))
     generator = torch.Generator().manual_seed(4)
     for dtype in DTYPES:
         cache = torch.randn(2, 120, BLOCK, 2, 40, generator=generator).to(dtype)
@@ -247,9 +247,9 @@ def test_the_cpu_attention_kernel_gives_the_same_bits_on_the_vector_and_the_port
                 return lambda q, c, m, s: fn(q, c, m, s, window)
             contexts, news = [5, 37, 90, 200], [1, 1, 20, 3]
             expected = _attention(attend(invariant_attention), query, cache, contexts, news)
-            monkeypatch.setattr(ordered_gemm, "_library", portable)
+            monkeypatch.setattr(cpu_kernels, "_library", portable)
             assert torch.equal(_attention(attend(invariant_attention), query, cache, contexts, news), expected)
-            monkeypatch.setattr(ordered_gemm, "_library", vector)
+            monkeypatch.setattr(cpu_kernels, "_library", vector)
             fast = _attention(attend(paged_attention), query, cache, contexts, news).float()
             torch.testing.assert_close(expected.float(), fast, atol=2e-2 if dtype == torch.bfloat16 else 1e-5,
                                        rtol=0)
