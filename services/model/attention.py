@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.model.device_io import to_device
+
 
 @dataclass(frozen=True, slots=True)
 class SequenceSlice:
@@ -71,7 +73,7 @@ class AttentionMetadata:
             sequences.append(SequenceSlice(token_start, length, context_len, context))
             tables.append(table[:needed])
             token_start += length
-        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+        slot_mapping = to_device(slots, device)
         decodes = [i for i, s in enumerate(sequences) if s.num_new_tokens == 1]
         prefills = tuple(s for s in sequences if s.num_new_tokens != 1)
         decode_batch = _decode_batch([sequences[i] for i in decodes], [tables[i] for i in decodes], block_size,
@@ -155,7 +157,7 @@ def prefill_batch(prefills: tuple[SequenceSlice, ...], device: torch.device) -> 
     mask = (k_pos <= q_pos[:, :, None]) & (k_pos < context[:, None, None])
     mask |= ~real[:, :, None] & (k_pos == 0)  # a padding row sees key 0 alone (one that sees nothing: NaN)
     slots = torch.nn.utils.rnn.pad_sequence([p.context_slots for p in prefills], batch_first=True)  # [S, ctx]
-    token_rows, real, real_rows, q_pos, mask = (t.to(device, non_blocking=True) for t in (
+    token_rows, real, real_rows, q_pos, mask = (to_device(t, device, t.dtype) for t in (
         token_rows, real, token_rows[real], q_pos, mask[:, None]))
     return PrefillBatch(token_rows, real, real_rows, slots, q_pos, mask)
 
@@ -194,7 +196,7 @@ def _context_slots(tables: list[list[int]], num_keys: int, block_size: int, devi
     """[len(tables), num_keys] flat cache slots of the first num_keys positions of each block table (short tables
     padded with block 0)."""
     width = max(len(table) for table in tables)
-    padded = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int64, device=device)
+    padded = to_device([table + [0] * (width - len(table)) for table in tables], device)
     offsets = torch.arange(block_size, device=device)
     return (padded[:, :, None] * block_size + offsets).view(len(tables), -1)[:, :num_keys]
 
@@ -214,11 +216,11 @@ def _decode_batch(decodes: list[SequenceSlice], tables: list[list[int]], block_s
     lengths = [s.context_len for s in decodes]
     num_keys = max(lengths)
     slots = _context_slots(tables, num_keys, block_size, device).reshape(-1)
-    context_lens = torch.tensor(lengths, device=device)
+    context_lens = to_device(lengths, device)
     key_mask = None if min(lengths) == num_keys else _decode_keys_mask(context_lens, num_keys, None)
     token_starts = [s.token_start for s in decodes]
     in_order = len(decodes) == num_tokens  # then token_starts == 0..T-1
-    index = None if in_order else torch.tensor(token_starts, dtype=torch.int64, device=device)
+    index = None if in_order else to_device(token_starts, device)
     return DecodeBatch(index, slots, context_lens, key_mask)
 
 

@@ -30,7 +30,7 @@ import torch
 from services.contracts.step import SequenceStep
 from services.model.attention import AttentionMetadata
 from services.model.llama import ShardedCausalLM
-from services.worker.device_io import staged, to_device
+from services.model.device_io import staged, to_device
 from services.worker.kv_cache import KVCache
 
 log = structlog.get_logger(__name__)

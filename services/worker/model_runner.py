@@ -13,7 +13,7 @@ from services.model.attention import AttentionMetadata
 from services.model.llama import ShardedCausalLM
 from services.topology import Placement, WorkerPlacement
 from services.worker.decode_graphs import DecodeGraphs
-from services.worker.device_io import to_device
+from services.model.device_io import to_device
 from services.worker.faults import FAULTS
 from services.worker.kv_cache import KVCache
 from services.worker.logits_processor import needs_processing

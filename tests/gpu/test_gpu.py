@@ -228,3 +228,19 @@ def test_a_step_ahead_launches_without_waiting_for_the_device(checkpoint):
         runner.kv_cache.close()
     assert runner.graphs.num_graphs >= 1
     assert got == expected
+
+
+def test_an_eager_steps_attention_metadata_goes_up_without_a_host_synchronisation():
+    """AttentionMetadata.build on CUDA for a step of prefill chunks and decodes (the eager path's): every host list
+    goes up through pinned memory (services/model/device_io.py), so the host never waits for the queued steps."""
+    from services.model.attention import AttentionMetadata
+
+    device = torch.device("cuda")
+    tables = [[3, 4, 5], [7], [9, 10], [11, 12, 13]]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        meta = AttentionMetadata.build([0, 5, 17, 30], [20, 1, 1, 9], tables, 16, device)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert meta.prefill_batch is not None and meta.decodes is not None
+    assert meta.slot_mapping.device.type == "cuda" and meta.slot_mapping.shape == (31,)
