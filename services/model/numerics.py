@@ -3,7 +3,7 @@ no bit of a token's hidden state depends on the batch it shares a step with, on 
 the layout (TP degree, PP stages, EP) serving it, so a live switch provably changes no token.
 
 Invariant mode rests on these rules, each enforced in one place:
-- GEMMs: on the CPU every product (linear layers, the router, attention's) runs through
+- GEMMs: on the CPU every product (linear layers, the router, the experts) runs through
   services/model/ordered_gemm.py, a kernel that adds each output element in one order fixed by its reduction
   length alone, whatever the other rows and columns, the thread count or the CPU: no BLAS keeps that promise on
   every CPU (MKL's float32 GEMM and oneDNN's AMX bfloat16 GEMM give a row other bits at other row counts, at any
@@ -13,8 +13,10 @@ Invariant mode rests on these rules, each enforced in one place:
 - TP reductions (`reduction_pieces`): a row-parallel layer's reduction dimension (and each expert's, in an MoE
   model: services/model/moe.py) is cut at every shard boundary of every TP degree the model allows on
   INVARIANT_WORKERS workers; each piece's partial product is computed on its own, the partials are gathered in
-  rank order (which is piece order) and added in piece order in float32, on one worker as on many.
-- attention (`services/model/invariant_attention.py`): keys in chunks of KEY_CHUNK positions counted from
+  rank order (which is piece order) and added in piece order in float32, on one worker as on many (there, on a
+  CPU, inside the GEMM kernel).
+- attention (`services/model/invariant_attention.py`): on the CPU every row alone over its visible keys, in the
+  fixed order of services/model/attention_kernel.py; on a GPU keys in chunks of KEY_CHUNK positions counted from
   position 0, the row maximum (exact in any order), sums over fixed-size chunks, chunks folded in order; a chunk
   past a row's context adds exact zeros, so padding and batch composition change nothing.
 - elementwise transcendental kernels (exp, sin, cos, silu) compute the tail of a tensor (or of a thread's part of

@@ -7,19 +7,17 @@ than in one of 328 (at any padding), and with AVX2 kernels other bits at another
 fixed shape; oneDNN's AMX bfloat16 GEMM likewise. No padding rule holds on every CPU, so invariant mode does not
 ask a BLAS: `ordered_matmul` computes out[..., m, n] = sum_k a[..., m, k] * b[..., n, k] as
 
-    lane l (0..15) adds a[k] * b[k] for k = l, l + 16, l + 32, ... in order, each a fused multiply-add (one
-    rounding: C's fmaf, exactly specified, so every CPU computes the same bits)
-    the 16 lanes are folded as a fixed tree: ((l0 + l1) + (l2 + l3)) + ... in float32,
+    acc = 0; for k = 0, 1, ..., K - 1: acc = fmaf(a[m, k], b[n, k], acc)
+    (C's fmaf: one rounding, exactly specified, so every CPU computes the same bits)
 
-whatever the other rows and columns, the row's position, the thread count, the vector width or the CPU. The
-kernel is C, compiled on first use with the system's C compiler (`cc`, or $CC) into a per-CPU cache (beside the
-models) and called through ctypes; each operand float32 or bfloat16 (a bf16 product is exact in float32), float32
-out, any strides but along the reduction, and two batch dimensions (the attention's (head, sequence) products read
-the gathered keys in place); a row-parallel layer's reduction pieces are one call (`ordered_pieces`).
-Where the CPU has AVX-512 (F, BW, VL) a lane is one of a register's 16 (4 x 4 elements of the product per tile, b's
-rows kept in cache across the row tiles); elsewhere the portable C of the same order, which the compiler vectorises
-as it can: both give the same bits (tests/model/test_numerics.py builds both and compares). Slower than MKL or
-oneDNN, which pick faster orders per shape (bench/numerics.py measures the mode's cost).
+whatever the other rows and columns, the row's position, the thread count, the vector width or the CPU; with
+reduction pieces (a row-parallel layer's), one such chain a piece and the pieces' sums added in piece order. The
+kernel (gemm_kernel.py, compiled by cpu_kernels.py) vectorises across the output columns: 8 x 32 tiles over a
+weight packed once into 32-column panels (`pack`, `ordered_linear`), on AVX-512 where the CPU has it and in the
+portable C of the same order elsewhere: both give the same bits (tests/model/test_numerics.py builds both). Each
+operand float32 or bfloat16 (a bf16 product is exact in float32), float32 out, any strides (b read in place where
+its columns are adjacent), two batch dimensions. About MKL's float32 rate; bfloat16 about a third of oneDNN's AMX
+kernel (bench/numerics.py measures the mode's cost).
 """
 
 from __future__ import annotations
