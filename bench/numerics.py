@@ -10,7 +10,8 @@ prompt's tokens can be compared across batches ("batch-invariant": every prompt'
 size it is in) and across layouts ("layout-invariant": each batch's tokens the same in every layout). Decode steps
 are timed at the driver (forward.py's loop: one prefill step, then one step per token, no async scheduling).
 The whole sweep runs --rounds times, so the two modes' runs interleave in time on a machine whose load drifts; the
-fastest round of each configuration is reported (every round's tok/s in the JSON). Prints a table, writes JSON and a plot (bench/report.py).
+fastest round of each configuration is reported (every round's tok/s in the JSON). `--in-process` times one tp1pp1
+shard's decode step in this process instead. Prints a table, writes JSON and a plot (bench/report.py).
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ def steps_in_process(args: argparse.Namespace) -> list[dict]:
 
 def format_steps(rows: list[dict]) -> str:
     fast = {(r["dtype"], r["batch_size"]): r for r in rows if r["numerics"] == "fast"}
-    lines = ["| dtype | batch | fast ms/step | invariant ms/step | invariant / fast tok/s |", "|---|---:|---:|---:|---:|"]
+    lines = ["| dtype | batch | fast ms/step | invariant ms/step | invariant / fast tok/s |",
+             "|---|---:|---:|---:|---:|"]
     for r in (r for r in rows if r["numerics"] == "invariant"):
         f = fast[r["dtype"], r["batch_size"]]
         lines.append(f"| {r['dtype']} | {r['batch_size']} | {f['step_ms']:.2f} | {r['step_ms']:.2f} | "

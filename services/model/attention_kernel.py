@@ -14,8 +14,6 @@ prompt or the other rows. AVX-512 (F, BW) where the CPU has it, the portable C o
 """
 
 SOURCE = r"""
-#include <stdlib.h>
-
 #define EXP_LOW -87.0f  /* exp below it: 0 (2^n stays a normal number above it) */
 #define LN2_HI 0.693359375f
 #define LN2_LO -2.12194440e-4f
@@ -65,7 +63,8 @@ static inline __m512 vload(const void *p, int64_t i, __mmask16 m, int bf16) {
 }
 static inline __m512 exp_vector(__m512 x) {
     __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LOW), _CMP_GE_OQ);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x);
     r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
     __m512 p = _mm512_set1_ps(1.0f / 5040.0f);

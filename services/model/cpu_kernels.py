@@ -19,6 +19,18 @@ from pathlib import Path
 from services.model import attention_kernel, gemm_kernel
 from services.model.cache import default_cache_dir
 
+# What every kernel's source may use: the headers, and VECTOR where the CPU has AVX-512 F, BW and VL (else each
+# kernel's portable C of the same order).
+_PRELUDE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define VECTOR 1
+#endif
+"""
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-shared", "-fPIC")
 _LIBS = ("-lm",)  # fmaf, where the CPU has no FMA instruction
 _lock = threading.Lock()
@@ -59,7 +71,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
         raise OrderedGemmUnavailable("invariant numerics on a CPU compiles a small C kernel (ordered_gemm) on first "
                                      "use, and no C compiler was found: install gcc, or set CC")
     flags = (*_FLAGS, *extra_flags)
-    source = gemm_kernel.SOURCE + attention_kernel.SOURCE
+    source = _PRELUDE + gemm_kernel.SOURCE + attention_kernel.SOURCE
     parts = (source, compiler, *flags, *_LIBS, _cpu_key(), sys.platform)
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     target = _cache_dir() / f"ordered_gemm-{key[:16]}.so"

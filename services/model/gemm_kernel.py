@@ -8,14 +8,6 @@ where the CPU has AVX-512 (F, BW, VL); the portable C of the same order elsewher
 PANEL = 32  # columns of b per panel (the C's NR)
 
 SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-#include <math.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#define VECTOR 1
-#endif
-
 #define MR 8   /* rows of a tile */
 #define NR 32  /* columns of a tile: a panel of b */
 
@@ -23,7 +15,9 @@ SOURCE = r"""
    last may be shorter) a chain of fused multiply-adds in k order from 0, the pieces' sums added in piece order
    (float32). a: float32, row stride lda; b(k, j) at b[k * ldb + j] (float32 or bfloat16); out: row stride ldo. */
 #ifdef VECTOR
-static inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+static inline __mmask16 first(int64_t n) {  /* the first n of 16 lanes */
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+}
 /* float32 b: columns [0, 16) and [16, 32) of the tile. */
 #define MASKS_F32(nr) const __mmask16 mlo = first(nr), mhi = first((nr) - 16);
 #define LOAD_F32(b, i, lo, hi) {                                                                      \

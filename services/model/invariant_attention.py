@@ -74,6 +74,8 @@ def _ordered(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, 
              sliding_window: int | None) -> torch.Tensor:
     """The CPU's attention: every row in one C call (attention_kernel.py), in the order its docstring states."""
     global _last_rows
+    if cache.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"invariant attention on a CPU takes a float32 or bfloat16 cache, not {cache.dtype}")
     num_tokens, num_q_heads, head_dim = query.shape
     last = _last_rows  # every layer of a step attends over the same rows: built once a step
     if last is None or last[0] is not meta:
@@ -81,8 +83,6 @@ def _ordered(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, 
     slots, first, positions = last[1]
     q = query.float().contiguous()
     out = torch.empty_like(q)
-    if cache.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"invariant attention on a CPU takes a float32 or bfloat16 cache, not {cache.dtype}")
     if num_tokens:
         params = (ctypes.c_int64 * 7)(num_tokens, num_q_heads, cache.shape[3], head_dim, sliding_window or 0,
                                       cache.dtype is torch.bfloat16, torch.get_num_threads())
