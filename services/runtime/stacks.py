@@ -18,7 +18,7 @@ import re
 import shutil
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -171,17 +171,23 @@ def select_stack(selector: str | None = None) -> RunningStack:
     return stacks[0]
 
 
-def _listen_error(host: str, port: int) -> OSError | None:
-    """Why `port` cannot be listened on at `host` (None if it can). SO_REUSEADDR as the servers set it, so that a
-    port left in TIME_WAIT by a stopped stack counts as free."""
+def _reserve(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, not listening, that keeps the port for the stack until its service listens
+    (OSError if it cannot be listened on). SO_REUSEADDR as the servers set it: a port a stopped stack left in
+    TIME_WAIT counts as free, and the stack's own server binds and listens beside it (Linux lets two SO_REUSEADDR
+    sockets share a port while neither listens; a second listener is refused). The point is the kernel's choice of
+    ephemeral ports: it never gives an outgoing connection a port some socket is bound to. Without this, a port
+    checked free could be handed to a connection of the stack's own processes (a worker dialling the weight store,
+    say) before the service that is to listen on it starts: `reconfig up` then failed on a port it had found free."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            return exc
-    return None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def port_taken_message(host: str, port: int, flag: str, error: OSError) -> str:
@@ -194,8 +200,9 @@ class StackClaim:
     """A launcher's hold on its name and ports, from before anything loads until its stack has stopped: the owner
     of the stack's directory, and the only one to remove what is in it."""
 
-    def __init__(self, claim: Claim, directory: Path, fd: int) -> None:
+    def __init__(self, claim: Claim, directory: Path, fd: int, reserved: Iterable[socket.socket] = ()) -> None:
         self.claim, self.directory, self._fd = claim, directory, fd
+        self._reserved = list(reserved)  # the ports' placeholders (_reserve), held as long as the claim
 
     @classmethod
     def take(cls, name: str, host: str, ports: dict[str, int]) -> StackClaim:
@@ -211,9 +218,14 @@ class StackClaim:
                     what = f"port {', '.join(map(str, clash))}" if clash else f"the name {name!r}"
                     raise StackConflict(f"a stack is running: {stack.describe()} (stack {stack.name!r}, holding "
                                         f"{what}) — stop it or choose other ports (and --name)")
+            reserved: list[socket.socket] = []
             for flag, port in wanted.items():
-                if (error := _listen_error(host, port)) is not None:
-                    raise StackConflict(port_taken_message(host, port, flag, error))
+                try:
+                    reserved.append(_reserve(host, port))
+                except OSError as error:
+                    for sock in reserved:
+                        sock.close()
+                    raise StackConflict(port_taken_message(host, port, flag, error)) from None
             for directory in stale:
                 shutil.rmtree(directory, ignore_errors=True)
             directory = stacks_dir() / name
@@ -223,7 +235,7 @@ class StackClaim:
             claim = Claim(name=name, pid=os.getpid(), host=host, ports=wanted, started_at=time.time())
             os.ftruncate(fd, 0)
             os.write(fd, json.dumps(asdict(claim)).encode())
-        return cls(claim, directory, fd)
+        return cls(claim, directory, fd, reserved)
 
     @property
     def token_file(self) -> Path:
@@ -248,5 +260,8 @@ class StackClaim:
         if self._fd < 0:
             return
         shutil.rmtree(self.directory, ignore_errors=True)
+        for sock in self._reserved:
+            sock.close()
+        self._reserved.clear()
         os.close(self._fd)
         self._fd = -1

@@ -4,6 +4,7 @@ anything starts; a stack's files go with its claim; reconfigctl picks a stack by
 from __future__ import annotations
 
 import json
+import os
 import socket
 import stat
 import subprocess
@@ -122,3 +123,63 @@ def test_select_by_name_or_port_and_the_errors_that_list_the_stacks():
 def test_bad_names_are_refused(name):
     with pytest.raises(ValueError, match="invalid stack name"):
         check_name(name)
+
+
+def test_a_claimed_port_is_kept_for_the_service_that_will_listen_on_it():
+    """The claim holds its ports bound until the stack stops: the stack's own servers (gRPC, the HTTP socket)
+    listen on them beside it, any other program's socket is refused, and the port is free again after."""
+    import asyncio
+
+    from services.rpc.server import listen, new_server
+    from services.router.api.server import bind_http_socket
+
+    grpc_port, http_port = _free_port(), _free_port()
+
+    async def serve_grpc() -> int:
+        server = new_server()
+        bound = listen(server, HOST, grpc_port, "router")
+        await server.start()
+        await server.stop(None)
+        return bound
+
+    with StackClaim.take("a", HOST, {"grpc": grpc_port, "http": http_port}):
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind((HOST, grpc_port))
+        assert asyncio.run(serve_grpc()) == grpc_port
+        http = bind_http_socket(HOST, http_port)
+        http.listen()
+        http.close()
+    with socket.socket() as other:
+        other.bind((HOST, grpc_port))
+
+
+_EPHEMERAL_PORTS = """
+import fcntl, socket, struct
+from services.runtime.stacks import StackClaim
+low, high, claimed = 40120, 40140, 40130
+with socket.socket() as s:  # the namespace's loopback up (SIOCGIFFLAGS / SIOCSIFFLAGS, IFF_UP)
+    flags = struct.unpack("16sh22x", fcntl.ioctl(s, 0x8913, struct.pack("16sh22x", b"lo", 0)))[1]
+    fcntl.ioctl(s, 0x8914, struct.pack("16sh22x", b"lo", flags | 1))
+open("/proc/sys/net/ipv4/ip_local_port_range", "w").write(f"{low} {high}")
+server = socket.socket()
+server.bind(("127.0.0.1", 20000))
+server.listen(64)
+with StackClaim.take("x", "127.0.0.1", {"grpc": claimed}):
+    connections = []
+    for _ in range(high - low):  # every port of the range but the claimed one
+        connections.append(socket.create_connection(("127.0.0.1", 20000)))
+    print(sorted(c.getsockname()[1] for c in connections))
+"""
+
+
+def test_no_outgoing_connection_is_given_a_claimed_port(run_dir):
+    """The reason the claim holds its ports: the kernel hands an outgoing connection any free ephemeral port, and
+    the defaults (50051-50053) lie inside Linux's ephemeral range, so one of the stack's own connections could take
+    its router's port before the router listened. In a network namespace of its own with an ephemeral range of 21
+    ports, a claim on one of them leaves the other 20 to 20 connections and never hands out the claimed one."""
+    if subprocess.run(["unshare", "-rn", "true"], capture_output=True).returncode != 0:
+        pytest.skip("cannot make a network namespace here (unshare -rn)")
+    result = subprocess.run(["unshare", "-rn", sys.executable, "-c", _EPHEMERAL_PORTS], capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "RECONFIG_RUN_DIR": str(run_dir)})
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [port for port in range(40120, 40141) if port != 40130]
