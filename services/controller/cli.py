@@ -162,9 +162,11 @@ def _operation_line(op: OperationStatus | None) -> str:
 
 
 def _numerics(status: StackStatus) -> str:
-    """'    numerics: fast, float32' from the workers that answered ('' when none did)."""
-    modes = sorted({(w.numerics, w.dtype) for w in status.workers if w.numerics})
-    return "    numerics: " + " / ".join(f"{mode}, {dtype}" for mode, dtype in modes) if modes else ""
+    """'    numerics: invariant, bfloat16 [ordered (avx512)]' (mode, dtype and what computes the products) from the
+    workers that answered ('' when none did); hosts that differ each add theirs."""
+    modes = sorted({(w.numerics, w.dtype, w.gemm) for w in status.workers if w.numerics})
+    return "    numerics: " + " / ".join(f"{mode}, {dtype}" + (f" [{gemm}]" if gemm else "")
+                                       for mode, dtype, gemm in modes) if modes else ""
 
 
 def format_table(status: StackStatus, experts_line: str = "") -> str:

@@ -355,7 +355,7 @@ class ControllerState:
             kv_head_start=info.kv_head_start, kv_head_end=info.kv_head_end,
             num_kv_blocks_used=num_kv_blocks_used if is_active else 0, num_kv_blocks_total=info.num_kv_blocks,
             param_bytes=info.param_bytes, kv_cache_bytes=info.kv_cache_bytes, error=error,
-            numerics=info.numerics, dtype=info.dtype,
+            numerics=info.numerics, dtype=info.dtype, gemm=info.gemm,
         )
 
     def _with_operation(self, status: StackStatus) -> StackStatus:

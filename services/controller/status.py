@@ -62,6 +62,7 @@ class WorkerStatus:
     error: str = ""                    # why UNREACHABLE, or a topology mismatch
     numerics: str = ""                 # "fast" or "invariant" (WorkerInfo.numerics)
     dtype: str = ""                    # compute dtype, e.g. "float32"
+    gemm: str = ""                     # what computes its products, e.g. "ordered (avx512)" (WorkerInfo.gemm)
 
     def to_pb(self) -> controller_pb2.WorkerStatus:
         """The wire form."""

@@ -299,6 +299,7 @@ class WorkerShard:
             device=str(self.device), candidate_topologies=[str(t) for t in self.parallel.candidates],
             state=self._state(), generation=self.parallel.generation, num_threads=self.num_threads,
             step_port=self.step_port, numerics=self.numerics.mode, dtype=str(self.dtype).removeprefix("torch."),
+            gemm=self.numerics.gemm,
         )
         if self.runner is not None:
             wp, kv = self.runner.wp, self.runner.kv_cache

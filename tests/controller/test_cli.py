@@ -53,7 +53,7 @@ async def test_table_of_a_frozen_stack_with_requests(stack, capsys):
     assert code == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["topology:", TOPOLOGY, "state:", "FROZEN", "model:", MODEL, "numerics:", "fast,",
-                                "float32"]
+                                "float32", "[blas]"]
     assert lines[1] == "reason: the router is frozen: no step is scheduled"
     header = lines[3].split()
     assert header[:4] == ["RANK", "PID", "STATE", "DEVICE"] and "ADDRESS" in header
@@ -175,10 +175,11 @@ def test_table_of_a_degraded_stack_after_an_operation():
 
 
 def test_the_header_says_how_the_workers_compute():
-    worker = WorkerStatus(rank=0, address="h:1", state=WorkerState.ACTIVE, numerics="invariant", dtype="bfloat16")
+    worker = WorkerStatus(rank=0, address="h:1", state=WorkerState.ACTIVE, numerics="invariant", dtype="bfloat16",
+                          gemm="ordered (avx512)")
     status = StackStatus(topology="tp1pp1", state=StackState.SERVING, model="tiny", workers=(worker,))
     assert format_table(status).splitlines()[0] == ("topology: tp1pp1    state: SERVING    model: tiny    "
-                                                    "numerics: invariant, bfloat16")
+                                                    "numerics: invariant, bfloat16 [ordered (avx512)]")
     assert StackStatus.from_pb(status.to_pb()) == status
 
 

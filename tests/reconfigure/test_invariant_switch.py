@@ -32,6 +32,14 @@ async def stack(invariant_cluster):
         yield live
 
 
+async def test_the_controller_reports_how_each_worker_computes(stack):
+    from services.model import cpu_kernels
+
+    workers = (await stack.state.refresh()).workers
+    assert {(w.numerics, w.dtype, w.gemm) for w in workers} == {("invariant", "bfloat16",
+                                                                 f"ordered ({cpu_kernels.kind()})")}
+
+
 async def test_switches_change_no_token_of_64_bf16_streams(stack):
     alone, together, switched = await serve_alone_together_and_switched(stack, NUM_REQUESTS, ["tp2pp1", "tp1pp2",
                                                                                            "tp2pp2"], 32)
