@@ -19,7 +19,7 @@ def _add_cluster_args(parser: argparse.ArgumentParser, workers: int, topology: s
     parser.add_argument("--workers", type=int, default=workers, help="worker processes")
     parser.add_argument("--topology", default=topology, help="parallel layout, e.g. tp2pp2")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    from services.launch.up import add_gpu_arguments
+    from services.launch.up_config import add_gpu_arguments
 
     add_gpu_arguments(parser)
     parser.add_argument("--kv-cache-mb", type=int, default=64, help="KV cache budget per worker (MiB)")
@@ -45,10 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompts-file", required=True, type=Path,
                      help='JSONL: {"prompt_token_ids": [...]} or {"prompt": "..."} per line')
     gen.add_argument("--json", action="store_true", help='print {"outputs": [{"token_ids", "text"}]}')
-    from services.launch import up as up_module
+    from services.launch import up_config
 
     up = commands.add_parser("up", help="start the whole stack (weightstore, workers, router, controller)")
-    up_module.add_arguments(up)
+    up_config.add_arguments(up)
     demo = commands.add_parser("demo", help="start the built-in model on 4 workers (TP2PP2) and generate")
     _add_cluster_args(demo, workers=4, topology="tp2pp2")
     _add_sampling_args(demo)
@@ -160,7 +160,8 @@ def _demo_command(args: argparse.Namespace) -> int:
 
 
 def _up_command(args: argparse.Namespace) -> int:
-    from services.launch.up import UpConfig, up
+    from services.launch.up import up
+    from services.launch.up_config import UpConfig
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "verbose", "handler")}
     return up(UpConfig.load(args.config, overrides))

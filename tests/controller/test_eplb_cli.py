@@ -159,26 +159,27 @@ def test_up_flags_and_config_file_reach_cluster_and_router_configs(tmp_path, mon
     from services.cli import build_parser as reconfig_parser
     from services.launch import up as up_module
     from services.launch.cluster import ClusterError
+    from services.launch.up_config import UpConfig
 
     args = reconfig_parser().parse_args(["up", "--num-redundant-experts", "2", "--eplb", "--eplb-window", "50",
                                          "--eplb-step-interval", "100"])
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "verbose", "handler")}
-    config = up_module.UpConfig.load(None, overrides)
+    config = UpConfig.load(None, overrides)
     assert (config.num_redundant_experts, config.eplb, config.eplb_window, config.eplb_step_interval) == (2, True, 50,
                                                                                                           100)
-    defaults = up_module.UpConfig.load(None, {k: v for k, v in vars(reconfig_parser().parse_args(["up"])).items()
-                                              if k not in ("command", "config", "verbose")})
+    defaults = UpConfig.load(None, {k: v for k, v in vars(reconfig_parser().parse_args(["up"])).items()
+                                    if k not in ("command", "config", "verbose")})
     assert (defaults.num_redundant_experts, defaults.eplb, defaults.eplb_window,
             defaults.eplb_step_interval) == (0, False, 1000, 3000)
     toml = tmp_path / "stack.toml"
     toml.write_text("num_redundant_experts = 4\neplb = true\neplb_step_interval = 7\n")
-    from_file = up_module.UpConfig.load(toml, {"eplb_step_interval": 9})
+    from_file = UpConfig.load(toml, {"eplb_step_interval": 9})
     assert (from_file.num_redundant_experts, from_file.eplb, from_file.eplb_step_interval) == (4, True, 9)
     for bad, message in (({"num_redundant_experts": -1}, "num_redundant_experts must be >= 0"),
                          ({"eplb_window": 0}, "eplb_window must be >= 1"),
                          ({"eplb_step_interval": 0}, "eplb_step_interval must be >= 1")):
         with pytest.raises(ValueError, match=message):
-            up_module.UpConfig.load(None, bad)
+            UpConfig.load(None, bad)
 
     seen = {}
 
@@ -204,7 +205,7 @@ def test_up_flags_and_config_file_reach_cluster_and_router_configs(tmp_path, mon
     (model / "config.json").write_text("{}")
     monkeypatch.setenv("RECONFIG_RUN_DIR", str(tmp_path / "run"))
     monkeypatch.setattr(up_module, "LocalCluster", RecordingCluster)
-    stack = up_module.UpConfig.load(None, {**overrides, "model": str(model), "workers": 2, "topology": "ep2pp1"})
+    stack = UpConfig.load(None, {**overrides, "model": str(model), "workers": 2, "topology": "ep2pp1"})
     assert up_module.up(stack) == 1
     assert (seen["cluster"].num_redundant_experts, seen["cluster"].eplb_window) == (2, 50)
     assert (seen["router"].eplb, seen["router"].eplb_step_interval) == (True, 100)

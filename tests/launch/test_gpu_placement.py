@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.launch.cluster import ClusterConfig, LocalCluster
-from services.launch.up import UpConfig
+from services.launch.up_config import UpConfig
 from services.topology import DevicePlacementError
 from tests.conftest import make_checkpoint
 

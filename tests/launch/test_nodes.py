@@ -19,7 +19,7 @@ from services.launch.nodes import (
     register,
     wait_for_nodes,
 )
-from services.launch.up import UpConfig
+from services.launch.up_config import UpConfig
 
 
 def test_a_layout_gives_each_node_its_ranks():

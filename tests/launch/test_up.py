@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from services.launch.up import UpConfig
+from services.launch.up_config import UpConfig
 from services.weightstore.shm import list_segments
 from services.worker.kv_cache import KV_SEGMENT_PREFIX
 from tests.conftest import make_checkpoint, process_running, wait_for_stack_file, wait_until
