@@ -18,7 +18,7 @@ torch.matmul, rows padded as the worker's probe found needed (numerics.probe).
 
 from __future__ import annotations
 
-import ctypes
+import array
 
 import torch
 import torch.nn.functional as F
@@ -84,11 +84,11 @@ def _ordered(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, 
     q = query.float().contiguous()
     out = torch.empty_like(q)
     if num_tokens:
-        params = (ctypes.c_int64 * 7)(num_tokens, num_q_heads, cache.shape[3], head_dim, sliding_window or 0,
-                                      cache.dtype is torch.bfloat16, torch.get_num_threads())
+        params = array.array("q", (num_tokens, num_q_heads, cache.shape[3], head_dim, sliding_window or 0,
+                                   cache.dtype is torch.bfloat16, torch.get_num_threads()))
         cpu_kernels.library().ordered_attention(q.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(),
                                               slots.data_ptr(), first.data_ptr(), positions.data_ptr(),
-                                              out.data_ptr(), params, scale)
+                                              out.data_ptr(), params.buffer_info()[0], scale)
     return out.to(query.dtype)
 
 
