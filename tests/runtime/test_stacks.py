@@ -166,8 +166,11 @@ server.bind(("127.0.0.1", 20000))
 server.listen(64)
 with StackClaim.take("x", "127.0.0.1", {"grpc": claimed}):
     connections = []
-    for _ in range(high - low):  # every port of the range but the claimed one
-        connections.append(socket.create_connection(("127.0.0.1", 20000)))
+    try:
+        while True:  # until the kernel has no port left to give
+            connections.append(socket.create_connection(("127.0.0.1", 20000)))
+    except OSError:
+        pass
     print(sorted(c.getsockname()[1] for c in connections))
 """
 
@@ -176,10 +179,12 @@ def test_no_outgoing_connection_is_given_a_claimed_port(run_dir):
     """The reason the claim holds its ports: the kernel hands an outgoing connection any free ephemeral port, and
     the defaults (50051-50053) lie inside Linux's ephemeral range, so one of the stack's own connections could take
     its router's port before the router listened. In a network namespace of its own with an ephemeral range of 21
-    ports, a claim on one of them leaves the other 20 to 20 connections and never hands out the claimed one."""
+    ports, connections made until none can be are never given the claimed one (they get the others, but for one
+    the kernel's scan may pass over: it tries an even count of the range's ports from a random start)."""
     if subprocess.run(["unshare", "-rn", "true"], capture_output=True).returncode != 0:
         pytest.skip("cannot make a network namespace here (unshare -rn)")
     result = subprocess.run(["unshare", "-rn", sys.executable, "-c", _EPHEMERAL_PORTS], capture_output=True,
                             text=True, timeout=60, env={**os.environ, "RECONFIG_RUN_DIR": str(run_dir)})
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == [port for port in range(40120, 40141) if port != 40130]
+    ports = json.loads(result.stdout)
+    assert 40130 not in ports and len(ports) >= 19 and set(ports) <= set(range(40120, 40141)), ports
