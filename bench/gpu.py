@@ -10,7 +10,7 @@ On a CUDA machine (../shared/gpu/README.md), in one run:
 3. transformers `generate` (greedy, prompt 64, exactly --new-tokens new tokens): eager with its dynamic cache, and
    with a static cache (eager; compiled too with --hf-compile: torch.compile costs minutes of device time);
 4. reconfig's worker step in process (ModelRunner over the paged KV cache, greedy on the GPU): decode steps as
-   CUDA graphs and eagerly, tok/s over the decode steps alone;
+   CUDA graphs (with torch's kernels and with --kernels triton's) and eagerly, tok/s over the decode steps alone;
 5. reconfig's serving path: a LocalCluster of 2 workers sharing the GPU (tp1pp1, one on standby) behind the router's
    engine over gRPC, concurrent requests, tok/s from submission to the last token (prefill included, as
    `generate`'s), with async scheduling (the default) and with the router waiting for each step's tokens;
@@ -130,16 +130,17 @@ def bench_transformers(model_dir: Path, batches: list[int], new_tokens: int, com
 
 
 def bench_worker_step(model_dir: Path, batches: list[int], new_tokens: int) -> dict:
-    """reconfig's ModelRunner in process: decode tok/s with CUDA graphs and eagerly (prefill excluded)."""
+    """reconfig's ModelRunner in process: decode tok/s with CUDA graphs and eagerly (prefill excluded), the graphs
+    with torch's kernels and with --kernels triton's (services/model/triton_kernels.py), side by side; how many
+    sequences' greedy tokens differ between the two kernel sets (bf16 rounds apart)."""
     import torch
 
-    from services.contracts.step import SequenceStep, StepBatch
+    from services.model.kernels import choose
     from services.model.layers import ShardLoader, SingleRankGroup
     from services.model.llama import ShardedCausalLM
     from services.model.spec import ModelSpec
     from services.topology import Topology, place
     from services.worker.kv_cache import KVCache
-    from services.worker.model_runner import ModelRunner
     from safetensors.torch import load_file
 
     device = torch.device("cuda")
@@ -149,43 +150,68 @@ def bench_worker_step(model_dir: Path, batches: list[int], new_tokens: int) -> d
         tensors.update(load_file(path))
     placement = place(Topology(1, 1), spec.shape)
     wp = placement.workers[0]
-    model = ShardedCausalLM(spec, wp, ShardLoader(tensors.__getitem__, set(tensors), torch.bfloat16, device),
-                            SingleRankGroup())
-    del tensors
     block_size = 16
     blocks_per_seq = -(-(PROMPT_LEN + new_tokens) // block_size)
     cache = KVCache(wp.layers, len(wp.kv_heads), spec.head_dim, block_size, torch.bfloat16, device,
                     num_blocks=max(batches) * blocks_per_seq)
     results: dict = {}
-    for graphs in (True, False):
-        runner = ModelRunner(model, cache, placement, wp, None, device, cuda_graphs=graphs)
-        name = "reconfig_step_graphs" if graphs else "reconfig_step_eager"
-        for batch in batches:
-            tables = [tuple(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
-            ps = prompts(batch, batch)
-            out = runner.execute(StepBatch(0, tuple(SequenceStep(f"r{i}", tuple(p), 0, t)
-                                                     for i, (p, t) in enumerate(zip(ps, tables)))), 0)
-            last = [o.token_id for o in out.outputs]
-            for step in range(1, 3):  # untimed: the first decode step of a shape captures its graph
-                seqs = tuple(SequenceStep(f"r{i}", (last[i],), PROMPT_LEN + step - 1, tables[i]) for i in range(batch))
-                last = [o.token_id for o in runner.execute(StepBatch(step, seqs), 0).outputs]
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            for step in range(3, new_tokens):
-                seqs = tuple(SequenceStep(f"r{i}", (last[i],), PROMPT_LEN + step - 1, tables[i]) for i in range(batch))
-                last = [o.token_id for o in runner.execute(StepBatch(step, seqs), 0).outputs]
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - started
-            results[f"{name}/{batch}"] = batch * (new_tokens - 3) / seconds
-            log(f"{name} batch {batch}: {results[f'{name}/{batch}']:.1f} tok/s "
-                f"({seconds / (new_tokens - 3) * 1e3:.2f} ms/step)")
-        if runner.graphs is not None:
-            results["graph_capture_seconds"] = runner.graphs.capture_seconds
-            results["num_graphs"] = runner.graphs.num_graphs
-    del model, runner
+    tokens: dict = {}
+    for kernels, graphs in (("torch", True), ("triton", True), ("torch", False)):
+        name = ("reconfig_step_graphs" if graphs else "reconfig_step_eager") + ("_triton" if kernels != "torch" else "")
+        try:
+            model = ShardedCausalLM(spec, wp, ShardLoader(tensors.__getitem__, set(tensors), torch.bfloat16, device),
+                                    SingleRankGroup(), kernels=choose(kernels, device))
+            tokens[name] = _decode_runs(model, cache, placement, wp, device, graphs, name, batches, new_tokens,
+                                        blocks_per_seq, results)
+        except Exception:
+            results[f"{name}_error"] = traceback.format_exc()
+            log(f"{name} failed:\n{results[f'{name}_error']}")
+        model = None
+        torch.cuda.empty_cache()
+    if "reconfig_step_graphs_triton" in tokens and "reconfig_step_graphs" in tokens:
+        results["kernels_sequences_differing"] = {
+            batch: sum(a != b for a, b in zip(tokens["reconfig_step_graphs"][batch],
+                                              tokens["reconfig_step_graphs_triton"][batch])) for batch in batches}
     cache.close()
     torch.cuda.empty_cache()
     return results
+
+
+def _decode_runs(model, cache, placement, wp, device, graphs: bool, name: str, batches: list[int], new_tokens: int,
+                 blocks_per_seq: int, results: dict) -> dict[int, list[list[int]]]:
+    """One runner's decode tok/s at each batch (into results); returns each batch's greedy tokens per sequence."""
+    import torch
+
+    from services.contracts.step import SequenceStep, StepBatch
+    from services.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(model, cache, placement, wp, None, device, cuda_graphs=graphs)
+    outputs = {}
+    for batch in batches:
+        tables = [tuple(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
+        ps = prompts(batch, batch)
+        out = runner.execute(StepBatch(0, tuple(SequenceStep(f"r{i}", tuple(p), 0, t)
+                                                 for i, (p, t) in enumerate(zip(ps, tables)))), 0)
+        last = [o.token_id for o in out.outputs]
+        generated = [[t] for t in last]
+        for step in range(1, new_tokens):
+            if step == 3:  # untimed until here: the first decode step of a shape captures its graph
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+            seqs = tuple(SequenceStep(f"r{i}", (last[i],), PROMPT_LEN + step - 1, tables[i]) for i in range(batch))
+            last = [o.token_id for o in runner.execute(StepBatch(step, seqs), 0).outputs]
+            for row, t in zip(generated, last):
+                row.append(t)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        results[f"{name}/{batch}"] = batch * (new_tokens - 3) / seconds
+        log(f"{name} batch {batch}: {results[f'{name}/{batch}']:.1f} tok/s "
+            f"({seconds / (new_tokens - 3) * 1e3:.2f} ms/step)")
+        outputs[batch] = generated
+    if runner.graphs is not None:
+        results[f"{name}_capture_seconds"] = runner.graphs.capture_seconds
+        results[f"{name}_num_graphs"] = runner.graphs.num_graphs
+    return outputs
 
 
 async def bench_serving(model_dir: Path, batches: list[int], new_tokens: int) -> dict:
@@ -334,11 +360,12 @@ def _signed(fraction: float | None) -> str:
 
 def table(result: dict, batches: list[int]) -> str:
     rows = ["hf_eager", "hf_static", "hf_static_compiled", "reconfig_step_eager", "reconfig_step_graphs",
-            "reconfig_serving", "reconfig_serving_wait"]
+            "reconfig_step_graphs_triton", "reconfig_serving", "reconfig_serving_wait"]
     labels = {"hf_eager": "transformers generate, eager", "hf_static": "transformers generate, static cache (eager)",
               "hf_static_compiled": "transformers generate, static cache (compiled)",
               "reconfig_step_eager": "reconfig worker step, eager", "reconfig_step_graphs":
-              "reconfig worker step, CUDA graphs", "reconfig_serving": "reconfig serving (engine + gRPC, graphs)",
+              "reconfig worker step, CUDA graphs", "reconfig_step_graphs_triton":
+              "reconfig worker step, CUDA graphs, --kernels triton", "reconfig_serving": "reconfig serving (engine + gRPC, graphs)",
               "reconfig_serving_wait": "reconfig serving, waiting for each step (no async scheduling)"}
     lines = [f"| decode tok/s | {' | '.join(f'batch {b}' for b in batches)} |",
              "|---|" + "---|" * len(batches)]
@@ -349,10 +376,15 @@ def table(result: dict, batches: list[int]) -> str:
     bound = result.get("memory_bound_tok_s")
     if bound:
         lines.append(f"| memory bound (weights read once per step) | {bound:,.0f} |" + " |" * (len(batches) - 1))
-        for row in ("reconfig_step_graphs", "reconfig_serving"):
+        for row in ("reconfig_step_graphs", "reconfig_step_graphs_triton", "reconfig_serving"):
             if result.get(f"{row}/1"):
                 lines.append(f"\n{labels[row]}, batch 1: {result[f'{row}/1'] / bound:.1%} of the memory bound")
     for b in batches:
+        fused, plain = result.get(f"reconfig_step_graphs_triton/{b}"), result.get(f"reconfig_step_graphs/{b}")
+        if fused and plain:
+            differing = result.get("kernels_sequences_differing", {}).get(b)
+            lines.append(f"\nbatch {b}: graphed step, triton kernels ÷ torch kernels = {fused / plain:.2f}×"
+                         + (f" ({differing} of {b} sequences' greedy tokens differ)" if differing is not None else ""))
         ours, theirs = result.get(f"reconfig_serving/{b}"), result.get(f"hf_static_compiled/{b}") or result.get(
             f"hf_static/{b}")
         if ours and theirs:
@@ -385,7 +417,8 @@ def plot(result: dict, batches: list[int], path: Path) -> None:
     except ImportError:
         return
     rows = [r for r in ("hf_eager", "hf_static", "hf_static_compiled", "reconfig_step_eager",
-                        "reconfig_step_graphs", "reconfig_serving", "reconfig_serving_wait")
+                        "reconfig_step_graphs", "reconfig_step_graphs_triton", "reconfig_serving",
+                        "reconfig_serving_wait")
             if any(result.get(f"{r}/{b}") for b in batches)]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / max(1, len(rows))

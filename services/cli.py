@@ -121,7 +121,7 @@ def _run_generation(args: argparse.Namespace, prompts_text: list[str] | None) ->
                            device=args.device, kv_cache_bytes=args.kv_cache_mb << 20, block_size=args.block_size,
                            gpus=parse_gpus(args.gpus), gpu_sharing=bool(args.gpu_sharing),
                            enforce_eager=bool(args.enforce_eager), dtype=args.dtype or "auto",
-                           numerics=args.numerics or "fast")
+                           numerics=args.numerics or "fast", kernels=args.kernels or "torch")
 
     async def run() -> list:
         async with Driver(cluster.worker_addresses) as driver:

@@ -162,11 +162,17 @@ def _operation_line(op: OperationStatus | None) -> str:
 
 
 def _numerics(status: StackStatus) -> str:
-    """'    numerics: invariant, bfloat16 [ordered (avx512)]' (mode, dtype and what computes the products) from the
-    workers that answered ('' when none did); hosts that differ each add theirs."""
-    modes = sorted({(w.numerics, w.dtype, w.gemm) for w in status.workers if w.numerics})
-    return "    numerics: " + " / ".join(f"{mode}, {dtype}" + (f" [{gemm}]" if gemm else "")
-                                       for mode, dtype, gemm in modes) if modes else ""
+    """'    numerics: invariant, bfloat16 [ordered (avx512)]' (mode, dtype, what computes the products and, when they
+    are not torch's, the layers' fused kernels: '[blas; triton kernels]') from the workers that answered ('' when
+    none did); hosts that differ each add theirs."""
+    modes = sorted({(w.numerics, w.dtype, w.gemm, w.kernels) for w in status.workers if w.numerics})
+
+    def how(gemm: str, kernels: str) -> str:
+        parts = [p for p in (gemm, f"{kernels} kernels" if kernels not in ("", "torch") else "") if p]
+        return f" [{'; '.join(parts)}]" if parts else ""
+
+    return "    numerics: " + " / ".join(f"{mode}, {dtype}" + how(gemm, kernels)
+                                       for mode, dtype, gemm, kernels in modes) if modes else ""
 
 
 def format_table(status: StackStatus, experts_line: str = "") -> str:

@@ -356,6 +356,7 @@ class ControllerState:
             num_kv_blocks_used=num_kv_blocks_used if is_active else 0, num_kv_blocks_total=info.num_kv_blocks,
             param_bytes=info.param_bytes, kv_cache_bytes=info.kv_cache_bytes, error=error,
             numerics=info.numerics, dtype=info.dtype, gemm=info.gemm,
+            kernels=info.kernels,
         )
 
     def _with_operation(self, status: StackStatus) -> StackStatus:

@@ -63,6 +63,7 @@ class WorkerStatus:
     numerics: str = ""                 # "fast" or "invariant" (WorkerInfo.numerics)
     dtype: str = ""                    # compute dtype, e.g. "float32"
     gemm: str = ""                     # what computes its products, e.g. "ordered (avx512)" (WorkerInfo.gemm)
+    kernels: str = ""                  # "torch" or "triton" (WorkerInfo.kernels)
 
     def to_pb(self) -> controller_pb2.WorkerStatus:
         """The wire form."""

@@ -54,6 +54,7 @@ class ClusterConfig:
     enforce_eager: bool = False          # --device cuda: no CUDA graphs for decode steps
     dtype: str = "auto"                  # the workers' compute dtype (WorkerConfig.dtype)
     numerics: str = "fast"               # fast or invariant (services/model/numerics.py)
+    kernels: str = "torch"               # torch or triton (services/model/kernels.py)
     kv_cache_bytes: int = 64 << 20       # per worker
     block_size: int = 16
     host: str = "127.0.0.1"
@@ -242,7 +243,8 @@ class LocalCluster:
             weightstore_address=self.weightstore_address, topology=cfg.topology,
             layer_partition=cfg.layer_partition, device=cfg.device, kv_cache_bytes=cfg.kv_cache_bytes,
             gpu=self.gpus[rank - self.layout.ranks.start] if self.gpus else None, gpu_sharing=cfg.gpu_sharing,
-            enforce_eager=cfg.enforce_eager, dtype=cfg.dtype, numerics=cfg.numerics, block_size=cfg.block_size,
+            enforce_eager=cfg.enforce_eager, dtype=cfg.dtype, numerics=cfg.numerics, kernels=cfg.kernels,
+            block_size=cfg.block_size,
             host=cfg.host, collective_timeout_s=cfg.collective_timeout_s,
             parent_pid=os.getpid(), num_threads=cfg.num_threads, candidate_topologies=cfg.candidate_topologies,
             token=cfg.token, faults=cfg.faults, num_redundant_experts=cfg.num_redundant_experts,

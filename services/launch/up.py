@@ -51,7 +51,8 @@ def cluster_config(config: UpConfig, token: str | None) -> ClusterConfig:
     return ClusterConfig(
         model=config.model, num_workers=config.workers, topology=config.topology, device=config.device,
         gpus=parse_gpus(config.gpus), gpu_sharing=config.gpu_sharing, enforce_eager=config.enforce_eager,
-        dtype=config.dtype, numerics=config.numerics, kv_cache_bytes=config.kv_cache_mb << 20,
+        dtype=config.dtype, numerics=config.numerics, kernels=config.kernels,
+        kv_cache_bytes=config.kv_cache_mb << 20,
         block_size=config.block_size, host=config.host, token=token,
         num_redundant_experts=config.num_redundant_experts, eplb_window=config.eplb_window, tls=config.tls,
         nodes=config.nodes, node_rank=config.node_rank, dist_addr=config.dist_addr,

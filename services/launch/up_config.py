@@ -9,7 +9,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.contracts.numerics import DTYPES, MODES, check_compute
+from services.contracts.numerics import DTYPES, KERNELS, MODES, check_compute
 from services.contracts.phases import DEFAULT_STAGING_DUTY
 from services.runtime.stacks import check_name
 from services.topology import parse_gpus
@@ -29,6 +29,7 @@ class UpConfig:
     enforce_eager: bool = False         # --device cuda: run decode steps eagerly, no CUDA graphs (debugging)
     dtype: str = "auto"                 # auto: float32 on CPU, the checkpoint's dtype on a GPU
     numerics: str = "fast"              # fast, or invariant: no token depends on the batch or the layout
+    kernels: str = "torch"              # torch, or triton: fused layer kernels on CUDA (services/model/kernels.py)
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 50052
@@ -104,7 +105,7 @@ class UpConfig:
                                  "controller (reconfigctl instances lists them)")
             self.autoscale_settings()  # a bad --max-instances fails here
         check_duty(self.staging_duty, "staging_duty")
-        check_compute(self.dtype, self.numerics)
+        check_compute(self.dtype, self.numerics, self.kernels)
         self.tls  # incomplete TLS settings, or a missing file, fail here (TLSError names it)
         if self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, not {self.num_redundant_experts}")
@@ -287,3 +288,7 @@ def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--numerics", choices=MODES,
                         help="invariant: no bit of a token's result depends on its batch, its prompt's chunking or "
                              "the layout, so a live switch changes no token (slower) [fast]")
+    parser.add_argument("--kernels", choices=KERNELS,
+                        help="triton: fused RMSNorm + residual, rotary + KV-cache write, paged decode attention "
+                             "and SwiGLU kernels (--device cuda; needs the triton package; --enforce-eager turns "
+                             "them off) [torch]")

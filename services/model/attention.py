@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from services.model.device_io import to_device
+
+
+# decode(query [B, Hq, D], cache, slots [B * L], context_lens [B], scale, sliding_window) -> [B, Hq, D]: row b's
+# keys at slots[b * L: b * L + context_lens[b]] (services/model/triton_kernels.decode_attention)
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, "int | None"],
+                           torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,19 +117,24 @@ def write_kv(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_m
 
 
 def paged_attention(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, decode: DecodeAttention | None = None) -> torch.Tensor:
     """Causal attention of new tokens over their sequence's cached context.
 
     query [T, q_heads, D]; cache [2, num_blocks, block_size, kv_heads, D] (already holding this step's KV);
-    returns [T, q_heads, D]. Query heads map to KV heads in contiguous groups (GQA).
+    returns [T, q_heads, D]. Query heads map to KV heads in contiguous groups (GQA). decode: what attends the
+    single-token sequences (DecodeAttention's signature; None: one padded SDPA call).
     """
     decodes = meta.decodes
-    if decodes is not None and decodes.token_index is None:
-        return _batched_decode(query, cache, decodes, scale, sliding_window)  # a pure decode step
+    if decodes is not None:
+        q = query if decodes.token_index is None else query[decodes.token_index]
+        attended = (decode(q, cache, decodes.slots, decodes.context_lens, scale, sliding_window) if decode
+                    else _batched_decode(q, cache, decodes, scale, sliding_window))
+        if decodes.token_index is None:
+            return attended  # a pure decode step
     out = torch.empty_like(query)
     num_kv_heads, head_dim = cache.shape[3], cache.shape[4]
     if decodes is not None:
-        out[decodes.token_index] = _batched_decode(query, cache, decodes, scale, sliding_window)
+        out[decodes.token_index] = attended
     flat = cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_blocks * block_size, Hkv, D]
     if meta.prefill_batch is not None:
         return _batched_prefill(query, flat, meta.prefill_batch, scale, sliding_window, out)
@@ -226,12 +238,12 @@ def _decode_batch(decodes: list[SequenceSlice], tables: list[list[int]], block_s
 
 def _batched_decode(query: torch.Tensor, cache: torch.Tensor, decodes: DecodeBatch, scale: float,
                     sliding_window: int | None) -> torch.Tensor:
-    """One new token per sequence: gather each sequence's keys (padded), mask past its length. -> [B, Hq, D]"""
+    """One new token per sequence (query [B, Hq, D], the decode rows alone): gather each sequence's keys (padded), mask past its length. -> [B, Hq, D]"""
     num_kv_heads, head_dim = cache.shape[3], cache.shape[4]
     batch = decodes.context_lens.shape[0]
     flat = cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_blocks * block_size, Hkv, D]
     kv = flat.index_select(1, decodes.slots).view(2, batch, -1, num_kv_heads, head_dim).transpose(2, 3)  # [2,B,Hkv,L,D]
-    q = query if decodes.token_index is None else query[decodes.token_index]
+    q = query  # [B, Hq, D]: the decode rows alone
     mask = decodes.key_mask
     if sliding_window is not None:
         mask = _decode_keys_mask(decodes.context_lens, kv.shape[3], sliding_window)

@@ -11,9 +11,10 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 import torch.nn.functional as F
 
-from services.model.attention import AttentionMetadata, paged_attention, write_kv
+from services.model.attention import AttentionMetadata, paged_attention
 from services.model.invariant_attention import invariant_attention
 from services.model.expert_reshard import ALONGSIDE, ExpertSwitch
+from services.model.kernels import TORCH, Kernels
 from services.model.layers import (
     Linear,
     ParallelLMHead,
@@ -22,8 +23,6 @@ from services.model.layers import (
     ShardLoader,
     TPGroup,
     VocabParallelEmbedding,
-    apply_rotary,
-    rms_norm,
 )
 from services.model.moe import SparseMoeBlock
 from services.model.numerics import FAST, Numerics, reduction_pieces, whole_vectors
@@ -43,7 +42,7 @@ class DenseMLP:
     """A SwiGLU MLP holding this TP rank's intermediate columns (gate/up) and rows (down); one all-reduce."""
 
     def __init__(self, spec: ModelSpec, wp: WorkerPlacement, prefix: str, loader: ShardLoader, group: TPGroup,
-                 numerics: Numerics = FAST) -> None:
+                 numerics: Numerics = FAST, kernels: Kernels = TORCH) -> None:
         gate_up = [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"]
         self.gate_up = Linear(
             torch.cat([loader.rows(n + ".weight", wp.intermediate) for n in gate_up]),  # [2 * I_local, h]
@@ -56,7 +55,8 @@ class DenseMLP:
             group,
             reduction_pieces(numerics.intermediate_bounds, wp.intermediate) if numerics.is_invariant else None,
         )
-        self.silu = functools.partial(whole_vectors, F.silu) if numerics.is_invariant else F.silu
+        silu = functools.partial(whole_vectors, F.silu) if numerics.is_invariant else F.silu
+        self.silu_mul = functools.partial(kernels.silu_mul, silu=silu) if not kernels.fused else kernels.silu_mul
 
     def regrouped(self, group: TPGroup) -> DenseMLP:
         """The same weights reducing over another TP group."""
@@ -65,8 +65,7 @@ class DenseMLP:
         return mlp
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(self.silu(gate) * up)
+        return self.down_proj(self.silu_mul(self.gate_up(x)))
 
 
 class DecoderLayer:
@@ -74,8 +73,10 @@ class DecoderLayer:
     experts' slices or slots."""
 
     def __init__(self, spec: ModelSpec, wp: WorkerPlacement, layer_id: int, loader: ShardLoader, group: TPGroup,
-                 mlp: DenseMLP | SparseMoeBlock | None = None, numerics: Numerics = FAST) -> None:
-        """mlp: an MLP already built (kept from a previous shard, or a sparse block); None builds the dense one."""
+                 mlp: DenseMLP | SparseMoeBlock | None = None, numerics: Numerics = FAST,
+                 kernels: Kernels = TORCH) -> None:
+        """mlp: an MLP already built (kept from a previous shard, or a sparse block); None builds the dense one.
+        kernels: what computes the norms, rotary + KV write, decode attention and SwiGLU (services/model/kernels.py)."""
         p = f"model.layers.{layer_id}."
         d = spec.head_dim
         q_rows, kv_rows = _head_rows(wp.q_heads, d), _head_rows(wp.kv_heads, d)
@@ -95,8 +96,14 @@ class DecoderLayer:
             group,
             reduction_pieces(numerics.head_bounds, wp.q_heads, d) if numerics.is_invariant else None,
         )
-        self.attend = invariant_attention if numerics.is_invariant else paged_attention
-        self.mlp = mlp if mlp is not None else DenseMLP(spec, wp, p, loader, group, numerics)
+        self.kernels = kernels
+        if numerics.is_invariant:
+            self.attend = invariant_attention
+        elif kernels.decode_attention is not None:
+            self.attend = functools.partial(paged_attention, decode=kernels.decode_attention)
+        else:
+            self.attend = paged_attention
+        self.mlp = mlp if mlp is not None else DenseMLP(spec, wp, p, loader, group, numerics, kernels)
 
     def regrouped(self, group: TPGroup, mlp: DenseMLP | SparseMoeBlock | None = None) -> DecoderLayer:
         """The same attention weights (shared, not copied) reducing over another TP group; the dense MLP regrouped
@@ -110,31 +117,34 @@ class DecoderLayer:
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; writes this step's K/V into `cache`. With T == 0 (an EP rank without
-        requests this step) only the MLP runs: a sparse block must still join its stage's all-to-alls."""
+        """x [T, hidden] -> [T, hidden]; writes this step's K/V into `cache`."""
+        x, delta = self.step(x, None, cos, sin, cache, meta)
+        return x + delta
+
+    def step(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+             cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on hidden state x + delta (delta: the previous layer's MLP output, not yet added, so that the
+        add and this layer's first norm are one kernel; None: x alone) -> (its input x + delta, its MLP output).
+        With T == 0 (an EP rank without requests this step) only the MLP runs: a sparse block must still join its
+        stage's all-to-alls."""
+        eps = self.spec.rms_norm_eps
         if not x.shape[0]:
             if isinstance(self.mlp, SparseMoeBlock):
                 self.mlp(x)  # it may receive, compute and return peers' tokens
-            return x
-        x = x + self._attention(x, cos, sin, cache, meta)
-        return x + self.mlp(rms_norm(x, self.post_norm, self.spec.rms_norm_eps))
+            return x, x
+        x, h = self.kernels.add_rms_norm(x, delta, self.input_norm, eps)
+        x, h = self.kernels.add_rms_norm(x, self._attention(h, cos, sin, cache, meta), self.post_norm, eps)
+        return x, self.mlp(h)
 
-    def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
+    def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
-        spec, d, t = self.spec, self.spec.head_dim, x.shape[0]
-        num_q, num_qk = self.num_q_heads, self.num_q_heads + self.num_kv_heads
-        h = rms_norm(x, self.input_norm, spec.rms_norm_eps)
-        qkv = self.qkv(h)  # [T, (Hq + 2 Hkv) * D]
-        qk = qkv[:, : num_qk * d].view(t, num_qk, d)  # q and k heads side by side: one rotary for both
-        v = qkv[:, num_qk * d:].view(t, self.num_kv_heads, d)
-        if self.q_norm is not None:
-            qk = torch.cat((rms_norm(qk[:, :num_q], self.q_norm, spec.rms_norm_eps),
-                            rms_norm(qk[:, num_q:], self.k_norm, spec.rms_norm_eps)), dim=1)
-        qk = apply_rotary(qk, cos, sin)
-        q, k = qk[:, :num_q], qk[:, num_q:]
-        write_kv(cache, k, v, meta.slot_mapping, meta.write_rows)
+        """h: the normed hidden state [T, hidden] -> the attention block's output [T, hidden]."""
+        spec, d, t = self.spec, self.spec.head_dim, h.shape[0]
+        q = self.kernels.rotary_write_kv(self.qkv(h), self.num_q_heads, self.num_kv_heads, d, cos, sin, cache,
+                                         meta.slot_mapping, meta.write_rows, self.q_norm, self.k_norm,
+                                         spec.rms_norm_eps)  # [T, Hq_local, D]; K/V now in the cache
         attn = self.attend(q, cache, meta, d**-0.5, spec.sliding_window)  # [T, Hq_local, D]
-        return self.o_proj(attn.reshape(t, num_q * d))
+        return self.o_proj(attn.reshape(t, self.num_q_heads * d))
 
 
 class ShardedCausalLM:
@@ -143,7 +153,8 @@ class ShardedCausalLM:
     def __init__(self, spec: ModelSpec, wp: WorkerPlacement, loader: ShardLoader, group: TPGroup,
                  previous: ShardedCausalLM | None = None, *, ep_group: TPGroup | None = None,
                  expert_maps: Mapping[int, Sequence[int]] | None = None,
-                 expert_switch: ExpertSwitch = ALONGSIDE, numerics: Numerics = FAST) -> None:
+                 expert_switch: ExpertSwitch = ALONGSIDE, numerics: Numerics = FAST,
+                 kernels: Kernels = TORCH) -> None:
         """Build this worker's shard. With `previous` (a live reconfiguration), parts whose slice is unchanged —
         a layer's heads, its MLP columns, an expert slice held before, the same vocabulary rows — are kept, not
         copied again. In an EP layout `group` is a single-rank group (attention and dense MLPs are whole here) and
@@ -152,11 +163,12 @@ class ShardedCausalLM:
         sparse layer whose view changes gets its experts (by all-to-all with the stage's peers, a collective of the
         stage's ranks, or from `loader`) and whether `previous` lets go of them layer by layer (in place: then
         `previous` serves again only after its `restore_experts`). numerics: services/model/numerics.py (the
-        mode must be the one `previous` was built with)."""
+        mode must be the one `previous` was built with). kernels: services/model/kernels.py (likewise)."""
         if wp.ep_size > 1 and ep_group is None:
             raise ValueError(f"an EP layout (ep_size={wp.ep_size}) needs the stage's ep_group")
         self.spec = spec
         self.numerics = numerics
+        self.kernels = kernels
         self.placement = wp
         self.dtype = loader.dtype
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, loader.device, whole_vectors=numerics.is_invariant)
@@ -204,10 +216,11 @@ class ShardedCausalLM:
         elif kept is not None and same_dense:
             mlp = kept.mlp.regrouped(group)
         elif kept is not None and same_attention:
-            mlp = DenseMLP(self.spec, self.placement, f"model.layers.{layer_id}.", loader, group, self.numerics)
+            mlp = DenseMLP(self.spec, self.placement, f"model.layers.{layer_id}.", loader, group, self.numerics,
+                           self.kernels)
         if kept is not None and same_attention:
             return kept.regrouped(group, mlp)
-        return DecoderLayer(self.spec, self.placement, layer_id, loader, group, mlp, self.numerics)
+        return DecoderLayer(self.spec, self.placement, layer_id, loader, group, mlp, self.numerics, self.kernels)
 
     def moe_blocks(self) -> dict[int, SparseMoeBlock]:
         """This shard's sparse layers, by global layer id (for the worker's load window and EPLB remaps)."""
@@ -225,9 +238,10 @@ class ShardedCausalLM:
         T may be 0 (an EP rank with no request this step): the sparse layers still join the stage's collectives."""
         x = self.embed(inputs) if self.embed is not None else inputs.to(self.dtype)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        delta = None  # each layer's MLP output, added by the next layer's first kernel
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, cache, meta)
-        return x
+            x, delta = layer.step(x, delta, cos, sin, cache, meta)
+        return x + delta if delta is not None else x
 
     def forward_empty(self) -> torch.Tensor:
         """A step with no token on this rank while its stage has some (EP): run every sparse layer on nothing, so
@@ -259,7 +273,8 @@ class ShardedCausalLM:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (last stage) -> float32 logits [N, vocab_size]."""
         assert self.lm_head is not None and self.final_norm is not None, "logits only on the last stage"
-        return self.lm_head(rms_norm(hidden, self.final_norm, self.spec.rms_norm_eps)).float()
+        normed = self.kernels.add_rms_norm(hidden, None, self.final_norm, self.spec.rms_norm_eps)[1]
+        return self.lm_head(normed).float()
 
     def parameter_bytes(self) -> int:
         """Bytes of every parameter tensor this shard holds (a tensor shared by two layers counted once)."""

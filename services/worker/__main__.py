@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from services.contracts.numerics import DTYPES, MODES
+from services.contracts.numerics import DTYPES, KERNELS, MODES
 from services.rpc.auth import read_token_file
 from services.rpc.tls import add_tls_arguments, from_args
 from services.topology import Topology, TopologyError
@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="weights, activations and KV cache (auto: float32 on CPU, the checkpoint's on a GPU)")
     parser.add_argument("--numerics", choices=MODES, default="fast",
                         help="invariant: no bit of a result depends on the batch or the layout (slower)")
+    parser.add_argument("--kernels", choices=KERNELS, default="torch",
+                        help="triton: fused norms, rotary + KV write, decode attention and SwiGLU (for CUDA; "
+                             "--enforce-eager turns them off)")
     parser.add_argument("--kv-cache-mb", type=int, default=64, help="KV cache budget (MiB)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default: loopback)")
@@ -79,7 +82,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         rank=args.rank, world_size=args.world_size, store_host=args.store_host, store_port=args.store_port,
         weightstore_address=args.weightstore, topology=args.topology, layer_partition=args.layer_partition,
         device=args.device, gpu=args.gpu, gpu_sharing=args.gpu_sharing,
-        enforce_eager=args.enforce_eager, dtype=args.dtype, numerics=args.numerics,
+        enforce_eager=args.enforce_eager, dtype=args.dtype, numerics=args.numerics, kernels=args.kernels,
         kv_cache_bytes=args.kv_cache_mb << 20,
         block_size=args.block_size,
         host=args.host, port=args.port, step_port=args.step_port, collective_timeout_s=args.collective_timeout,

@@ -29,6 +29,7 @@ class WorkerConfig:
     # "auto": float32 on CPU, the checkpoint's dtype on a GPU; or "float32" / "bfloat16" / "float16".
     dtype: str = "auto"
     numerics: str = "fast"             # "fast" or "invariant" (services/model/numerics.py)
+    kernels: str = "torch"             # "torch" or "triton": a layer's norms, rotary, attention (services/model/kernels.py)
     kv_cache_bytes: int = 64 << 20     # KV cache budget; the block count follows from it
     block_size: int = 16               # tokens per KV block
     host: str = "127.0.0.1"            # gRPC bind address
@@ -54,7 +55,7 @@ class WorkerConfig:
             raise ValueError(f"rank {self.rank} outside world of size {self.world_size}")
         if self.block_size < 1 or self.kv_cache_bytes < 1:
             raise ValueError("block_size and kv_cache_bytes must be positive")
-        check_compute(self.dtype, self.numerics)
+        check_compute(self.dtype, self.numerics, self.kernels)
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', not {self.device!r}")
         if self.device != "cuda" and (self.gpu is not None or self.gpu_sharing):

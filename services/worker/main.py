@@ -64,6 +64,7 @@ async def serve_worker(config: WorkerConfig, ready: Connection | None = None) ->
     log.info("worker.ready", rank=config.rank, port=port, step_port=shard.step_port, topology=str(topology), join=config.join,
              param_bytes=shard.info().param_bytes, kv_blocks=shard.info().num_kv_blocks,
              num_threads=shard.num_threads, numerics=shard.numerics.mode, gemm=shard.numerics.gemm,
+             kernels=shard.kernels.name,
              seconds=round(time.perf_counter() - started, 3))
     if ready is not None:
         ready.send({"rank": config.rank, "port": port, "pid": os.getpid()})

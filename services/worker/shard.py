@@ -13,6 +13,7 @@ import torch
 
 from services.model import cpu_kernels
 from services.model.expert_reshard import ALONGSIDE, ExpertSwitch
+from services.model.kernels import choose as choose_kernels
 from services.model.layers import ShardLoader, SingleRankGroup
 from services.model.llama import ShardedCausalLM
 from services.model.numerics import (
@@ -92,6 +93,8 @@ class WorkerShard:
         self.device = worker_device(config)
         self.dtype = _compute_dtype(config, spec, self.device)
         self.numerics = shard_numerics(config, spec, self.device, self.dtype)
+        # --enforce-eager runs every fused path eagerly too: the debugging baseline
+        self.kernels = choose_kernels("torch" if config.enforce_eager else config.kernels, self.device)
         self.topology = Topology.parse(config.topology)
         self.layer_partition = config.layer_partition
         self.runner: ModelRunner | None = None
@@ -200,7 +203,7 @@ class WorkerShard:
         expert_maps = initial_expert_maps(self.spec.shape, placement) if self.spec.shape.is_moe else None
         return ShardedCausalLM(self.spec, wp, self._loader(checkpoint, pacer), group,
                                previous.model if previous else None, ep_group=ep_group, expert_maps=expert_maps,
-                               expert_switch=experts, numerics=self.numerics)
+                               expert_switch=experts, numerics=self.numerics, kernels=self.kernels)
 
     def _loader(self, checkpoint: MappedCheckpoint, pacer: Pacer = UNPACED) -> ShardLoader:
         return ShardLoader(checkpoint.tensor, set(self.manifest.tensors), self.dtype, self.device, pacer.piece)
@@ -299,7 +302,7 @@ class WorkerShard:
             device=str(self.device), candidate_topologies=[str(t) for t in self.parallel.candidates],
             state=self._state(), generation=self.parallel.generation, num_threads=self.num_threads,
             step_port=self.step_port, numerics=self.numerics.mode, dtype=str(self.dtype).removeprefix("torch."),
-            gemm=self.numerics.gemm,
+            gemm=self.numerics.gemm, kernels=self.kernels.name,
         )
         if self.runner is not None:
             wp, kv = self.runner.wp, self.runner.kv_cache

@@ -181,6 +181,11 @@ def test_the_header_says_how_the_workers_compute():
     assert format_table(status).splitlines()[0] == ("topology: tp1pp1    state: SERVING    model: tiny    "
                                                     "numerics: invariant, bfloat16 [ordered (avx512)]")
     assert StackStatus.from_pb(status.to_pb()) == status
+    fused = WorkerStatus(rank=0, address="h:1", state=WorkerState.ACTIVE, numerics="fast", dtype="bfloat16",
+                         gemm="blas", kernels="triton")
+    status = StackStatus(topology="tp1pp1", state=StackState.SERVING, model="tiny", workers=(fused,))
+    assert format_table(status).splitlines()[0].endswith("numerics: fast, bfloat16 [blas; triton kernels]")
+    assert StackStatus.from_pb(status.to_pb()) == status
 
 
 def test_router_stats_in_json_keep_their_counters():

@@ -12,7 +12,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 started=$(date +%s)
 timeout "$TESTS_TIMEOUT" python3 -m pytest -q -rs -s -p no:cacheprovider --timeout 200 \
-  tests/gpu tests/worker/test_decode_graphs.py "tests/worker/test_collective_groups.py" -k "${TESTS_K:-not cpu}" \
+  tests/gpu tests/worker/test_decode_graphs.py "tests/worker/test_collective_groups.py" \
+  tests/model/test_triton_kernels.py -k "${TESTS_K:-not cpu}" \
   > "$OUT/tests.log" 2>&1
 echo "tests: rc=$? in $(( $(date +%s) - started )) s"
 started=$(date +%s)

@@ -47,12 +47,14 @@ def _cluster(checkpoint, num_workers: int, topology: str, kv_cache_bytes: int = 
                                       kv_cache_bytes=kv_cache_bytes, block_size=4, collective_timeout_s=30, **kwargs))
 
 
-LAYOUTS = [(1, "tp1pp1", False), (1, "tp1pp1", True), (2, "tp2pp1", False), (4, "tp2pp2", False)]
+LAYOUTS = [(1, "tp1pp1", False, "torch"), (1, "tp1pp1", True, "torch"), (2, "tp2pp1", False, "torch"),
+           (4, "tp2pp2", False, "torch"), (1, "tp1pp1", False, "triton"), (2, "tp2pp1", False, "triton")]
 
 
-@pytest.mark.parametrize("num_workers,topology,eager", LAYOUTS,
-                         ids=["tp1pp1-graphs", "tp1pp1-eager", "tp2pp1-shared", "tp2pp2-shared"])
-def test_greedy_equals_transformers(checkpoint, num_workers, topology, eager):
+@pytest.mark.parametrize("num_workers,topology,eager,kernels", LAYOUTS,
+                         ids=["tp1pp1-graphs", "tp1pp1-eager", "tp2pp1-shared", "tp2pp2-shared",
+                              "tp1pp1-graphs-triton", "tp2pp1-shared-triton"])
+def test_greedy_equals_transformers(checkpoint, num_workers, topology, eager, kernels):
     ref_tokens, ref_logits = hf_greedy(checkpoint, PROMPTS, NUM_NEW_TOKENS)
 
     async def run():
@@ -61,9 +63,9 @@ def test_greedy_equals_transformers(checkpoint, num_workers, topology, eager):
             alone = [(await generate(driver, [p], NUM_NEW_TOKENS))[0].token_ids for p in PROMPTS[:2]]
             return alone, await generate(driver, PROMPTS, NUM_NEW_TOKENS, return_logits=True), driver.infos
 
-    with _cluster(checkpoint, num_workers, topology, enforce_eager=eager) as cluster:
+    with _cluster(checkpoint, num_workers, topology, enforce_eager=eager, kernels=kernels) as cluster:
         alone, results, infos = asyncio.run(run())
-    assert all(info.device.startswith("cuda") for info in infos)
+    assert all(info.device.startswith("cuda") and info.kernels == kernels for info in infos)
     assert alone == ref_tokens[:2]
     for i, result in enumerate(results):
         assert result.token_ids == ref_tokens[i], f"prompt {i}"
@@ -201,12 +203,15 @@ async def test_invariant_numerics_switches_change_no_token_of_64_bf16_streams(ch
     assert switched == together
 
 
-def test_a_step_ahead_launches_without_waiting_for_the_device(checkpoint):
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_a_step_ahead_launches_without_waiting_for_the_device(checkpoint, kernels):
     """Issue 37 part 3: a greedy decode step sent ahead (PENDING_TOKEN inputs) launches through its CUDA graph with
     no host synchronisation (torch's sync debug mode raises on one): its tokens come from the previous step's, on
-    the device, and reach the host only in result(). The tokens equal transformers'."""
+    the device, and reach the host only in result(). The tokens equal transformers'. Issue 38: with the Triton
+    kernels inside the graph too."""
     expected, _ = hf_greedy(checkpoint, PROMPTS, NUM_NEW_TOKENS)
-    runner = in_process_runner(ModelSpec.from_dir(checkpoint), checkpoint, True, device=torch.device("cuda"))
+    runner = in_process_runner(ModelSpec.from_dir(checkpoint), checkpoint, True, device=torch.device("cuda"),
+                               kernels=kernels)
     tables = [tuple(range(i * 16, (i + 1) * 16)) for i in range(len(PROMPTS))]
     got = [[] for _ in PROMPTS]
     try:

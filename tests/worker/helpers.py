@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
+from services.model.kernels import choose as choose_kernels
 from services.model.layers import ShardLoader, SingleRankGroup
 from services.model.llama import ShardedCausalLM
 from services.topology import ModelShape, Topology, WorkerPlacement, place
@@ -37,16 +38,17 @@ RUNNER_BLOCK_SIZE, RUNNER_NUM_BLOCKS = 4, 96
 
 
 def in_process_runner(spec, model_dir, graphs: bool, topology: Topology = Topology(1, 1),
-                      device: torch.device = CPU) -> ModelRunner:
+                      device: torch.device = CPU, kernels: str = "torch") -> ModelRunner:
     """A runner in process over rank 0 of `topology` (its collectives on one rank: only tp1pp1 runs steps);
-    graphs: the fixed-shape decode step, captured as CUDA graphs on a GPU."""
+    graphs: the fixed-shape decode step, captured as CUDA graphs on a GPU. kernels: services/model/kernels.py."""
     tensors = load_file(model_dir / "model.safetensors")
     placement = place(topology, spec.shape)
     wp = placement.workers[0]
     loader = ShardLoader(tensors.__getitem__, set(tensors), torch.float32, device)
     cache = KVCache(wp.layers, len(wp.kv_heads), spec.head_dim, RUNNER_BLOCK_SIZE, torch.float32, device,
                     num_blocks=RUNNER_NUM_BLOCKS)
-    runner = ModelRunner(ShardedCausalLM(spec, wp, loader, SingleRankGroup()), cache, placement, wp, None, device)
+    model = ShardedCausalLM(spec, wp, loader, SingleRankGroup(), kernels=choose_kernels(kernels, device))
+    runner = ModelRunner(model, cache, placement, wp, None, device)
     if graphs:
         runner.graphs = DecodeGraphs(runner.model, cache, device, capture=device.type == "cuda")
     return runner

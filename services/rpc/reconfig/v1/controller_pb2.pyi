@@ -341,7 +341,7 @@ class WatchStatusRequest(_message.Message):
     def __init__(self, interval_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("rank", "pid", "state", "device", "address", "pp_rank", "tp_rank", "layer_start", "layer_end", "kv_head_start", "kv_head_end", "num_kv_blocks_used", "num_kv_blocks_total", "param_bytes", "kv_cache_bytes", "error", "numerics", "dtype", "gemm")
+    __slots__ = ("rank", "pid", "state", "device", "address", "pp_rank", "tp_rank", "layer_start", "layer_end", "kv_head_start", "kv_head_end", "num_kv_blocks_used", "num_kv_blocks_total", "param_bytes", "kv_cache_bytes", "error", "numerics", "dtype", "gemm", "kernels")
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -361,6 +361,7 @@ class WorkerStatus(_message.Message):
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     GEMM_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     pid: int
     state: WorkerState
@@ -380,7 +381,8 @@ class WorkerStatus(_message.Message):
     numerics: str
     dtype: str
     gemm: str
-    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., device: _Optional[str] = ..., address: _Optional[str] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., param_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., error: _Optional[str] = ..., numerics: _Optional[str] = ..., dtype: _Optional[str] = ..., gemm: _Optional[str] = ...) -> None: ...
+    kernels: str
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., device: _Optional[str] = ..., address: _Optional[str] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., param_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., error: _Optional[str] = ..., numerics: _Optional[str] = ..., dtype: _Optional[str] = ..., gemm: _Optional[str] = ..., kernels: _Optional[str] = ...) -> None: ...
 
 class OperationStatus(_message.Message):
     __slots__ = ("operation_id", "kind", "state", "started_at", "ended_at", "error", "phase_seconds", "from_topology", "to_topology", "phase", "kv_bytes_moved", "weight_bytes_loaded", "num_requests_preempted", "built_groups", "lost_workers", "kv_dropped", "weight_bytes_resharded", "staging", "precopy", "kv_bytes_precopied")

@@ -527,7 +527,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("rank", "world_size", "pid", "topology", "pp_rank", "tp_rank", "layer_start", "layer_end", "kv_head_start", "kv_head_end", "num_kv_blocks", "block_size", "kv_cache_bytes", "param_bytes", "device", "candidate_topologies", "rss_bytes", "state", "generation", "num_threads", "ep_rank", "ep_size", "expert_slot_start", "expert_slot_end", "step_port", "numerics", "dtype", "gemm")
+    __slots__ = ("rank", "world_size", "pid", "topology", "pp_rank", "tp_rank", "layer_start", "layer_end", "kv_head_start", "kv_head_end", "num_kv_blocks", "block_size", "kv_cache_bytes", "param_bytes", "device", "candidate_topologies", "rss_bytes", "state", "generation", "num_threads", "ep_rank", "ep_size", "expert_slot_start", "expert_slot_end", "step_port", "numerics", "dtype", "gemm", "kernels")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -556,6 +556,7 @@ class WorkerInfo(_message.Message):
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     GEMM_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     pid: int
@@ -584,7 +585,8 @@ class WorkerInfo(_message.Message):
     numerics: str
     dtype: str
     gemm: str
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., topology: _Optional[str] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., param_bytes: _Optional[int] = ..., device: _Optional[str] = ..., candidate_topologies: _Optional[_Iterable[str]] = ..., rss_bytes: _Optional[int] = ..., state: _Optional[str] = ..., generation: _Optional[int] = ..., num_threads: _Optional[int] = ..., ep_rank: _Optional[int] = ..., ep_size: _Optional[int] = ..., expert_slot_start: _Optional[int] = ..., expert_slot_end: _Optional[int] = ..., step_port: _Optional[int] = ..., numerics: _Optional[str] = ..., dtype: _Optional[str] = ..., gemm: _Optional[str] = ...) -> None: ...
+    kernels: str
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., topology: _Optional[str] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., param_bytes: _Optional[int] = ..., device: _Optional[str] = ..., candidate_topologies: _Optional[_Iterable[str]] = ..., rss_bytes: _Optional[int] = ..., state: _Optional[str] = ..., generation: _Optional[int] = ..., num_threads: _Optional[int] = ..., ep_rank: _Optional[int] = ..., ep_size: _Optional[int] = ..., expert_slot_start: _Optional[int] = ..., expert_slot_end: _Optional[int] = ..., step_port: _Optional[int] = ..., numerics: _Optional[str] = ..., dtype: _Optional[str] = ..., gemm: _Optional[str] = ..., kernels: _Optional[str] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ()
