@@ -11,6 +11,8 @@ On a CUDA machine (../shared/gpu/README.md), in one run:
    with a static cache (eager; compiled too with --hf-compile: torch.compile costs minutes of device time);
 4. reconfig's worker step in process (ModelRunner over the paged KV cache, greedy on the GPU): decode steps as
    CUDA graphs (with torch's kernels and with --kernels triton's) and eagerly, tok/s over the decode steps alone;
+   then prefill: 8 prompts of 2,048 tokens in one step, both kernel sets beside transformers' SDPA forward
+   (bench/gpu_prefill.py);
 5. reconfig's serving path: a LocalCluster of 2 workers sharing the GPU (tp1pp1, one on standby) behind the router's
    engine over gRPC, concurrent requests, tok/s from submission to the last token (prefill included, as
    `generate`'s), with async scheduling (the default) and with the router waiting for each step's tokens;
@@ -34,6 +36,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+
+import gpu_prefill  # noqa: E402  (bench/gpu_prefill.py: the prefill part)
 
 SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
              intermediate_size=8192, vocab_size=32000, max_position_embeddings=4096)
@@ -398,6 +403,7 @@ def table(result: dict, batches: list[int]) -> str:
                      f"{switch['downtime_ms']:.0f} ms ({phases} ms)"
                      + (f"; TPOT while staging {_signed(switch.get('tpot_overhead'))}"
                         if switch.get("strategy") == "staged" else ""))
+    lines += gpu_prefill.lines(result)
     if "switch_streams_identical" in result:
         lines.append(f"\nswitched streams identical to unswitched: {result['switch_streams_identical']}")
     for mode in ("fast", "invariant"):
@@ -441,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-sizes", default="1,16,64")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--hf-compile", default="", help="batch sizes to run compiled transformers at, e.g. 64")
-    parser.add_argument("--skip", default="", help="parts to skip: numerics,hf,step,serving")
+    parser.add_argument("--skip", default="", help="parts to skip: numerics,hf,step,prefill,serving")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = parser.parse_args(argv)
     import torch
@@ -461,6 +467,7 @@ def main(argv: list[str] | None = None) -> None:
              ("hf", lambda: bench_transformers(model_dir, batches, args.new_tokens,
                                                [int(b) for b in args.hf_compile.split(",") if b])),
              ("step", lambda: bench_worker_step(model_dir, batches, args.new_tokens)),
+             ("prefill", lambda: gpu_prefill.bench_prefill(model_dir)),
              ("serving", lambda: asyncio.run(bench_serving(model_dir, batches, args.new_tokens)))]
     for name, part in parts:
         if name in skip:

@@ -12,6 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# --kernels triton on a CPU runs in Triton's interpreter, which must be on before triton is first imported (by
+# services/model/kernels.py, or by transformers, which some tests load first).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Styles the core must reproduce: Llama (GQA), Qwen2 (qkv bias, tied embeddings), Qwen3 (q/k norm).
 CHECKPOINT_STYLES = ("llama", "qwen2", "qwen3")
 # Mixture-of-experts styles: Qwen3-MoE (a dense layer through mlp_only_layers, renormalized top-k) and Mixtral.

@@ -15,6 +15,10 @@ from services.model.device_io import to_device
 # keys at slots[b * L: b * L + context_lens[b]] (services/model/triton_kernels.decode_attention)
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, "int | None"],
                            torch.Tensor]
+# prefill(query [T, Hq, D], cache, batch: PrefillBatch, scale, sliding_window, out [T, Hq, D]) -> out, the chunks'
+# rows written (services/model/triton_kernels.prefill_attention)
+PrefillAttention = Callable[[torch.Tensor, torch.Tensor, "PrefillBatch", float, "int | None", torch.Tensor],
+                            torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +50,9 @@ class PrefillBatch:
     real_token_rows: torch.Tensor  # token_rows[real]
     slots: torch.Tensor            # [S, ctx] flat cache slots of each chunk's context (padding: slot 0)
     q_pos: torch.Tensor            # [S, n] each query's position
-    mask: torch.Tensor             # [S, 1, n, ctx] causal, within the chunk's context; padding rows see key 0
+    mask: torch.Tensor | None      # [S, 1, n, ctx] causal, within the chunk's context; padding rows see key 0
+    # (None: built for a kernel, which masks as it goes)
+    chunks: torch.Tensor | None = None  # [3, S] each chunk's first row, new tokens, context length (a kernel's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +71,10 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, starts: list[int], lengths: list[int], block_tables: list[list[int]], block_size: int,
-              device: torch.device) -> AttentionMetadata:
-        """From each sequence's start position, number of new tokens and block table."""
+              device: torch.device, prefill_kernel: bool = False) -> AttentionMetadata:
+        """From each sequence's start position, number of new tokens and block table. prefill_kernel: the
+        prefill chunks go to a kernel (paged_attention's `prefill`): one PrefillBatch however many, without the
+        SDPA masks (else one only for several chunks, on a GPU)."""
         sequences, slots, tables, token_start = [], [], [], 0
         for start, length, table in zip(starts, lengths, block_tables, strict=True):
             context_len = start + length
@@ -85,7 +93,11 @@ class AttentionMetadata:
         prefills = tuple(s for s in sequences if s.num_new_tokens != 1)
         decode_batch = _decode_batch([sequences[i] for i in decodes], [tables[i] for i in decodes], block_size,
                                      token_start, device) if decodes else None
-        batched = prefill_batch(prefills, device) if len(prefills) > 1 and device.type == "cuda" else None
+        batched = None
+        if prefill_kernel and prefills:
+            batched = prefill_batch(prefills, device, masks=False)
+        elif len(prefills) > 1 and device.type == "cuda":
+            batched = prefill_batch(prefills, device)
         return cls(tuple(sequences), slot_mapping, block_size, prefills, decode_batch, prefill_batch=batched)
 
     @classmethod
@@ -117,12 +129,14 @@ def write_kv(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_m
 
 
 def paged_attention(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    sliding_window: int | None = None, decode: DecodeAttention | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, decode: DecodeAttention | None = None,
+                    prefill: PrefillAttention | None = None) -> torch.Tensor:
     """Causal attention of new tokens over their sequence's cached context.
 
     query [T, q_heads, D]; cache [2, num_blocks, block_size, kv_heads, D] (already holding this step's KV);
     returns [T, q_heads, D]. Query heads map to KV heads in contiguous groups (GQA). decode: what attends the
-    single-token sequences (DecodeAttention's signature; None: one padded SDPA call).
+    single-token sequences (DecodeAttention's signature; None: one padded SDPA call); prefill: what attends the
+    prefill chunks of meta.prefill_batch (PrefillAttention's; None: SDPA).
     """
     decodes = meta.decodes
     if decodes is not None:
@@ -136,6 +150,8 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMet
     if decodes is not None:
         out[decodes.token_index] = attended
     flat = cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_blocks * block_size, Hkv, D]
+    if meta.prefill_batch is not None and prefill is not None:
+        return prefill(query, cache, meta.prefill_batch, scale, sliding_window, out)
     if meta.prefill_batch is not None:
         return _batched_prefill(query, flat, meta.prefill_batch, scale, sliding_window, out)
     for seq in meta.prefills:
@@ -156,28 +172,34 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMet
     return out
 
 
-def prefill_batch(prefills: tuple[SequenceSlice, ...], device: torch.device) -> PrefillBatch:
+def prefill_batch(prefills: tuple[SequenceSlice, ...], device: torch.device, masks: bool = True) -> PrefillBatch:
     """The padded indices and mask that attend a step's prefill chunks in one call (built once per step, on the
-    host but for the context slots, already on the device)."""
+    host but for the context slots, already on the device). masks: False leaves the [S, n, ctx] mask out (a
+    kernel's batch: it masks as it goes)."""
     num_new = torch.tensor([p.num_new_tokens for p in prefills])
     context = torch.tensor([p.context_len for p in prefills])
     rows = torch.arange(int(num_new.max()))
     real = rows[None, :] < num_new[:, None]                                             # [S, n]
     token_rows = torch.where(real, torch.tensor([p.token_start for p in prefills])[:, None] + rows, 0)
     q_pos = (context - num_new)[:, None] + rows                                         # [S, n]
-    k_pos = torch.arange(int(context.max()))
-    mask = (k_pos <= q_pos[:, :, None]) & (k_pos < context[:, None, None])
-    mask |= ~real[:, :, None] & (k_pos == 0)  # a padding row sees key 0 alone (one that sees nothing: NaN)
+    mask = None
+    if masks:
+        k_pos = torch.arange(int(context.max()))
+        mask = (k_pos <= q_pos[:, :, None]) & (k_pos < context[:, None, None])
+        mask |= ~real[:, :, None] & (k_pos == 0)  # a padding row sees key 0 alone (one that sees nothing: NaN)
+        mask = to_device(mask[:, None], device, mask.dtype)
     slots = torch.nn.utils.rnn.pad_sequence([p.context_slots for p in prefills], batch_first=True)  # [S, ctx]
-    token_rows, real, real_rows, q_pos, mask = (to_device(t, device, t.dtype) for t in (
-        token_rows, real, token_rows[real], q_pos, mask[:, None]))
-    return PrefillBatch(token_rows, real, real_rows, slots, q_pos, mask)
+    chunks = torch.stack([torch.tensor([p.token_start for p in prefills]), num_new, context])
+    token_rows, real, real_rows, q_pos, chunks = (to_device(t, device, t.dtype) for t in (
+        token_rows, real, token_rows[real], q_pos, chunks))
+    return PrefillBatch(token_rows, real, real_rows, slots, q_pos, mask, chunks)
 
 
 def _batched_prefill(query: torch.Tensor, flat: torch.Tensor, batch: PrefillBatch, scale: float,
                      sliding_window: int | None, out: torch.Tensor) -> torch.Tensor:
     """The prefill chunks of a step in one attention call: queries and keys padded to the longest chunk and
     context, masked per chunk (causal, its own context, the window). Writes their rows of `out` and returns it."""
+    assert batch.mask is not None, "a kernel's PrefillBatch (masks=False) goes to the kernel"
     q = query[batch.token_rows]                                                           # [S, n, Hq, D]
     kv = flat[:, batch.slots]                                                             # [2, S, ctx, Hkv, D]
     mask = batch.mask

@@ -1,7 +1,7 @@
 """Which kernels compute a decoder layer's norms, rotary + KV write, decode attention and SwiGLU: `torch` (eager
 ops, the default everywhere) or `triton` (services/model/triton_kernels.py: fused, for CUDA; on a CPU they run in
 Triton's interpreter, for tests only). A worker chooses once, at its start (WorkerConfig.kernels); the products
-(linear layers) and prefill attention stay torch's in both."""
+(linear layers) and the MoE experts stay torch's in both."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from services.contracts.numerics import KERNELS
-from services.model.attention import DecodeAttention, write_kv
+from services.model.attention import DecodeAttention, PrefillAttention, write_kv
 from services.model.layers import apply_rotary, rms_norm
 
 
@@ -54,6 +54,7 @@ class Kernels:
     rotary_write_kv: Callable[..., torch.Tensor]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     decode_attention: DecodeAttention | None = None  # None: paged_attention's padded SDPA
+    prefill_attention: PrefillAttention | None = None  # None: SDPA (AttentionMetadata.build's prefill_kernel: set)
 
     @property
     def fused(self) -> bool:
@@ -82,4 +83,4 @@ def choose(name: str, device: torch.device) -> Kernels:
         raise ImportError(f"kernels 'triton' need the triton package ({e}); pip install triton, or kernels 'torch'") \
             from e
     return Kernels("triton", triton_kernels.add_rms_norm, triton_kernels.rotary_write_kv, triton_kernels.silu_mul,
-                   triton_kernels.decode_attention)
+                   triton_kernels.decode_attention, triton_kernels.prefill_attention)

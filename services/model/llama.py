@@ -99,8 +99,9 @@ class DecoderLayer:
         self.kernels = kernels
         if numerics.is_invariant:
             self.attend = invariant_attention
-        elif kernels.decode_attention is not None:
-            self.attend = functools.partial(paged_attention, decode=kernels.decode_attention)
+        elif kernels.fused:
+            self.attend = functools.partial(paged_attention, decode=kernels.decode_attention,
+                                            prefill=kernels.prefill_attention)
         else:
             self.attend = paged_attention
         self.mlp = mlp if mlp is not None else DenseMLP(spec, wp, p, loader, group, numerics, kernels)

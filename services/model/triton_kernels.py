@@ -1,31 +1,40 @@
 """Fused Triton kernels of a decoder layer's elementwise and attention work (issue 38), and their launchers.
 
-Four kernels replace the eager ops a decode step replays one small launch at a time:
+Five kernels replace the eager ops a decode step replays one small launch at a time:
 - `add_rms_norm`: the residual add and the next RMSNorm in one pass over a row (or the norm alone);
 - `rotary_write_kv`: q/k rotary (after Qwen3's per-head q/k norms, where the model has them) with the new keys
   and values written straight into the paged cache, slot by slot (`write_rows`: a padded graph's repeated rows);
 - `decode_attention`: one new token per sequence over its cached keys, read where they lie through the step's
   flat slot table (no gather, no padding of keys to a bucket): the query heads of one KV head together (GQA),
   the keys cut into splits (flash-decoding) whose partial softmaxes a second kernel folds;
+- `prefill_attention`: a step's prefill chunks in one launch, variable-length flash attention over the paged cache
+  (a program per chunk's tile of 32 queries and query head; keys read in place, causal, windowed);
 - `silu_mul`: SwiGLU's silu(gate) * up.
 
 Every kernel loads in the tensor's dtype and computes in float32, rounding where the eager path rounds (the norm's
 output before its weight, the silu before its product), so fp32 results match the eager ones to float rounding
 and bf16 ones to an ulp. On a GPU they compile for it; on a CPU they run in Triton's interpreter
 (TRITON_INTERPRET=1, set by services/model/kernels.py before this module is imported): slow, for the tests of
-their logic only. Two of the interpreter's ways shape the code: a loop's bounds are never loaded values (a tile
-past a row's keys is skipped by an `if` inside a loop of fixed trip count), and every value is float32 between a
+their logic only. Three of the interpreter's ways shape the code: a loop's bounds are never loaded values (a
+tile past a row's keys is skipped by an `if` inside a loop of fixed trip count), every value is float32 between a
 load and a store (its bfloat16 arithmetic works on the raw bits; its float32 -> bfloat16 cast truncates, where a
-GPU rounds to nearest even).
+GPU rounds to nearest even), and its tl.dot gets float32 operands (_INTERPRETED).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+from services.model.attention import PrefillBatch
+
 _NORM_MAX = 32768  # widest row add_rms_norm takes in one program (hidden sizes are well below)
+# In Triton's interpreter the products of tl.dot take float32 operands: it multiplies bfloat16 ones through a
+# conversion to float16 that loses their range. On a GPU they stay in the tensor's dtype (tensor cores).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -246,6 +255,91 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, slots: torch.Tens
     _decode_merge_kernel[(batch, num_kv)](partial, sums, acc, out, NUM_KV=num_kv, NUM_SPLITS=splits,
                                           SPLITS=triton.next_power_of_2(splits), GROUP=group, GROUP_P=group_p,
                                           HEAD_DIM=head_dim, DIM=dim)
+    return out
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, cache_ptr, slots_ptr, chunks_ptr, out_ptr, num_chunks, slots_width, window, kv_stride,
+                    slot_stride, scale_log2, NUM_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+    chunk = tl.program_id(0).to(tl.int64)
+    m_first = tl.program_id(1) * BLOCK_M
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+    start = tl.load(chunks_ptr + chunk)
+    num_new = tl.load(chunks_ptr + num_chunks + chunk)
+    context = tl.load(chunks_ptr + 2 * num_chunks + chunk)
+    m = m_first + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, DIM)
+    m_mask = m < num_new
+    d_mask = d < HEAD_DIM
+    q_pos = context - num_new + m                                  # each query row's position
+    rows = (start + m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * (NUM_Q * HEAD_DIM) + head * HEAD_DIM + d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    hi = tl.minimum(context, context - num_new + m_first + BLOCK_M)  # causal: past the tile's last query, nothing
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(0, context - num_new + m_first - window + 1)  # before the tile's first query's window
+    running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM], tl.float32)
+    for tile in range(0, TILES):
+        n_first = tile * BLOCK_N
+        if (m_first < num_new) & (n_first < hi) & (n_first + BLOCK_N > lo):
+            n = n_first + tl.arange(0, BLOCK_N)
+            n_mask = n < hi
+            slot = tl.load(slots_ptr + chunk * slots_width + n, mask=n_mask, other=0).to(tl.int64)
+            place = cache_ptr + slot[:, None] * slot_stride + kv_head * HEAD_DIM + d[None, :]
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(place, mask=kv_mask, other=0.0)
+            if DOT_F32:
+                k = k.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2    # [BLOCK_M, BLOCK_N]
+            visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                visible &= (q_pos[:, None] - n[None, :]) < window
+            scores = tl.where(visible, scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            shift = tl.where(new_max > float("-inf"), new_max, 0.0)  # a row with no key yet: nothing to scale
+            alpha = tl.exp2(running_max - shift)
+            p = tl.exp2(scores - shift[:, None])
+            v = tl.load(place + kv_stride, mask=kv_mask, other=0.0)
+            if DOT_F32:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            running_sum = running_sum * alpha + tl.sum(p, axis=1)
+            running_max = new_max
+    out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * (NUM_Q * HEAD_DIM) + head * HEAD_DIM + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def prefill_attention(query: torch.Tensor, cache: torch.Tensor, batch: PrefillBatch, scale: float,
+                      sliding_window: int | None, out: torch.Tensor, block_m: int = 32,
+                      block_n: int = 32) -> torch.Tensor:
+    """A step's prefill chunks in one launch (variable-length flash attention over the paged cache): each chunk's
+    queries (rows batch.chunks[0] onwards of query [T, Hq, D]) over its context's keys, read in place through
+    batch.slots, causal and within the window. Writes those rows of `out` [T, Hq, D] and returns it."""
+    num_q, head_dim = query.shape[1], query.shape[2]
+    num_kv = cache.shape[3]
+    if batch.chunks is None:
+        raise ValueError("prefill_attention needs a PrefillBatch with its chunks (AttentionMetadata.build's "
+                         "prefill_kernel)")
+    if cache.stride(4) != 1 or cache.stride(3) != head_dim or cache.stride(1) != cache.shape[2] * cache.stride(2):
+        raise ValueError("prefill_attention needs the cache's slots contiguous")
+    num_chunks, width = batch.slots.shape
+    max_new = batch.token_rows.shape[1]
+    dim = max(16, triton.next_power_of_2(head_dim))  # tl.dot's smallest side
+    _prefill_kernel[(num_chunks, triton.cdiv(max_new, block_m), num_q)](
+        query.contiguous(), cache, batch.slots, batch.chunks, out, num_chunks, width, sliding_window or 0,
+        cache.stride(0), cache.stride(2), scale * 1.4426950408889634, NUM_Q=num_q, GROUP=num_q // num_kv,
+        HEAD_DIM=head_dim, DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        TILES=triton.next_power_of_2(triton.cdiv(width, block_n)), HAS_WINDOW=sliding_window is not None,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", DOT_F32=_INTERPRETED)
     return out
 
 

@@ -256,6 +256,7 @@ class ModelRunner:
             [list(s.block_table) for s in seqs],
             self.kv_cache.block_size,
             self.device,
+            prefill_kernel=self.model.kernels.prefill_attention is not None,
         )
         positions = torch.tensor([s.start_position + i for s in seqs for i in range(len(s.token_ids))],
                                  dtype=torch.int64, device=self.device)

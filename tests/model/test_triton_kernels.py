@@ -101,15 +101,31 @@ def test_decode_attention(dtype, heads, window):
     close(got, paged_attention(query, cache, meta, head_dim ** -0.5, window))
 
 
-def test_a_mixed_step_attends_its_decodes_with_the_kernel_and_its_prefills_with_sdpa():
-    num_q, num_kv, head_dim, block_size = 4, 2, 16, 4
-    cache = randn(2, 40, block_size, num_kv, head_dim, dtype=torch.float32, seed=3)
-    # a decode at position 9, a 5-token prefill chunk from position 0, a decode at position 20
-    meta = AttentionMetadata.build([9, 0, 20], [1, 5, 1], [[0, 1, 2], [3, 4], [5, 6, 7, 8, 9, 10]], block_size,
-                                   DEVICE)
-    query = randn(7, num_q, head_dim, dtype=torch.float32, seed=4)
-    close(paged_attention(query, cache, meta, 0.25, None, decode=TRITON.decode_attention),
-          paged_attention(query, cache, meta, 0.25, None))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 2, 16), (6, 2, 24)], ids=["gqa2", "gqa3-d24"])
+@pytest.mark.parametrize("window", [None, 20])
+def test_a_mixed_step_in_one_launch_per_kind(dtype, heads, window):
+    """Decodes and prefill chunks of a step: chunks of 1 to 70 tokens (tiles of 32 queries: past a chunk's end, a
+    tile is skipped), from position 0 and from later ones (a chunked prompt's second chunk), two decodes among
+    them; the kernels as the eager SDPA path computes them."""
+    num_q, num_kv, head_dim = heads
+    block_size = 4
+    cache = randn(2, 80, block_size, num_kv, head_dim, dtype=dtype, seed=3)
+    # (start position, new tokens): a decode, a chunk from 0, a later chunk, a decode, a 2-token chunk
+    rows = [(9, 1), (0, 70), (37, 30), (20, 1), (5, 2)]
+    tables, used = [], 0
+    for start, new in rows:
+        need = -(-(start + new) // block_size)
+        tables.append(list(range(used, used + need))[::-1])  # blocks in reverse: the slot table matters
+        used += need
+    starts, lengths = [r[0] for r in rows], [r[1] for r in rows]
+    meta = AttentionMetadata.build(starts, lengths, tables, block_size, DEVICE)
+    fused = AttentionMetadata.build(starts, lengths, tables, block_size, DEVICE, prefill_kernel=True)
+    assert fused.prefill_batch is not None and fused.prefill_batch.mask is None
+    query = randn(sum(lengths), num_q, head_dim, dtype=dtype, seed=4)
+    close(paged_attention(query, cache, fused, head_dim ** -0.5, window, decode=TRITON.decode_attention,
+                          prefill=TRITON.prefill_attention),
+          paged_attention(query, cache, meta, head_dim ** -0.5, window))
 
 
 @pytest.mark.parametrize("style", ["llama", "qwen3", "mistral"])
