@@ -227,12 +227,21 @@ def decode_splits(num_keys: int, batch: int, num_kv_heads: int) -> int:
     return max(1, min(16, num_keys // 256, wanted))
 
 
+def decode_block_n(group: int, head_dim: int) -> int:
+    """Keys per tile of decode_attention: its scores and products hold group x keys x head_dim float32 values in
+    registers (8,192 of them: 64 per thread of 4 warps), so wider query groups and heads take fewer keys (16-64)."""
+    wanted = 8192 // (triton.next_power_of_2(group) * triton.next_power_of_2(head_dim))
+    return max(16, min(64, 1 << max(0, wanted.bit_length() - 1)))
+
+
 def decode_attention(query: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor,
-                     scale: float, sliding_window: int | None = None, block_n: int = 32) -> torch.Tensor:
+                     scale: float, sliding_window: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """One new token per sequence: query [B, Hq, D] over its keys in `cache` [2, num_blocks, block_size, Hkv, D],
-    slots [B * L] (row b's keys at slots[b * L: b * L + context_lens[b]], the rest never read) -> [B, Hq, D]."""
+    slots [B * L] (row b's keys at slots[b * L: b * L + context_lens[b]], the rest never read) -> [B, Hq, D].
+    block_n: keys per tile (None: decode_block_n's)."""
     batch, num_q, head_dim = query.shape
     num_kv = cache.shape[3]
+    block_n = block_n or decode_block_n(num_q // num_kv, head_dim)
     if cache.stride(4) != 1 or cache.stride(3) != head_dim or cache.stride(1) != cache.shape[2] * cache.stride(2):
         raise ValueError("decode_attention needs the cache's slots contiguous")
     out = torch.empty_like(query)

@@ -128,10 +128,17 @@ def test_a_mixed_step_in_one_launch_per_kind(dtype, heads, window):
           paged_attention(query, cache, meta, head_dim ** -0.5, window))
 
 
-@pytest.mark.parametrize("style", ["llama", "qwen3", "mistral"])
+def test_a_decode_tile_takes_fewer_keys_for_wider_groups_and_heads():
+    from services.model.triton_kernels import decode_block_n
+
+    assert [decode_block_n(g, d) for g, d in ((1, 64), (4, 64), (3, 24), (8, 128), (16, 128))] == [64, 32, 64, 16, 16]
+
+
+@pytest.mark.parametrize("style", ["llama", "qwen3", "mistral", "qwen3_moe"])
 def test_the_model_with_triton_kernels_generates_what_transformers_does(tmp_path, style):
     """Greedy tokens equal transformers' on the variable-shape step and on the fixed-shape (graph) step; logits
-    close to the torch kernels' (qwen3: the per-head q/k norms inside the rotary kernel; mistral: its window)."""
+    close to the torch kernels' (qwen3: the per-head q/k norms inside the rotary kernel; mistral: its window;
+    qwen3_moe: sparse layers beside the fused attention)."""
     from tests.worker.helpers import in_process_runner
 
     model_dir = make_checkpoint(tmp_path / style, style, seed=3)
