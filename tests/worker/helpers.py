@@ -38,14 +38,15 @@ RUNNER_BLOCK_SIZE, RUNNER_NUM_BLOCKS = 4, 96
 
 
 def in_process_runner(spec, model_dir, graphs: bool, topology: Topology = Topology(1, 1),
-                      device: torch.device = CPU, kernels: str = "torch") -> ModelRunner:
+                      device: torch.device = CPU, kernels: str = "torch",
+                      dtype: torch.dtype = torch.float32) -> ModelRunner:
     """A runner in process over rank 0 of `topology` (its collectives on one rank: only tp1pp1 runs steps);
     graphs: the fixed-shape decode step, captured as CUDA graphs on a GPU. kernels: services/model/kernels.py."""
     tensors = load_file(model_dir / "model.safetensors")
     placement = place(topology, spec.shape)
     wp = placement.workers[0]
-    loader = ShardLoader(tensors.__getitem__, set(tensors), torch.float32, device)
-    cache = KVCache(wp.layers, len(wp.kv_heads), spec.head_dim, RUNNER_BLOCK_SIZE, torch.float32, device,
+    loader = ShardLoader(tensors.__getitem__, set(tensors), dtype, device)
+    cache = KVCache(wp.layers, len(wp.kv_heads), spec.head_dim, RUNNER_BLOCK_SIZE, dtype, device,
                     num_blocks=RUNNER_NUM_BLOCKS)
     model = ShardedCausalLM(spec, wp, loader, SingleRankGroup(), kernels=choose_kernels(kernels, device))
     runner = ModelRunner(model, cache, placement, wp, None, device)
