@@ -219,22 +219,28 @@ class StackClaim:
                     raise StackConflict(f"a stack is running: {stack.describe()} (stack {stack.name!r}, holding "
                                         f"{what}) — stop it or choose other ports (and --name)")
             reserved: list[socket.socket] = []
-            for flag, port in wanted.items():
-                try:
-                    reserved.append(_reserve(host, port))
-                except OSError as error:
-                    for sock in reserved:
-                        sock.close()
-                    raise StackConflict(port_taken_message(host, port, flag, error)) from None
-            for directory in stale:
-                shutil.rmtree(directory, ignore_errors=True)
-            directory = stacks_dir() / name
-            directory.mkdir(mode=0o700, exist_ok=True)
-            fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: its directory was stale or new
-            claim = Claim(name=name, pid=os.getpid(), host=host, ports=wanted, started_at=time.time())
-            os.ftruncate(fd, 0)
-            os.write(fd, json.dumps(asdict(claim)).encode())
+            fd = None
+            try:
+                for flag, port in wanted.items():
+                    try:
+                        reserved.append(_reserve(host, port))
+                    except OSError as error:
+                        raise StackConflict(port_taken_message(host, port, flag, error)) from None
+                for directory in stale:
+                    shutil.rmtree(directory, ignore_errors=True)
+                directory = stacks_dir() / name
+                directory.mkdir(mode=0o700, exist_ok=True)
+                fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: its directory was stale or new
+                claim = Claim(name=name, pid=os.getpid(), host=host, ports=wanted, started_at=time.time())
+                os.ftruncate(fd, 0)
+                os.write(fd, json.dumps(asdict(claim)).encode())
+            except BaseException:  # nothing claimed: the ports go back now, not when the sockets are collected
+                if fd is not None:
+                    os.close(fd)
+                for sock in reserved:
+                    sock.close()
+                raise
         return cls(claim, directory, fd, reserved)
 
     @property

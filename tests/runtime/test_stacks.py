@@ -83,6 +83,20 @@ def test_a_port_another_program_holds_is_named():
     assert list_stacks() == []
 
 
+def test_a_claim_that_fails_after_reserving_its_ports_gives_them_back_at_once(run_dir):
+    """The stack's directory cannot be made (a file stands in its place): the claim fails, and the ports it had
+    reserved are free again while the error (whose traceback holds the claim's frame) is still alive."""
+    port = _free_port()
+    stacks_dir().mkdir(parents=True, exist_ok=True)
+    (stacks_dir() / "blocked").write_text("not a directory")
+    with pytest.raises(FileExistsError) as failed:
+        StackClaim.take("blocked", HOST, {"http": port})
+    with socket.socket() as plain:  # no SO_REUSEADDR: refused while any socket is bound to the port
+        plain.bind((HOST, port))
+    assert failed.value is not None
+    assert list_stacks() == []
+
+
 def test_what_a_killed_launcher_left_is_not_running_and_is_cleaned_by_the_next_claim():
     launcher = subprocess.Popen([sys.executable, "-c", (
         "import sys; from services.runtime.stacks import StackClaim\n"
