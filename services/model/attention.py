@@ -102,17 +102,18 @@ class AttentionMetadata:
 
     @classmethod
     def padded_decode(cls, positions: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                      write_rows: torch.Tensor, block_size: int) -> AttentionMetadata:
+                      write_rows: torch.Tensor, block_size: int, key_mask: bool = True) -> AttentionMetadata:
         """A decode step built on the device from device tensors alone, with shapes fixed by block_tables' (what a
         CUDA graph captures and replays): positions [B] (each row's new token), block_tables [B, N] (padded with
         any block id), context_lens [B], write_rows [B] (padding rows name the real row they repeat). Every row
-        attends to N * block_size keys, masked past its context."""
+        attends to N * block_size keys, masked past its context. key_mask: False leaves the mask out (a decode
+        kernel's step: it reads each row's keys up to its context_lens alone)."""
         batch, num_blocks = block_tables.shape
         offsets = torch.arange(block_size, device=block_tables.device)
         slots = (block_tables[:, :, None] * block_size + offsets).view(batch, num_blocks * block_size)
         slot_mapping = slots.gather(1, positions[:, None]).squeeze(1)
-        key_mask = _decode_keys_mask(context_lens, num_blocks * block_size, None)
-        return cls((), slot_mapping, block_size, (), DecodeBatch(None, slots.reshape(-1), context_lens, key_mask),
+        mask = _decode_keys_mask(context_lens, num_blocks * block_size, None) if key_mask else None
+        return cls((), slot_mapping, block_size, (), DecodeBatch(None, slots.reshape(-1), context_lens, mask),
                    write_rows)
 
 

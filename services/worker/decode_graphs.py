@@ -230,7 +230,8 @@ class DecodeGraphs:
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The fixed-shape step: device work only, no host synchronisation."""
         tokens, positions, context_lens, write_rows, tables = graph.fields()
-        meta = AttentionMetadata.padded_decode(positions, tables, context_lens, write_rows, self.kv_cache.block_size)
+        meta = AttentionMetadata.padded_decode(positions, tables, context_lens, write_rows, self.kv_cache.block_size,
+                                               key_mask=self.model.kernels.decode_attention is None)
         inputs = tokens if graph.hidden_in is None else graph.hidden_in
         hidden = self.model.forward(inputs, positions, caches if caches is not None else self._kv_layers, meta)
         if not self.last_stage:
