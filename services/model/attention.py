@@ -261,12 +261,13 @@ def _decode_batch(decodes: list[SequenceSlice], tables: list[list[int]], block_s
 
 def _batched_decode(query: torch.Tensor, cache: torch.Tensor, decodes: DecodeBatch, scale: float,
                     sliding_window: int | None) -> torch.Tensor:
-    """One new token per sequence (query [B, Hq, D], the decode rows alone): gather each sequence's keys (padded), mask past its length. -> [B, Hq, D]"""
+    """One new token per sequence (query [B, Hq, D]: the decode rows alone): gather each sequence's keys (padded),
+    mask past its length. -> [B, Hq, D]"""
     num_kv_heads, head_dim = cache.shape[3], cache.shape[4]
     batch = decodes.context_lens.shape[0]
     flat = cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_blocks * block_size, Hkv, D]
     kv = flat.index_select(1, decodes.slots).view(2, batch, -1, num_kv_heads, head_dim).transpose(2, 3)  # [2,B,Hkv,L,D]
-    q = query  # [B, Hq, D]: the decode rows alone
+    q = query
     mask = decodes.key_mask
     if sliding_window is not None:
         mask = _decode_keys_mask(decodes.context_lens, kv.shape[3], sliding_window)

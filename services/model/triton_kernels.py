@@ -141,19 +141,19 @@ def rotary_write_kv(qkv: torch.Tensor, num_q: int, num_kv: int, head_dim: int, c
     if tokens:
         has_norm = q_norm is not None
         _rotary_write_kv_kernel[(tokens,)](
-            qkv, cos.contiguous(), sin.contiguous(), slot_mapping, write_rows if write_rows is not None else slot_mapping,
-            q_norm if has_norm else cos, k_norm if has_norm else cos, q_out, cache, qkv.stride(0), cache.stride(0),
-            cache.stride(2), eps, NUM_Q=num_q, NUM_KV=num_kv, HEAD_DIM=head_dim,
-            HEADS=triton.next_power_of_2(max(num_q, num_kv)), DIM=triton.next_power_of_2(head_dim),
-            HAS_ROWS=write_rows is not None, HAS_QK_NORM=has_norm)
+            qkv, cos.contiguous(), sin.contiguous(), slot_mapping,
+            write_rows if write_rows is not None else slot_mapping, q_norm if has_norm else cos,
+            k_norm if has_norm else cos, q_out, cache, qkv.stride(0), cache.stride(0), cache.stride(2), eps,
+            NUM_Q=num_q, NUM_KV=num_kv, HEAD_DIM=head_dim, HEADS=triton.next_power_of_2(max(num_q, num_kv)),
+            DIM=triton.next_power_of_2(head_dim), HAS_ROWS=write_rows is not None, HAS_QK_NORM=has_norm)
     return q_out
 
 
 @triton.jit
 def _decode_split_kernel(q_ptr, cache_ptr, slots_ptr, context_ptr, max_ptr, sum_ptr, acc_ptr,
-                         num_keys, window, kv_stride, slot_stride, scale_log2, NUM_KV: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                         TILES: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                         num_keys, window, kv_stride, slot_stride, scale_log2, NUM_KV: tl.constexpr,
+                         GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, DIM: tl.constexpr,
+                         BLOCK_N: tl.constexpr, TILES: tl.constexpr, HAS_WINDOW: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -258,7 +258,8 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, slots: torch.Tens
     sums = torch.empty_like(partial)
     acc = torch.empty((batch, num_kv, splits, group_p, dim), dtype=torch.float32, device=query.device)
     _decode_split_kernel[(batch, num_kv, splits)](
-        query.contiguous(), cache, slots, context_lens, partial, sums, acc, num_keys, sliding_window or 0, cache.stride(0), cache.stride(2), scale * 1.4426950408889634,
+        query.contiguous(), cache, slots, context_lens, partial, sums, acc, num_keys, sliding_window or 0,
+        cache.stride(0), cache.stride(2), scale * 1.4426950408889634,
         NUM_KV=num_kv, GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, DIM=dim, BLOCK_N=block_n,
         TILES=tiles, HAS_WINDOW=sliding_window is not None)
     _decode_merge_kernel[(batch, num_kv)](partial, sums, acc, out, NUM_KV=num_kv, NUM_SPLITS=splits,

@@ -29,7 +29,7 @@ class WorkerConfig:
     # "auto": float32 on CPU, the checkpoint's dtype on a GPU; or "float32" / "bfloat16" / "float16".
     dtype: str = "auto"
     numerics: str = "fast"             # "fast" or "invariant" (services/model/numerics.py)
-    kernels: str = "torch"             # "torch" or "triton": a layer's norms, rotary, attention (services/model/kernels.py)
+    kernels: str = "torch"             # "torch" or "triton": a layer's norms, rotary, attention (model/kernels.py)
     kv_cache_bytes: int = 64 << 20     # KV cache budget; the block count follows from it
     block_size: int = 16               # tokens per KV block
     host: str = "127.0.0.1"            # gRPC bind address
