@@ -12,7 +12,8 @@ On a CUDA machine (../shared/gpu/README.md), in one run:
 4. reconfig's worker step in process (ModelRunner over the paged KV cache, greedy on the GPU): decode steps as
    CUDA graphs (with torch's kernels and with --kernels triton's) and eagerly, tok/s over the decode steps alone;
    then prefill: 8 prompts of 2,048 tokens in one step, both kernel sets beside transformers' SDPA forward
-   (bench/gpu_prefill.py);
+   (bench/gpu_prefill.py); then MoE decode (tiny-moe and a 1.7B Qwen3-MoE shape, batch 1 and 16): torch's
+   product per expert eagerly, the grouped experts eagerly and graphed (bench/gpu_moe.py);
 5. reconfig's serving path: a LocalCluster of 2 workers sharing the GPU (tp1pp1, one on standby) behind the router's
    engine over gRPC, concurrent requests, tok/s from submission to the last token (prefill included, as
    `generate`'s), with async scheduling (the default) and with the router waiting for each step's tokens;
@@ -38,6 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 
+import gpu_moe  # noqa: E402  (bench/gpu_moe.py: the moe part)
 import gpu_prefill  # noqa: E402  (bench/gpu_prefill.py: the prefill part)
 
 SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -404,6 +406,7 @@ def table(result: dict, batches: list[int]) -> str:
                      + (f"; TPOT while staging {_signed(switch.get('tpot_overhead'))}"
                         if switch.get("strategy") == "staged" else ""))
     lines += gpu_prefill.lines(result)
+    lines += gpu_moe.lines(result)
     if "switch_streams_identical" in result:
         lines.append(f"\nswitched streams identical to unswitched: {result['switch_streams_identical']}")
     for mode in ("fast", "invariant"):
@@ -447,7 +450,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-sizes", default="1,16,64")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--hf-compile", default="", help="batch sizes to run compiled transformers at, e.g. 64")
-    parser.add_argument("--skip", default="", help="parts to skip: numerics,hf,step,prefill,serving")
+    parser.add_argument("--skip", default="", help="parts to skip: numerics,hf,step,prefill,moe,serving")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = parser.parse_args(argv)
     import torch
@@ -468,6 +471,7 @@ def main(argv: list[str] | None = None) -> None:
                                                [int(b) for b in args.hf_compile.split(",") if b])),
              ("step", lambda: bench_worker_step(model_dir, batches, args.new_tokens)),
              ("prefill", lambda: gpu_prefill.bench_prefill(model_dir)),
+             ("moe", lambda: gpu_moe.bench_moe()),
              ("serving", lambda: asyncio.run(bench_serving(model_dir, batches, args.new_tokens)))]
     for name, part in parts:
         if name in skip:

@@ -1,6 +1,6 @@
 """Device kernels per decode step: torch's kernels against --kernels triton's, counted on a CPU (issue 38's proxy).
 
-    python3 bench/kernel_count.py [--layers 2] [--batch 4] [--context 80] [--dtype bfloat16] [--out DIR]
+    python3 bench/kernel_count.py [--layers 2] [--batch 4] [--context 80] [--dtype bfloat16] [--moe] [--out DIR]
 
 A decode step replayed as a CUDA graph launches one device kernel per tensor op it recorded; the graph's time at
 small batches is mostly their count (each a few µs of launch gap and a short tail), which is what issue 38's
@@ -9,7 +9,9 @@ fused kernels cut. This counts them where no GPU is: the fixed-shape decode step
 per layer and the 16-layer model follow) runs once under a TorchDispatchMode that counts every aten op
 that is not a view or an allocation (each would be a kernel on a GPU), plus every Triton kernel launch (run in
 Triton's interpreter here). Both kernel sets, the same step, side by side: a table, JSON and a plot. The counts
-depend on the model's structure, not on the device.
+depend on the model's structure, not on the device. --moe counts a Qwen3-MoE model of bench/gpu_moe.py's widths
+instead (64 experts, top-8): there torch's kernels run a product per expert hit, after reading the experts' token
+counts on the host (an eager step only: no graph can hold it), and --kernels triton two grouped GEMMs.
 """
 
 from __future__ import annotations
@@ -73,14 +75,21 @@ def _count_triton_launches(counter: KernelCounter):
     return lambda: setattr(InterpretedFunction, "__getitem__", original)
 
 
-def make_model(directory: Path, layers: int) -> Path:
+def make_model(directory: Path, layers: int, moe: bool = False) -> Path:
     import transformers
 
     if (directory / "config.json").exists():
         return directory
-    config = transformers.LlamaConfig(num_hidden_layers=layers, max_position_embeddings=4096, **SHAPE)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    if moe:
+        sys.path.insert(0, str(REPO_ROOT / "bench"))
+        from gpu_moe import QWEN3_MOE_1B
+
+        config = transformers.Qwen3MoeConfig(**{**QWEN3_MOE_1B, "num_hidden_layers": layers})
+        model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=layers, max_position_embeddings=4096, **SHAPE)
+        model = transformers.LlamaForCausalLM(config)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
 
@@ -127,17 +136,19 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="the step's dtype (a GPU's bfloat16 by default: torch's float32 RMSNorm is one fused "
                              "op, its bfloat16 one several)")
+    parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE model (bench/gpu_moe.py's widths)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     if args.layers < 2:
         parser.error("--layers must be >= 2 (a 1-layer model's step gives the kernels outside the layers)")
-    model_dir = make_model(Path(f"/tmp/reconfig-kernel-count/llama-{args.layers}l"), args.layers)
-    one_layer = make_model(Path("/tmp/reconfig-kernel-count/llama-1l"), 1)
+    family = "qwen3-moe" if args.moe else "llama"
+    model_dir = make_model(Path(f"/tmp/reconfig-kernel-count/{family}-{args.layers}l"), args.layers, args.moe)
+    one_layer = make_model(Path(f"/tmp/reconfig-kernel-count/{family}-1l"), 1, args.moe)
     counts = {name: count_step(model_dir, name, args.batch, args.context, dtype) for name in ("torch", "triton")}
     single = {name: sum(count_step(one_layer, name, args.batch, args.context, dtype).values()) for name in counts}
     rows = sorted(set(counts["torch"]) | set(counts["triton"]), key=lambda op: -counts["torch"][op])
-    lines = [f"| device kernels per decode step ({args.layers} layers, {args.dtype}, batch {args.batch}, "
+    lines = [f"| device kernels per decode step ({family}, {args.layers} layers, {args.dtype}, batch {args.batch}, "
              f"{args.context} keys) "
              "| torch kernels | triton kernels |", "|---|---|---|"]
     lines += [f"| {op} | {counts['torch'][op]} | {counts['triton'][op]} |" for op in rows]
@@ -153,7 +164,8 @@ def main() -> None:
     print("\n".join(lines))
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    result = {"layers": args.layers, "dtype": args.dtype, "batch": args.batch, "context": args.context, "shape": SHAPE,
+    result = {"model": family, "layers": args.layers, "dtype": args.dtype, "batch": args.batch,
+              "context": args.context, "shape": SHAPE,
               "counts": {name: dict(ops) for name, ops in counts.items()}, "totals": totals,
               "per_layer": per_layer, "outside_layers": outside, "bench_model_16_layers": bench_model}
     (args.out / f"kernel-count-{stamp}.json").write_text(json.dumps(result, indent=2))

@@ -1,7 +1,7 @@
 """Which kernels compute a decoder layer's norms, rotary + KV write, decode attention and SwiGLU: `torch` (eager
 ops, the default everywhere) or `triton` (services/model/triton_kernels.py: fused, for CUDA; on a CPU they run in
-Triton's interpreter, for tests only). A worker chooses once, at its start (WorkerConfig.kernels); the products
-(linear layers) and the MoE experts stay torch's in both."""
+Triton's interpreter, for tests only). A worker chooses once, at its start (WorkerConfig.kernels); the linear
+layers stay torch's in both, and a TP layout's MoE experts become two grouped GEMMs (triton_moe.py) under `triton`."""
 
 from __future__ import annotations
 
@@ -55,6 +55,8 @@ class Kernels:
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     decode_attention: DecodeAttention | None = None  # None: paged_attention's padded SDPA
     prefill_attention: PrefillAttention | None = None  # None: SDPA (AttentionMetadata.build's prefill_kernel: set)
+    # (x, route weights, local slots, ExpertTable) -> the routed experts' weighted sum; None: a product per expert
+    moe_experts: Callable[..., torch.Tensor] | None = None
 
     @property
     def fused(self) -> bool:
@@ -78,9 +80,9 @@ def choose(name: str, device: torch.device) -> Kernels:
                                "turns on before triton is first imported; it was imported without it")
         os.environ["TRITON_INTERPRET"] = "1"
     try:
-        from services.model import triton_kernels
+        from services.model import triton_kernels, triton_moe
     except ImportError as e:
         raise ImportError(f"kernels 'triton' need the triton package ({e}); pip install triton, or kernels 'torch'") \
             from e
     return Kernels("triton", triton_kernels.add_rms_norm, triton_kernels.rotary_write_kv, triton_kernels.silu_mul,
-                   triton_kernels.decode_attention, triton_kernels.prefill_attention)
+                   triton_kernels.decode_attention, triton_kernels.prefill_attention, triton_moe.grouped_experts)

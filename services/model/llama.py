@@ -135,7 +135,7 @@ class DecoderLayer:
             return x, x
         x, h = self.kernels.add_rms_norm(x, delta, self.input_norm, eps)
         x, h = self.kernels.add_rms_norm(x, self._attention(h, cos, sin, cache, meta), self.post_norm, eps)
-        return x, self.mlp(h)
+        return x, self.mlp(h, meta.write_rows) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(h)
 
     def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
@@ -213,7 +213,7 @@ class ShardedCausalLM:
             old_block = kept.mlp if kept is not None and isinstance(kept.mlp, SparseMoeBlock) else None
             mlp = SparseMoeBlock(self.spec, self.placement, layer_id, loader, moe_group,
                                  self.expert_maps[layer_id], previous=old_block, switch=expert_switch,
-                                 numerics=self.numerics)
+                                 numerics=self.numerics, kernels=self.kernels)
         elif kept is not None and same_dense:
             mlp = kept.mlp.regrouped(group)
         elif kept is not None and same_attention:

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from services.model.expert_reshard import (
     ALONGSIDE, ExpertLedger, ExpertSwitch, ExpertWeights, can_reshard, expert_bytes, reshard_experts, reshard_wanted,
 )
+from services.model.expert_table import ExpertTable
+from services.model.kernels import TORCH, Kernels
 from services.model.layers import ShardLoader, TPGroup
 from services.model.numerics import FAST, Numerics, ordered_sum, reduction_pieces, whole_vectors
 from services.model.spec import ModelSpec
@@ -96,7 +98,7 @@ class SparseMoeBlock:
 
     def __init__(self, spec: ModelSpec, wp: WorkerPlacement, layer_id: int, loader: ShardLoader, group: TPGroup,
                  phy2log: Sequence[int] | None = None, previous: SparseMoeBlock | None = None,
-                 switch: ExpertSwitch = ALONGSIDE, numerics: Numerics = FAST) -> None:
+                 switch: ExpertSwitch = ALONGSIDE, numerics: Numerics = FAST, kernels: Kernels = TORCH) -> None:
         """group: the TP group (TP form) or the stage's EP group (EP form). phy2log: the logical expert of every
         physical slot (None: the identity; the TP form accepts only the identity). previous: this layer's block
         before a reconfiguration: the router and the experts it holds with the same intermediate slice are shared,
@@ -105,7 +107,10 @@ class SparseMoeBlock:
         all-to-all over `group` instead (every rank of the stage builds this layer at the same time), unless
         `switch.reshard` is False (a shard staged while steps use the same group) or RECONFIG_EXPERT_RESHARD says
         no. `switch.in_place`: `previous` lets go of its experts once this block has what it needs of them.
-        resharded_bytes / loaded_bytes: this rank's expert bytes that came by that all-to-all / from `loader`."""
+        resharded_bytes / loaded_bytes: this rank's expert bytes that came by that all-to-all / from `loader`.
+        kernels: with a grouped `moe_experts` (Triton), the TP form runs its experts as two grouped GEMMs in fixed
+        shapes (no host synchronisation: what a decode graph captures); the EP form and invariant numerics keep
+        the product per expert."""
         self.placement = wp
         self.layer_id = layer_id
         self.num_experts = spec.num_experts
@@ -158,6 +163,10 @@ class SparseMoeBlock:
         # In TP form every rank of the group routes the same tokens: only rank 0 counts them, so summing the
         # stage's counters gives the true load in both forms.
         self.counts_load = self.is_expert_parallel or wp.tp_rank == 0
+        self.grouped = kernels.moe_experts if not self.is_expert_parallel and self.pieces is None else None
+        self.table = ExpertTable.build(self.experts) if self.grouped is not None else None
+        if self.table is None:
+            self.grouped = None  # experts the kernels cannot read in place (not contiguous): per expert
 
     def _load_experts(self, loader: ShardLoader, style: str, held: dict[int, ExpertWeights]) -> list[ExpertWeights]:
         """The weights of every local slot: `held` ones shared, the others loaded (two local slots of one logical
@@ -183,6 +192,8 @@ class SparseMoeBlock:
         if not self.released:
             return 0
         self.experts, self.released = self._load_experts(loader, self.moe_style, {}), False
+        if self.table is not None and not self.table.refresh(self.experts):  # a graph replays over the table
+            raise RuntimeError(f"layer {self.layer_id}: the restored experts cannot be read through its table")
         return expert_bytes(self.experts)
 
     @property
@@ -191,27 +202,44 @@ class SparseMoeBlock:
         return len(self.phy2log)
 
     def regrouped(self, group: TPGroup) -> SparseMoeBlock:
-        """The same weights (shared, not copied) over another group; a fresh load counter."""
+        """The same weights (shared, not copied) over another group; a fresh load counter and expert table."""
         block = copy.copy(self)
         block.group = group
         block.experts = list(self.experts)
         block.load = torch.zeros_like(self.load)
+        block.table = ExpertTable.build(block.experts) if self.table is not None else None  # its own, refreshed apart
         return block
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] (T may be 0: the rank still joins the collectives) -> [T, hidden], reduced over the group."""
+    @property
+    def graphable(self) -> bool:
+        """Whether a step through this block has fixed shapes and no host synchronisation (a CUDA graph holds it)."""
+        return self.grouped is not None
+
+    def __call__(self, x: torch.Tensor, repeats: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden] (T may be 0: the rank still joins the collectives) -> [T, hidden], reduced over the group.
+        repeats: a padded step's write_rows (AttentionMetadata): rows that repeat another are not counted in the
+        load."""
         if self.released:
             raise RuntimeError(f"layer {self.layer_id}: its experts went to an in-place switch; restore them first")
         weights, experts = route(x, self.router, self.top_k, self.renormalize, self.cast_weights,
                                  self.numerics)  # [T, k] each
         slots = physical_slots(experts, self.num_copies, self.copy_slots)  # [T, k]
         if self.counts_load:
-            self.load += torch.bincount(slots.reshape(-1), minlength=self.num_physical)
+            self._count(slots, repeats)
+        if self.grouped is not None:  # TP form: slot == logical expert == local slot
+            return self.group.all_reduce(self.grouped(x, weights, slots, self.table))
         if self.is_expert_parallel:
             return self._expert_parallel(x, weights, slots)
         if self.pieces is not None:
             return self._combine_gathered(x, weights, slots)
         return self.group.all_reduce(self._combine_local(x, weights, slots))
+
+    def _count(self, slots: torch.Tensor, repeats: torch.Tensor | None) -> None:
+        """Add a step's assignments to the load, on the device (no synchronisation): slots [T, k]."""
+        ones = torch.ones_like(slots)
+        if repeats is not None:  # a padding row repeats a real row: only the rows that are themselves count
+            ones *= (repeats == torch.arange(slots.shape[0], device=slots.device))[:, None]
+        self.load.index_add_(0, slots.reshape(-1), ones.reshape(-1))
 
     def _combine_local(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """TP form: sum of every assignment's weighted expert (slice) output, per token. -> [T, hidden] partial."""

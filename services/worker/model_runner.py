@@ -115,11 +115,14 @@ class ModelRunner:
 
     def graph_support(self) -> str | None:
         """None when decode steps can be CUDA graphs here, else why not: a graph needs fixed shapes (no MoE
-        routing) and collectives a graph can hold (a single-rank stage, or NCCL: gloo runs on the host)."""
+        routing: a TP layout's experts as grouped GEMMs, --kernels triton) and collectives a graph can hold (a
+        single-rank stage, or NCCL: gloo runs on the host)."""
         if self.device.type != "cuda":
             return "not on a GPU"
-        if self.model.spec.shape.is_moe:
-            return "MoE layers route tokens with data-dependent shapes"
+        if not all(block.graphable for block in self.model.moe_blocks().values()):
+            if self.placement.topology.ep > 1:
+                return "an EP layout's experts exchange tokens in counts known only on the host"
+            return "MoE layers route tokens with data-dependent shapes (--kernels triton groups them in fixed ones)"
         stage_size = self.placement.topology.stage_size
         if stage_size > 1 and (self.parallel is None or self.parallel.backend != "nccl"):
             return "the stage's collectives run over gloo (shared GPU)"

@@ -13,7 +13,7 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 started=$(date +%s)
 timeout "$TESTS_TIMEOUT" python3 -m pytest -q -rs -s -p no:cacheprovider --timeout 200 \
   tests/gpu tests/worker/test_decode_graphs.py "tests/worker/test_collective_groups.py" \
-  tests/model/test_triton_kernels.py -k "${TESTS_K:-not cpu}" \
+  tests/model/test_triton_kernels.py tests/model/test_triton_moe.py -k "${TESTS_K:-not cpu}" \
   > "$OUT/tests.log" 2>&1
 echo "tests: rc=$? in $(( $(date +%s) - started )) s"
 started=$(date +%s)

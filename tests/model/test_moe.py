@@ -22,8 +22,9 @@ from services.model.llama import ShardedCausalLM
 from services.model.moe import SparseMoeBlock, copy_tables, expert_mlp, load_expert, physical_slots, route
 from services.model.spec import ModelSpec, ModelSpecError
 from services.topology import Topology, place
-from services.topology.experts import expert_tensor_names, router_tensor_name
+from services.topology.experts import router_tensor_name
 from tests.conftest import hf_greedy, make_checkpoint
+from tests.model.moe_blocks import EXPERT_SIZE, HIDDEN, NUM_EXPERTS, TOP_K, block_spec, block_tensors, tokens
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=100)
@@ -180,38 +181,6 @@ def test_redundant_slots_need_an_expert_map(tmp_path):
 
 
 # ---- the sparse block alone ----------------------------------------------------------------------------------------
-HIDDEN, NUM_EXPERTS, TOP_K, EXPERT_SIZE = 32, 8, 2, 16
-
-
-def _block_spec(style: str) -> ModelSpec:
-    config = {"model_type": style, "hidden_size": HIDDEN, "num_hidden_layers": 1, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "vocab_size": 64, "num_experts_per_tok": TOP_K}
-    if style == "mixtral":
-        return ModelSpec.from_config({**config, "intermediate_size": EXPERT_SIZE, "num_local_experts": NUM_EXPERTS})
-    return ModelSpec.from_config({**config, "intermediate_size": 64, "num_experts": NUM_EXPERTS,
-                                  "moe_intermediate_size": EXPERT_SIZE, "norm_topk_prob": True})
-
-
-def _block_tensors(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {router_tensor_name(spec.moe_style, 0): torch.randn(NUM_EXPERTS, HIDDEN, generator=generator)}
-    for expert in range(NUM_EXPERTS):
-        gate, up, down = expert_tensor_names(spec.moe_style, 0, expert)
-        tensors[gate] = torch.randn(EXPERT_SIZE, HIDDEN, generator=generator) / HIDDEN**0.5
-        tensors[up] = torch.randn(EXPERT_SIZE, HIDDEN, generator=generator) / HIDDEN**0.5
-        tensors[down] = torch.randn(HIDDEN, EXPERT_SIZE, generator=generator) / EXPERT_SIZE**0.5
-    return tensors
-
-
-def _tokens(spec: ModelSpec, tensors, count: int, seed: int, hot_expert: int | None) -> torch.Tensor:
-    """count hidden rows; with hot_expert, pushed toward that expert's router row (a skewed load)."""
-    x = torch.randn(count, HIDDEN, generator=torch.Generator().manual_seed(seed))
-    if hot_expert is not None:
-        row = tensors[router_tensor_name(spec.moe_style, 0)][hot_expert]
-        x += 3 * row / row.norm()
-    return x
-
-
 def _expected_load(spec: ModelSpec, tensors, xs: list[torch.Tensor], phy2log: tuple[int, ...]) -> torch.Tensor:
     """The convention, written out: (token, k) goes to copy (row % copies) of its expert, copies in slot order."""
     load = torch.zeros(len(phy2log), dtype=torch.int64)
@@ -252,8 +221,8 @@ def test_assignments_spread_over_copies_by_token_row(case):
 @settings(max_examples=30, deadline=None)
 @given(st.sampled_from(["qwen3_moe", "mixtral"]), st.integers(0, 9), st.integers(0, 2**16))
 def test_tp1_block_equals_a_per_token_sum_over_its_top_k(style, num_tokens, seed):
-    spec = _block_spec(style)
-    tensors = _block_tensors(spec, seed % 3)
+    spec = block_spec(style)
+    tensors = block_tensors(spec, seed % 3)
     loader = ShardLoader(tensors.__getitem__, set(tensors), torch.float32, CPU)
     block = SparseMoeBlock(spec, place(Topology(1, 1), spec.shape).workers[0], 0, loader, SingleRankGroup())
     x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(seed))
@@ -268,8 +237,8 @@ def test_tp1_block_equals_a_per_token_sum_over_its_top_k(style, num_tokens, seed
 
 
 def _ep_block(redundant: int = 2, phy2log=(0, 1, 5, 2, 3, 4, 5, 6, 7, 5)) -> tuple[SparseMoeBlock, ShardLoader]:
-    spec = _block_spec("qwen3_moe")
-    tensors = _block_tensors(spec)
+    spec = block_spec("qwen3_moe")
+    tensors = block_tensors(spec)
     loader = ShardLoader(tensors.__getitem__, set(tensors), torch.float32, CPU)
     wp = place(Topology(ep=2), spec.shape, num_redundant_experts=redundant).workers[0]
     return SparseMoeBlock(spec, wp, 0, loader, SingleRankGroup(), phy2log), loader  # never called: no peers
@@ -303,8 +272,8 @@ def test_remap_refuses_bad_maps_and_changes_nothing(phy2log, weights, message):
 
 
 def test_tp_blocks_hold_every_expert_once():
-    spec = _block_spec("mixtral")
-    tensors = _block_tensors(spec)
+    spec = block_spec("mixtral")
+    tensors = block_tensors(spec)
     loader = ShardLoader(tensors.__getitem__, set(tensors), torch.float32, CPU)
     wp = place(Topology(tp=2), spec.shape).workers[1]
     with pytest.raises(ValueError, match="layer 0: a TP layout holds every expert once; its map must be the identity"):
@@ -331,8 +300,8 @@ SCENARIOS = {
 
 def _check_scenario(rank: int, world: int, scenario) -> None:
     name, style, topology, redundant, phy2log, counts, hot, new_map = scenario
-    spec = _block_spec(style)
-    tensors = _block_tensors(spec)
+    spec = block_spec(style)
+    tensors = block_tensors(spec)
     loader = ShardLoader(tensors.__getitem__, set(tensors), torch.float32, CPU)
     from services.worker.parallel import DistTPGroup, GroupPair
 
@@ -340,7 +309,7 @@ def _check_scenario(rank: int, world: int, scenario) -> None:
     wp = place(topology, spec.shape, num_redundant_experts=redundant).workers[rank]
     block = SparseMoeBlock(spec, wp, 0, loader, group, phy2log)
     reference = SparseMoeBlock(spec, place(Topology(1, 1), spec.shape).workers[0], 0, loader, SingleRankGroup())
-    xs = [_tokens(spec, tensors, 5 if counts is None else counts[r], seed=0 if counts is None else r, hot_expert=hot)
+    xs = [tokens(spec, tensors, 5 if counts is None else counts[r], seed=0 if counts is None else r, hot_expert=hot)
           for r in range(world)]
     maps = [phy2log or tuple(range(NUM_EXPERTS))] + ([new_map] if new_map else [])
     for step, current in enumerate(maps):

@@ -22,17 +22,10 @@ from services.model.kernels import TORCH, choose  # noqa: E402
 from services.model.layers import RotaryEmbedding  # noqa: E402
 from services.model.spec import ModelSpec, RopeSpec  # noqa: E402
 from tests.conftest import hf_greedy, make_checkpoint  # noqa: E402
+from tests.model.kernel_checks import DEVICE, close  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TRITON = choose("triton", DEVICE)
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    if expected.dtype == torch.bfloat16:
-        torch.testing.assert_close(actual.float(), expected.float(), rtol=2 ** -5, atol=2 ** -6)
-    else:
-        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
 def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:

@@ -1,0 +1,167 @@
+"""A sparse layer's experts as two grouped GEMMs over the routed tokens, in fixed shapes (issue 38's MoE part).
+
+The eager experts (SparseMoeBlock._run_experts) count each expert's tokens on the host and call it on its rows:
+a host synchronisation and three small products per expert held, every layer, every step, and shapes a CUDA graph
+cannot hold. Here every (token, k) assignment of a step goes through two kernels whose grid depends only on the
+step's number of tokens:
+
+- the assignments are sorted by local slot on the device; each slot's run of rows is cut into tiles of BLOCK_M
+  rows, and tile i is given to the slot whose tiles hold it (`_tile_table`: a search over the running tile counts;
+  at most cdiv(N, BLOCK_M) + slots tiles, the programs past the last tile return at once);
+- `_gate_up_kernel`: a tile's token rows times its expert's gate and up rows, silu(gate) * up stored per sorted
+  assignment (SwiGLU fused into the product; the expert's weights are read once per tile, not once per token);
+- `_down_kernel`: those rows times the expert's down projection, scaled by the assignment's routing weight;
+- the weighted outputs go back to (token, k) order and are added over k.
+
+The experts' weights stay where SparseMoeBlock holds them (a tensor pair per slot): the kernels find a slot's
+tensors through services/model/expert_table.py's offsets, which a graph reads when it replays.
+
+Numerics: products accumulate in float32 and round to the tensor's dtype where the eager path rounds (the silu's
+output, each product's output, the weighted output), so fp32 results match the eager ones to float rounding and
+bf16 ones to an ulp or so; the sum over k is taken in k order instead of the eager path's slot order.
+"""
+
+from __future__ import annotations
+
+import os
+import torch
+import triton
+import triton.language as tl
+
+from services.model.expert_table import ExpertTable
+
+# As in triton_kernels: the interpreter's tl.dot takes float32 operands (its bf16 path loses range).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def block_m(assignments: int) -> int:
+    """Rows per tile: 16 (tl.dot's least) for decode-sized steps, 64 for prefills."""
+    return 16 if assignments <= 1024 else 64
+
+
+def _tile_table(local_slots: torch.Tensor, num_slots: int, rows_per_tile: int) -> tuple[torch.Tensor, ...]:
+    """local_slots [N] (0..num_slots-1) -> (order [N]: assignments sorted by slot, stably; counts [S]; starts [S]:
+    each slot's first sorted row; tile_starts [S]: its first tile; tile_slot [max tiles]: the slot of every tile,
+    num_slots past the last). Device ops of fixed shapes only."""
+    n = local_slots.shape[0]
+    order = torch.argsort(local_slots, stable=True)
+    counts = torch.zeros(num_slots, dtype=torch.int64, device=local_slots.device)
+    counts.index_add_(0, local_slots, torch.ones_like(local_slots))
+    starts = torch.cumsum(counts, 0) - counts
+    tiles = (counts + rows_per_tile - 1) // rows_per_tile
+    tile_ends = torch.cumsum(tiles, 0)
+    max_tiles = -(-n // rows_per_tile) + num_slots
+    tile_ids = torch.arange(max_tiles, device=local_slots.device)
+    tile_slot = torch.searchsorted(tile_ends, tile_ids, right=True)
+    return order, counts, starts, tile_ends - tiles, tile_slot
+
+
+@triton.jit
+def _tile_rows(tile_slot_ptr, tile_starts_ptr, starts_ptr, counts_ptr, NUM_SLOTS: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """This program's tile -> (its slot, clamped; its sorted rows; which of them are real)."""
+    tile = tl.program_id(0)
+    slot = tl.load(tile_slot_ptr + tile)
+    used = slot < NUM_SLOTS
+    slot = tl.minimum(slot, NUM_SLOTS - 1)
+    local = tile - tl.load(tile_starts_ptr + slot)
+    within = local * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(starts_ptr + slot) + within
+    return slot, rows, (within < tl.load(counts_ptr + slot)) & used
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, tokens_ptr, tile_slot_ptr, tile_starts_ptr, starts_ptr, counts_ptr, gate_up_ptr,
+                    offsets_ptr, out_ptr, NUM_SLOTS: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                    DOT_F32: tl.constexpr):
+    slot, rows, real = _tile_rows(tile_slot_ptr, tile_starts_ptr, starts_ptr, counts_ptr, NUM_SLOTS, BLOCK_M)
+    if tl.max(real.to(tl.int32), axis=0) > 0:
+        tokens = tl.load(tokens_ptr + rows, mask=real, other=0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < INTER
+        weights = gate_up_ptr + tl.load(offsets_ptr + slot)
+        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < HIDDEN
+            x = tl.load(x_ptr + tokens[:, None] * HIDDEN + ks[None, :], mask=real[:, None] & k_ok[None, :],
+                        other=0.0)
+            w_mask = col_ok[:, None] & k_ok[None, :]
+            wg = tl.load(weights + cols[:, None].to(tl.int64) * HIDDEN + ks[None, :], mask=w_mask, other=0.0)
+            wu = tl.load(weights + (cols[:, None].to(tl.int64) + INTER) * HIDDEN + ks[None, :], mask=w_mask,
+                         other=0.0)
+            if DOT_F32:
+                x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+            gate = tl.dot(x, tl.trans(wg), gate, input_precision=PRECISION)
+            up = tl.dot(x, tl.trans(wu), up, input_precision=PRECISION)
+        dtype = out_ptr.dtype.element_ty
+        gate = gate.to(dtype).to(tl.float32)  # each product rounds, as F.linear's output does
+        up = up.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # silu rounds before the product
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * INTER + cols[None, :], (silu * up).to(dtype),
+                 mask=real[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, route_ptr, tile_slot_ptr, tile_starts_ptr, starts_ptr, counts_ptr, down_ptr, offsets_ptr,
+                 out_ptr, NUM_SLOTS: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+    slot, rows, real = _tile_rows(tile_slot_ptr, tile_starts_ptr, starts_ptr, counts_ptr, NUM_SLOTS, BLOCK_M)
+    if tl.max(real.to(tl.int32), axis=0) > 0:
+        rows64 = rows.to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < HIDDEN
+        weights = down_ptr + tl.load(offsets_ptr + slot)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < INTER
+            a = tl.load(act_ptr + rows64[:, None] * INTER + ks[None, :], mask=real[:, None] & k_ok[None, :],
+                        other=0.0)
+            w = tl.load(weights + cols[:, None].to(tl.int64) * INTER + ks[None, :],
+                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if DOT_F32:
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+        dtype = out_ptr.dtype.element_ty
+        route = tl.load(route_ptr + rows64, mask=real, other=0.0).to(tl.float32)
+        # The expert's output rounds, then its product with the routing weight (in the weight's dtype, as the
+        # eager path's outputs * weights; a bf16 product of two bf16 values is exact in float32 before rounding).
+        weighted = (acc.to(dtype).to(tl.float32) * route[:, None]).to(route_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows64[:, None] * HIDDEN + cols[None, :], weighted.to(dtype),
+                 mask=real[:, None] & col_ok[None, :])
+
+
+def grouped_experts(x: torch.Tensor, route_weights: torch.Tensor, local_slots: torch.Tensor,
+                    table: ExpertTable) -> torch.Tensor:
+    """Every token through its k routed experts, weighted and added: x [T, hidden], route_weights [T, k] (x's dtype
+    or float32), local_slots [T, k] (0..slots-1, this rank's slots) -> [T, hidden] (a TP slice's partial sums)."""
+    tokens, top_k = local_slots.shape
+    hidden, inter, slots = table.hidden, table.intermediate, table.num_slots
+    if x.shape[1] != hidden:
+        raise ValueError(f"grouped_experts: x has {x.shape[1]} features, the experts {hidden}")
+    x = x.contiguous()
+    flat = local_slots.reshape(-1)
+    n = flat.shape[0]
+    rows_per_tile = block_m(n)
+    order, counts, starts, tile_starts, tile_slot = _tile_table(flat, slots, rows_per_tile)
+    sorted_tokens = order // top_k
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    act = x.new_empty((n, inter))
+    if n:
+        grid = (tile_slot.shape[0], triton.cdiv(inter, 64))
+        _gate_up_kernel[grid](x, sorted_tokens, tile_slot, tile_starts, starts, counts, table.anchor,
+                              table.gate_up_offsets, act, NUM_SLOTS=slots, HIDDEN=hidden, INTER=inter,
+                              BLOCK_M=rows_per_tile, BLOCK_N=64, BLOCK_K=64, PRECISION=precision,
+                              DOT_F32=_INTERPRETED)
+    out = x.new_empty((n, hidden))
+    if n:
+        grid = (tile_slot.shape[0], triton.cdiv(hidden, 64))
+        _down_kernel[grid](act, route_weights.reshape(-1)[order].contiguous(), tile_slot, tile_starts, starts,
+                           counts, table.anchor, table.down_offsets, out, NUM_SLOTS=slots, HIDDEN=hidden,
+                           INTER=inter, BLOCK_M=rows_per_tile, BLOCK_N=64, BLOCK_K=64, PRECISION=precision,
+                           DOT_F32=_INTERPRETED)
+    by_assignment = torch.empty_like(out).index_copy_(0, order, out)
+    return by_assignment.view(tokens, top_k, hidden).sum(dim=1)
