@@ -18,7 +18,7 @@ from services.worker.faults import FAULTS
 from services.worker.kv_cache import KVCache
 from services.worker.logits_processor import needs_processing
 from services.worker.parallel import ParallelState
-from services.worker.sampler import sample_outputs
+from services.worker.sampler import sample_outputs, sample_tensor
 
 
 class PendingTokenMissing(ValueError):
@@ -134,10 +134,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: StepBatch, rank: int) -> LaunchedStep:
-        """Queue one step's device work; no host synchronisation where every row that samples is plain greedy
-        (its tokens are drawn on the device). Only the last stage's TP rank 0 returns outputs (in an EP layout,
-        every last-stage rank, each for its own requests); in a single-stage layout every rank samples and keeps
-        the tokens on the device for a step sent ahead (PENDING_TOKEN inputs)."""
+        """Queue one step's device work; no host synchronisation where every row only samples (greedy or not: its
+        tokens are drawn on the device; logprobs, logits processors and returned logits take the host's way).
+        Only the last stage's TP rank 0 returns outputs (in an EP layout, every last-stage rank, each for its own
+        requests); in a single-stage layout every rank samples and keeps the tokens on the device for a step sent
+        ahead (PENDING_TOKEN inputs)."""
         started = time.perf_counter()
         if not batch.sequences:
             return LaunchedStep(StepOutput(batch.step_id, rank))
@@ -235,22 +236,24 @@ class ModelRunner:
     def _sampling(self, seqs, wanted: list[int], logits: torch.Tensor, num_prompt_rows: int,
                   greedy: torch.Tensor | None = None) -> _Sampling | None:
         """What the rows `wanted` draw from `logits` (after `num_prompt_rows` rows of prompt logprobs): on the
-        device when every one is plain greedy (`greedy`: its argmax, when already drawn), else on the host
-        (temperature, logprobs, logits processors: the logits come over whole). None on a rank that neither
-        returns nor keeps them."""
-        if not num_prompt_rows and self._greedy_only(seqs, wanted):
-            tokens = logits.max(dim=-1).indices if greedy is None else greedy  # as the host's sample() draws
-            return _Sampling(request_ids=tuple(seqs[i].request_id for i in wanted),
+        device when every one only samples (greedy or not: sampler.sample_tensor; `greedy`: their argmax, when
+        already drawn), else on the host (logprobs, logits processors, logits returned: the logits come over
+        whole). None on a rank that neither returns nor keeps them."""
+        if not num_prompt_rows and self._samples_only(seqs, wanted):
+            chosen = [seqs[i] for i in wanted]
+            tokens = sample_tensor(logits, [s.sampling for s in chosen], [s.num_generated for s in chosen], greedy)
+            return _Sampling(request_ids=tuple(s.request_id for s in chosen),
                              tokens=tokens.clone())  # (a graph's outputs are overwritten by its next replay)
         if not (self.wp.tp_rank == 0 or self.keeps_samples):
             return None
         return _Sampling(sample_outputs(list(seqs), wanted, logits.cpu(), num_prompt_rows))
 
     @staticmethod
-    def _greedy_only(seqs, wanted: list[int]) -> bool:
-        """Whether every row that samples takes the argmax of its raw logits, and asks for nothing more."""
-        return all(seqs[i].sample and seqs[i].sampling.is_greedy and seqs[i].sampling.num_logprobs is None
-                   and not seqs[i].return_logits and not needs_processing(seqs[i]) for i in wanted)
+    def _samples_only(seqs, wanted: list[int]) -> bool:
+        """Whether every row draws a token from its raw logits (any temperature, top-k, top-p, seed) and asks for
+        nothing more: no logprobs, no logits, no processing (penalties, bias, suppressed tokens)."""
+        return all(seqs[i].sample and seqs[i].sampling.num_logprobs is None and not seqs[i].return_logits
+                   and not needs_processing(seqs[i]) for i in wanted)
 
     def _run_eager(self, seqs, feed, rank: int, output: StepOutput) -> tuple[_Sampling | None, StepOutput]:
         meta = AttentionMetadata.build(
@@ -295,8 +298,9 @@ class ModelRunner:
         return seconds + FAULTS.slowdown(point, seconds, rank=rank)
 
     def _run_graph(self, seqs, feed) -> _Sampling | None:
-        """A decode step through its CUDA graph: no host synchronisation when every row samples greedily (the
-        tokens are drawn inside the graph; else its logits come to the host)."""
+        """A decode step through its CUDA graph: no host synchronisation when every row only samples (greedy
+        tokens are drawn inside the graph, the others from its logits on the device; else the logits come to the
+        host)."""
         hidden = None
         if self.prev_rank is not None:
             hidden = self.parallel.recv((len(seqs), self.model.spec.hidden_size), self.model.dtype, self.device,

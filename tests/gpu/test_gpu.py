@@ -21,7 +21,7 @@ from services.controller.status import OperationState
 from services.launch.cluster import ClusterConfig, LocalCluster
 from services.launch.generate import generate
 from services.model.spec import ModelSpec
-from services.contracts.step import PENDING_TOKEN, SequenceStep, StepBatch
+from services.contracts.step import PENDING_TOKEN, SamplingParams, SequenceStep, StepBatch
 from services.router.contracts import GenerationRequest
 from services.router.driver import Driver
 from services.topology import Topology, place, plan_kv_migration
@@ -201,6 +201,48 @@ async def test_invariant_numerics_switches_change_no_token_of_64_bf16_streams(ch
                                                                                 ["tp2pp1", "tp1pp2", "tp2pp2"], 32)
     assert [tokens[:32] for tokens in together] == alone
     assert switched == together
+
+
+SAMPLED = (SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=1.0, top_k=5, seed=12),
+           SamplingParams(temperature=0.7, top_p=0.9, seed=13), SamplingParams(temperature=0.0))
+
+
+def _steps_ahead(runner, sampling, tables, sync_debug: bool, return_logits: bool = False) -> list[list[int]]:
+    """Prefill PROMPTS, then NUM_NEW_TOKENS decode steps, each sent ahead (PENDING_TOKEN) before the previous
+    step's tokens are read; with sync_debug, torch raises on any host synchronisation in a launch after the
+    graph's capture. return_logits: every row asks for its logits too (the host's sampling)."""
+    got = [[] for _ in PROMPTS]
+    prefill = tuple(SequenceStep(f"r{i}", tuple(p), 0, t, sampling[i])
+                    for i, (p, t) in enumerate(zip(PROMPTS, tables)))
+    launched = runner.launch(StepBatch(0, prefill), 0)
+    for step in range(1, NUM_NEW_TOKENS + 1):
+        seqs = tuple(SequenceStep(f"r{i}", (PENDING_TOKEN,), len(p) + step - 1, t, sampling[i],
+                                  num_generated=step, return_logits=return_logits)
+                     for i, (p, t) in enumerate(zip(PROMPTS, tables)))
+        if step > 2 and sync_debug:  # steps 1 and 2 capture the graph (a capture synchronises)
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            ahead = runner.launch(StepBatch(step, seqs), 0) if step < NUM_NEW_TOKENS else None
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        for i, out in enumerate(launched.result().outputs):  # the step before, read back after this launch
+            got[i].append(out.token_id)
+        launched = ahead
+    return got
+
+
+def test_sampled_steps_ahead_draw_on_the_device_what_the_host_draws(checkpoint):
+    """Temperature, top-k, top-p (seeded) beside a greedy row: the steps sent ahead draw on the device with no host
+    synchronisation, the same tokens as the host's sampler draws from the same logits (return_logits)."""
+    runner = in_process_runner(ModelSpec.from_dir(checkpoint), checkpoint, True, device=torch.device("cuda"))
+    try:
+        tables = [tuple(range(i * 16, (i + 1) * 16)) for i in range(len(PROMPTS))]
+        on_device = _steps_ahead(runner, SAMPLED, tables, sync_debug=True)
+        tables = [tuple(range(64 + i * 16, 64 + (i + 1) * 16)) for i in range(len(PROMPTS))]
+        on_host = _steps_ahead(runner, SAMPLED, tables, sync_debug=False, return_logits=True)
+    finally:
+        runner.kv_cache.close()
+    assert on_device == on_host
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.worker.logits_processor import process_logits
 from services.worker.logprobs import token_logprobs
-from services.worker.sampler import sample, sample_outputs
+from services.worker.sampler import sample, sample_outputs, uniform
 from services.contracts.step import GREEDY, SamplingParams, SequenceStep
 
 
@@ -63,6 +66,68 @@ def test_options_that_overflow_float32_still_draw_a_token():
     assert 0 < token < 40
     everything_masked = torch.full((1, 40), float("-inf"))
     assert 0 <= sample(everything_masked, [SamplingParams(temperature=1.0, seed=1)], [0])[0] < 40
+
+
+def test_draws_follow_the_distribution_temperature_top_k_and_top_p_leave():
+    """4,000 seeded draws of one row: each token's frequency within 4 standard deviations of its probability under
+    the temperature, top-k and top-p asked (and zero outside them)."""
+    logits = torch.log(torch.tensor([0.35, 0.25, 0.2, 0.1, 0.06, 0.04]))
+    draws = 4000
+    cases = [(SamplingParams(temperature=1.0), logits.softmax(-1)),
+             (SamplingParams(temperature=2.0), (logits / 2).softmax(-1)),
+             (SamplingParams(temperature=1.0, top_k=3), torch.cat([logits[:3].softmax(-1), torch.zeros(3)])),
+             (SamplingParams(temperature=1.0, top_p=0.75), torch.cat([logits[:3].softmax(-1), torch.zeros(3)])),
+             (SamplingParams(temperature=1.0, top_k=4, top_p=0.6), torch.cat([logits[:2].softmax(-1),
+                                                                              torch.zeros(4)]))]
+    for params, expected in cases:
+        seeded = [dataclasses.replace(params, seed=s) for s in range(draws)]
+        tokens = sample(logits.expand(draws, -1), seeded, [0] * draws)
+        counts = torch.bincount(torch.tensor(tokens), minlength=6).double() / draws
+        spread = (expected.double() * (1 - expected.double()) / draws).sqrt()
+        assert ((counts - expected.double()).abs() <= 4 * spread + 1e-9).all(), (params, counts, expected)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([0.0, 0.5, 1.0, 3.0]), st.sampled_from([0, 1, 5, 40]),
+                          st.sampled_from([1.0, 0.9, 0.3]), st.one_of(st.none(), st.integers(0, 2**63 - 1)),
+                          st.integers(0, 500)), min_size=1, max_size=12),
+       st.integers(0, 2**16))
+def test_a_seeded_rows_token_is_the_one_it_draws_alone(rows, seed):
+    """Whatever else a step samples (greedy, temperature, top-k, top-p, other seeds, rows without one), a greedy
+    or seeded row draws what it draws alone: the step's tokens depend on each row's logits and parameters only."""
+    logits = torch.randn(len(rows), 40, generator=torch.Generator().manual_seed(seed)) * 3
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=s) for t, k, p, s, _ in rows]
+    generated = [n for *_, n in rows]
+    together = sample(logits, params, generated)
+    for i, p in enumerate(params):
+        if p.draws_alike:
+            assert together[i] == sample(logits[i:i + 1], [p], [generated[i]])[0]
+
+
+def test_top_p_among_the_largest_logits_keeps_what_the_whole_sort_keeps():
+    """A CPU's top-p looks for the prefix among the 1,024 largest logits first: the same tokens kept as the sort of
+    the whole vocabulary, for peaked rows (found there) and flat ones (not: those take the sort), -inf rows too."""
+    from services.worker.sampler import _top_p, _top_p_sorted
+
+    generator = torch.Generator().manual_seed(4)
+    rows = torch.cat([torch.randn(3, 5000, generator=generator) * 6,  # peaked: the prefix lies among the largest
+                      torch.randn(2, 5000, generator=generator) * 0.1,  # flat: 1,024 of 5,000 hold ~20% of the mass
+                      torch.full((1, 5000), float("-inf"))])
+    top_p = [0.9, 0.5, 0.99, 0.9, 0.5, 0.9]
+    expected = _top_p_sorted(rows, torch.tensor(top_p)[:, None])
+    got = _top_p(rows, top_p)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(expected))
+    assert 1 < int(torch.isfinite(got[0]).sum()) < 1024 and int(torch.isfinite(got[3]).sum()) > 1024
+
+
+def test_a_seeds_uniforms_are_fixed_numbers():
+    """The uniforms are integer hashes of (seed, position): the same on every host and device, release after
+    release (a change here changes every seeded request's tokens)."""
+    assert [round(uniform(s, n), 6) for s, n in ((0, 0), (42, 3), (2**63 - 1, 7))] == UNIFORMS
+    assert 0 < uniform(None, 0) < 1
+
+
+UNIFORMS = [0.883311, 0.271446, 0.326124]
 
 
 # ---- logits processing: bias, min_tokens suppression, penalties -------------------------------------------------

@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from services.contracts.step import PENDING_TOKEN, SequenceStep, StepBatch
+from services.contracts.step import PENDING_TOKEN, SamplingParams, SequenceStep, StepBatch
 from services.model.spec import ModelSpec
 from services.topology import Topology
 from services.worker.model_runner import PendingTokenMissing
@@ -90,3 +90,36 @@ def test_a_pipeline_stage_refuses_pending_tokens(tmp_path):
     with runner_of(model_dir, False, Topology(1, 2)) as runner:
         with pytest.raises(PendingTokenMissing, match="single-stage"):
             runner.execute(StepBatch(0, (SequenceStep("a", (PENDING_TOKEN,), 3, tuple(range(8))),)), 0)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode-graphs"])
+def test_sampled_steps_ahead_draw_what_the_hosts_sampler_draws(tmp_path, graphs):
+    """Temperature, top-k and top-p rows (seeded) beside a greedy one, fed their own previous tokens: drawn on the
+    device's way (sampler.sample_tensor, no logits to the host), the same tokens as the host's way draws (every row
+    asks for its logits too)."""
+    model_dir = make_checkpoint(tmp_path / "llama", "llama", seed=5)
+    prompts = [[5, 6, 7, 8, 9], [3, 4], list(range(20, 33)), [40, 41]]
+    sampling = (SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=1.5, top_k=5, seed=12),
+                SamplingParams(temperature=1.2, top_p=0.9, seed=13), SamplingParams(temperature=0.0))
+    num_new = 10
+    drawn = {}
+    with runner_of(model_dir, graphs) as runner:
+        for way, offset in (("device", 0), ("host", 32)):
+            tables = [tuple(range(offset + 8 * i, offset + 8 * (i + 1))) for i in range(len(prompts))]
+            tokens = [[] for _ in prompts]
+            seqs = tuple(SequenceStep(f"r{i}", tuple(p), 0, t, sampling[i])
+                         for i, (p, t) in enumerate(zip(prompts, tables)))
+            launched = runner.launch(StepBatch(0, seqs), 0)
+            for step in range(1, num_new + 1):
+                seqs = tuple(SequenceStep(f"r{i}", (PENDING_TOKEN,), len(p) + step - 1, t, sampling[i],
+                                          num_generated=step, return_logits=way == "host")
+                             for i, (p, t) in enumerate(zip(prompts, tables)))
+                ahead = runner.launch(StepBatch(step, seqs), 0) if step < num_new else None
+                if step > 1:  # (the prefill asked for no logits either way)
+                    assert len(launched.request_ids) == (len(prompts) if way == "device" else 0)  # on the device
+                for row, out in zip(tokens, launched.result().outputs, strict=True):
+                    row.append(out.token_id)
+                launched = ahead
+            drawn[way] = tokens
+    assert drawn["device"] == drawn["host"]
+    assert all(len(set(row)) > 1 for row in drawn["device"][:3])  # they sampled
