@@ -3,6 +3,7 @@
 steady decode phase.
 
     python bench/serving_cpu.py [--batch 64] [--new-tokens 512] [--api-servers 1,2] [--model tiny-llama]
+                                [--temperature 0]
 
 For each configuration: the CPU seconds of every process of the stack (utime + stime of /proc/PID/stat, all its
 threads) over the window where all N requests decode (from the moment each has streamed 8 tokens to the moment the
@@ -86,7 +87,7 @@ async def serve_batch(base_url: str, args: argparse.Namespace, vocab: int) -> tu
     rng = random.Random(0)
     streams = [SseStream(host, int(port), {
         "model": args.model, "prompt": [rng.randrange(3, vocab) for _ in range(args.prompt_len)],
-        "max_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+        "max_tokens": args.new_tokens, "temperature": args.temperature, "ignore_eos": True, "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
         for _ in range(args.batch)]
     tasks = [asyncio.ensure_future(s.run()) for s in streams]
@@ -203,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-servers", help="comma-separated counts to run, e.g. 0,1,2 (0: the engine's process "
                                               "serves HTTP itself, as before API servers had processes)")
     parser.add_argument("--kv-cache-mb", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="the requests' (0: greedy; above it the worker draws every row with the sampler)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "serving_cpu.json")
     args = parser.parse_args(argv)
     apply_defaults(args, DEFAULTS)
@@ -214,8 +217,9 @@ def main(argv: list[str] | None = None) -> None:
     from wire_sizes import step_work_us
 
     work = step_work_us(args.batch)
-    title = (f"{args.model} {args.topology}: {args.batch} SSE streams, {args.new_tokens} new tokens; CPU of each "
-             f"process over the steady decode ({os.cpu_count()} cores)")
+    sampled = f", temperature {args.temperature}" if args.temperature else ""
+    title = (f"{args.model} {args.topology}: {args.batch} SSE streams, {args.new_tokens} new tokens{sampled}; CPU of "
+             f"each process over the steady decode ({os.cpu_count()} cores)")
     write_report(args, title, format_table(rows, sizes, args.batch, work), rows, plot, message_sizes=sizes,
                  step_work=work)
 
