@@ -16,7 +16,7 @@ from services.worker.decode_graphs import DecodeGraphs
 from services.model.device_io import to_device
 from services.worker.faults import FAULTS
 from services.worker.kv_cache import KVCache
-from services.worker.logits_processor import needs_processing
+from services.worker.logits_processor import process_logits
 from services.worker.parallel import ParallelState
 from services.worker.sampler import sample_outputs, sample_tensor
 
@@ -134,8 +134,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: StepBatch, rank: int) -> LaunchedStep:
-        """Queue one step's device work; no host synchronisation where every row only samples (greedy or not: its
-        tokens are drawn on the device; logprobs, logits processors and returned logits take the host's way).
+        """Queue one step's device work; no host synchronisation where every row only samples (greedy or not, its
+        logits processed or not: its tokens are drawn on the device; logprobs and returned logits take the host's
+        way).
         Only the last stage's TP rank 0 returns outputs (in an EP layout, every last-stage rank, each for its own
         requests); in a single-stage layout every rank samples and keeps the tokens on the device for a step sent
         ahead (PENDING_TOKEN inputs)."""
@@ -236,12 +237,14 @@ class ModelRunner:
     def _sampling(self, seqs, wanted: list[int], logits: torch.Tensor, num_prompt_rows: int,
                   greedy: torch.Tensor | None = None) -> _Sampling | None:
         """What the rows `wanted` draw from `logits` (after `num_prompt_rows` rows of prompt logprobs): on the
-        device when every one only samples (greedy or not: sampler.sample_tensor; `greedy`: their argmax, when
-        already drawn), else on the host (logprobs, logits processors, logits returned: the logits come over
-        whole). None on a rank that neither returns nor keeps them."""
+        device when every one only samples (greedy or not, its logits processed or not: logits_processor and
+        sampler.sample_tensor; `greedy`: the raw logits' argmax, when already drawn), else on the host (logprobs,
+        logits returned: the logits come over whole). None on a rank that neither returns nor keeps them."""
         if not num_prompt_rows and self._samples_only(seqs, wanted):
             chosen = [seqs[i] for i in wanted]
-            tokens = sample_tensor(logits, [s.sampling for s in chosen], [s.num_generated for s in chosen], greedy)
+            processed = process_logits(logits, chosen)
+            tokens = sample_tensor(processed, [s.sampling for s in chosen], [s.num_generated for s in chosen],
+                                   greedy if processed is logits else None)
             return _Sampling(request_ids=tuple(s.request_id for s in chosen),
                              tokens=tokens.clone())  # (a graph's outputs are overwritten by its next replay)
         if not (self.wp.tp_rank == 0 or self.keeps_samples):
@@ -250,10 +253,10 @@ class ModelRunner:
 
     @staticmethod
     def _samples_only(seqs, wanted: list[int]) -> bool:
-        """Whether every row draws a token from its raw logits (any temperature, top-k, top-p, seed) and asks for
-        nothing more: no logprobs, no logits, no processing (penalties, bias, suppressed tokens)."""
+        """Whether every row draws a token (any temperature, top-k, top-p, seed, penalties, bias, suppressed
+        tokens) and asks for nothing more: no logprobs, no logits."""
         return all(seqs[i].sample and seqs[i].sampling.num_logprobs is None and not seqs[i].return_logits
-                   and not needs_processing(seqs[i]) for i in wanted)
+                   for i in wanted)
 
     def _run_eager(self, seqs, feed, rank: int, output: StepOutput) -> tuple[_Sampling | None, StepOutput]:
         meta = AttentionMetadata.build(

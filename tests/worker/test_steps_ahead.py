@@ -94,13 +94,18 @@ def test_a_pipeline_stage_refuses_pending_tokens(tmp_path):
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode-graphs"])
 def test_sampled_steps_ahead_draw_what_the_hosts_sampler_draws(tmp_path, graphs):
-    """Temperature, top-k and top-p rows (seeded) beside a greedy one, fed their own previous tokens: drawn on the
-    device's way (sampler.sample_tensor, no logits to the host), the same tokens as the host's way draws (every row
-    asks for its logits too)."""
+    """Temperature, top-k and top-p rows (seeded), one with penalties, a logit bias and suppressed tokens, and a
+    greedy one, fed their own previous tokens: drawn on the device's way (logits_processor and
+    sampler.sample_tensor, no logits to the host), the same tokens as the host's way draws (every row asks for its
+    logits too)."""
     model_dir = make_checkpoint(tmp_path / "llama", "llama", seed=5)
-    prompts = [[5, 6, 7, 8, 9], [3, 4], list(range(20, 33)), [40, 41]]
+    prompts = [[5, 6, 7, 8, 9], [3, 4], list(range(20, 33)), [40, 41], [50, 51, 52]]
     sampling = (SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=1.5, top_k=5, seed=12),
-                SamplingParams(temperature=1.2, top_p=0.9, seed=13), SamplingParams(temperature=0.0))
+                SamplingParams(temperature=1.2, top_p=0.9, seed=13), SamplingParams(temperature=0.0),
+                SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5,
+                               logit_bias=((7, 1.5), (9, -2.0))))
+    processed = dict(output_token_counts=((7, 2), (11, 1)), distinct_prompt_token_ids=(50, 51, 52),
+                     suppressed_token_ids=(3,))  # the last row's (fixed: both ways see the same)
     num_new = 10
     drawn = {}
     with runner_of(model_dir, graphs) as runner:
@@ -112,7 +117,8 @@ def test_sampled_steps_ahead_draw_what_the_hosts_sampler_draws(tmp_path, graphs)
             launched = runner.launch(StepBatch(0, seqs), 0)
             for step in range(1, num_new + 1):
                 seqs = tuple(SequenceStep(f"r{i}", (PENDING_TOKEN,), len(p) + step - 1, t, sampling[i],
-                                          num_generated=step, return_logits=way == "host")
+                                          num_generated=step, return_logits=way == "host",
+                                          **(processed if i == len(prompts) - 1 else {}))
                              for i, (p, t) in enumerate(zip(prompts, tables)))
                 ahead = runner.launch(StepBatch(step, seqs), 0) if step < num_new else None
                 if step > 1:  # (the prefill asked for no logits either way)
