@@ -55,7 +55,8 @@ class Kernels:
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     decode_attention: DecodeAttention | None = None  # None: paged_attention's padded SDPA
     prefill_attention: PrefillAttention | None = None  # None: SDPA (AttentionMetadata.build's prefill_kernel: set)
-    # (x, route weights, local slots, ExpertTable) -> the routed experts' weighted sum; None: a product per expert
+    # (x, route weights, local slots, ExpertTable, load, repeats) -> the routed experts' weighted sum (the load
+    # counted); None: a product per expert
     moe_experts: Callable[..., torch.Tensor] | None = None
 
     @property

@@ -223,11 +223,12 @@ class SparseMoeBlock:
             raise RuntimeError(f"layer {self.layer_id}: its experts went to an in-place switch; restore them first")
         weights, experts = route(x, self.router, self.top_k, self.renormalize, self.cast_weights,
                                  self.numerics)  # [T, k] each
+        if self.grouped is not None:  # TP form: slot == logical expert == local slot; the kernels count the load
+            return self.group.all_reduce(self.grouped(x, weights, experts, self.table,
+                                                      self.load if self.counts_load else None, repeats))
         slots = physical_slots(experts, self.num_copies, self.copy_slots)  # [T, k]
         if self.counts_load:
             self._count(slots, repeats)
-        if self.grouped is not None:  # TP form: slot == logical expert == local slot
-            return self.group.all_reduce(self.grouped(x, weights, slots, self.table))
         if self.is_expert_parallel:
             return self._expert_parallel(x, weights, slots)
         if self.pieces is not None:

@@ -46,6 +46,33 @@ def test_grouped_experts_equal_the_product_per_expert(style, dtype, count):
     assert torch.equal(grouped.take_load(), eager.take_load())
 
 
+@pytest.mark.parametrize("num_slots,top_k,tokens", [(8, 2, 3), (20, 4, 700), (128, 8, 1100)])
+def test_the_tile_table_of_one_launch(num_slots, top_k, tokens):
+    """_align_kernel's counts, first rows, first tiles and every tile's slot against torch's, and the load it adds
+    (padding rows left out): from a decode's handful of assignments to 8,800 (a prefill's, three chunks of the
+    kernel's loop over them)."""
+    from services.model.triton_moe import _tile_table, block_m
+
+    generator = torch.Generator().manual_seed(tokens)
+    flat = torch.randint(0, num_slots, (tokens * top_k,), generator=generator).to(DEVICE)
+    repeats = torch.arange(tokens, device=DEVICE)
+    repeats[tokens // 2:] = 0  # the second half: padding rows repeating row 0
+    load = torch.full((num_slots,), 5, dtype=torch.int64, device=DEVICE)
+    rows_per_tile = block_m(flat.numel())
+    counts, starts, tile_starts, tile_slot = _tile_table(flat, num_slots, rows_per_tile, top_k, load, repeats)
+    expected = torch.bincount(flat, minlength=num_slots)
+    tiles = (expected + rows_per_tile - 1) // rows_per_tile
+    assert torch.equal(counts.long(), expected)
+    assert torch.equal(starts.long(), torch.cumsum(expected, 0) - expected)
+    assert torch.equal(tile_starts.long(), torch.cumsum(tiles, 0) - tiles)
+    ids = torch.arange(tile_slot.numel(), device=DEVICE)
+    owner = torch.searchsorted(torch.cumsum(tiles, 0), ids, right=True)
+    used = owner < num_slots
+    assert torch.equal(tile_slot.long()[used], owner[used]) and bool((tile_slot.long()[~used] >= num_slots).all())
+    real = flat.view(tokens, top_k)[repeats == torch.arange(tokens, device=DEVICE)].reshape(-1)  # the first half
+    assert torch.equal(load, 5 + torch.bincount(real, minlength=num_slots))
+
+
 def test_a_tp_slice_of_the_experts_gives_its_partial_sums():
     """tp2's rank 1 holds the second half of every expert's intermediate columns: its partial output equals the
     per-expert path's (the all-reduce adds the halves)."""
