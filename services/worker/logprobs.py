@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from services.contracts.step import TokenLogprob
+from services.model.device_io import to_device
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]) -> list[TokenLogprob]:
@@ -28,3 +29,26 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequ
         TokenLogprob(token_id, chosen[i], tuple(zip(top_ids[i][:n], top_values[i][:n])) if n > 0 else ())
         for i, (token_id, n) in enumerate(zip(token_ids, num_top, strict=True))
     ]
+
+
+def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[int],
+                    num_top: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_logprobs on the logits' device, without waiting for it: for rows `rows` of logits [N, vocab] and
+    their drawn tokens (tokens [N] int64, on the device), (values [R, 1 + k] float32: the drawn token's logprob, then
+    the top k; ids [R, k] int64), k the largest of num_top. `as_logprobs` reads them on the host."""
+    at = to_device(list(rows), logits.device)
+    logprobs = torch.log_softmax(logits.index_select(0, at).float(), dim=-1)  # [R, vocab]
+    chosen = logprobs.gather(1, tokens.index_select(0, at)[:, None])  # [R, 1]
+    k = min(max(num_top, default=0), logprobs.shape[1])
+    if k <= 0:
+        return chosen, torch.empty((len(rows), 0), dtype=torch.int64, device=logits.device)
+    top_values, top_ids = logprobs.topk(k, dim=-1)
+    return torch.cat([chosen, top_values], dim=1), top_ids
+
+
+def as_logprobs(tokens: Sequence[int], values: torch.Tensor, ids: torch.Tensor,
+                num_top: Sequence[int]) -> list[TokenLogprob]:
+    """logprob_tensors' output (on the host) as token_logprobs gives it: row i's drawn token tokens[i]."""
+    values_rows, id_rows = values.tolist(), ids.tolist()
+    return [TokenLogprob(token_id, row[0], tuple(zip(top[:n], row[1:1 + n])) if n > 0 else ())
+            for token_id, row, top, n in zip(tokens, values_rows, id_rows, num_top, strict=True)]

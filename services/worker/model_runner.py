@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.contracts.step import PENDING_TOKEN, SequenceOutput, StepBatch, StepOutput
+from services.contracts.step import PENDING_TOKEN, SequenceOutput, StepBatch, StepOutput, TokenLogprob
 from services.model.attention import AttentionMetadata
 from services.model.llama import ShardedCausalLM
 from services.topology import Placement, WorkerPlacement
@@ -17,6 +17,7 @@ from services.model.device_io import to_device
 from services.worker.faults import FAULTS
 from services.worker.kv_cache import KVCache
 from services.worker.logits_processor import process_logits
+from services.worker.logprobs import as_logprobs, logprob_tensors
 from services.worker.parallel import ParallelState
 from services.worker.sampler import sample_outputs, sample_tensor
 
@@ -38,14 +39,44 @@ class _Sampled:
 _NOTHING_SAMPLED = _Sampled(torch.empty(0, dtype=torch.int64))
 
 
+@dataclass(frozen=True, slots=True)
+class _DeviceLogprobs:
+    """The logprobs of rows drawn on the device: which of them (indices into _Sampling.request_ids), how many top
+    tokens each asked for, and logprobs.logprob_tensors' values and ids (on the device, or copied to the host)."""
+
+    rows: tuple[int, ...]
+    num_top: tuple[int, ...]
+    values: torch.Tensor  # [R, 1 + k] float32
+    ids: torch.Tensor     # [R, k] int64
+
+    def shifted(self, offset: int) -> _DeviceLogprobs:
+        return dataclasses.replace(self, rows=tuple(r + offset for r in self.rows))
+
+    def to_host(self) -> _DeviceLogprobs:
+        """Non-blocking copies into pinned memory (read once the step's event completes)."""
+        return dataclasses.replace(self, values=_pinned_copy(self.values), ids=_pinned_copy(self.ids))
+
+    def outputs(self, tokens: list[int]) -> dict[int, TokenLogprob]:
+        """Row -> its TokenLogprob, `tokens` being every row's drawn token (on the host)."""
+        return dict(zip(self.rows, as_logprobs([tokens[r] for r in self.rows], self.values, self.ids, self.num_top),
+                        strict=True))
+
+
+def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
 @dataclass(slots=True)
 class _Sampling:
     """What (part of) a step drew on the last stage: outputs sampled on the host, and rows sampled on the device,
-    whose tokens stay there until the step's readback."""
+    whose tokens (and logprobs) stay there until the step's readback."""
 
     outputs: list[SequenceOutput] = dataclasses.field(default_factory=list)
     request_ids: tuple[str, ...] = ()      # the rows sampled on the device, ...
     tokens: torch.Tensor | None = None     # ... their tokens [len(request_ids)] int64, on the device
+    logprobs: tuple[_DeviceLogprobs, ...] = ()  # ... the logprobs of those that asked
 
     def joined(self, other: _Sampling) -> _Sampling:
         if self.tokens is None:
@@ -54,7 +85,8 @@ class _Sampling:
             request_ids, tokens = self.request_ids, self.tokens
         else:
             request_ids, tokens = self.request_ids + other.request_ids, torch.cat([self.tokens, other.tokens])
-        return _Sampling(self.outputs + other.outputs, request_ids, tokens)
+        logprobs = self.logprobs + tuple(part.shifted(len(self.request_ids)) for part in other.logprobs)
+        return _Sampling(self.outputs + other.outputs, request_ids, tokens, logprobs)
 
 
 class LaunchedStep:
@@ -62,22 +94,31 @@ class LaunchedStep:
     device: they come to the host by a non-blocking copy into pinned memory, and `result()` (on a thread other than
     the model thread's, which goes on to launch the next step) waits for that copy alone."""
 
-    __slots__ = ("output", "request_ids", "tokens", "event", "order")
+    __slots__ = ("output", "request_ids", "tokens", "event", "order", "logprobs")
 
     def __init__(self, output: StepOutput, request_ids: tuple[str, ...] = (), tokens: torch.Tensor | None = None,
-                 event: torch.cuda.Event | None = None, order: dict[str, int] | None = None) -> None:
+                 event: torch.cuda.Event | None = None, order: dict[str, int] | None = None,
+                 logprobs: tuple[_DeviceLogprobs, ...] = ()) -> None:
         self.output = output            # complete but for the rows of `tokens`
         self.request_ids = request_ids  # the request of each row of `tokens`
         self.tokens = tokens            # [len(request_ids)] int64 host tensor (filled once `event` completes)
         self.event = event
         self.order = order              # the batch's order of requests, where outputs come in another
+        self.logprobs = logprobs        # the rows' logprobs, host tensors (filled with `tokens`)
 
     def result(self) -> StepOutput:
         if self.tokens is None:
             return self.output
         if self.event is not None:
             self.event.synchronize()
-        outputs = self.output.outputs + tuple(map(SequenceOutput, self.request_ids, self.tokens.tolist()))
+        tokens = self.tokens.tolist()
+        if self.logprobs:
+            logprobs = {row: lp for part in self.logprobs for row, lp in part.outputs(tokens).items()}
+            drawn = tuple(SequenceOutput(request_id, token, logprob=logprobs.get(row))
+                          for row, (request_id, token) in enumerate(zip(self.request_ids, tokens, strict=True)))
+        else:
+            drawn = tuple(map(SequenceOutput, self.request_ids, tokens))
+        outputs = self.output.outputs + drawn
         if self.order is not None:
             outputs = tuple(sorted(outputs, key=lambda o: self.order[o.request_id]))
         return dataclasses.replace(self.output, outputs=outputs)
@@ -135,8 +176,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: StepBatch, rank: int) -> LaunchedStep:
         """Queue one step's device work; no host synchronisation where every row only samples (greedy or not, its
-        logits processed or not: its tokens are drawn on the device; logprobs and returned logits take the host's
-        way).
+        logits processed or not, with its logprobs or not: drawn on the device; prompt logprobs and returned logits
+        take the host's way).
         Only the last stage's TP rank 0 returns outputs (in an EP layout, every last-stage rank, each for its own
         requests); in a single-stage layout every rank samples and keeps the tokens on the device for a step sent
         ahead (PENDING_TOKEN inputs)."""
@@ -164,12 +205,12 @@ class ModelRunner:
         # outputs sampled on the host and on the device (a mixed step's parts) go back in batch order
         order = {s.request_id: i for i, s in enumerate(seqs)} if sampling.outputs else None
         if sampling.tokens.device.type != "cuda":
-            return LaunchedStep(output, sampling.request_ids, sampling.tokens, order=order)
-        host = torch.empty(sampling.tokens.shape, dtype=sampling.tokens.dtype, pin_memory=True)
-        host.copy_(sampling.tokens, non_blocking=True)
+            return LaunchedStep(output, sampling.request_ids, sampling.tokens, order=order, logprobs=sampling.logprobs)
+        host = _pinned_copy(sampling.tokens)
+        logprobs = tuple(part.to_host() for part in sampling.logprobs)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
-        return LaunchedStep(output, sampling.request_ids, host, event, order)
+        return LaunchedStep(output, sampling.request_ids, host, event, order, logprobs)
 
     def _run(self, seqs, feed, rank: int, output: StepOutput) -> tuple[_Sampling | None, StepOutput]:
         """The step's model work: through a decode graph, eagerly, or (a step of decodes and prefill chunks) its
@@ -237,16 +278,23 @@ class ModelRunner:
     def _sampling(self, seqs, wanted: list[int], logits: torch.Tensor, num_prompt_rows: int,
                   greedy: torch.Tensor | None = None) -> _Sampling | None:
         """What the rows `wanted` draw from `logits` (after `num_prompt_rows` rows of prompt logprobs): on the
-        device when every one only samples (greedy or not, its logits processed or not: logits_processor and
-        sampler.sample_tensor; `greedy`: the raw logits' argmax, when already drawn), else on the host (logprobs,
-        logits returned: the logits come over whole). None on a rank that neither returns nor keeps them."""
+        device when every one only samples (greedy or not, its logits processed or not, its logprobs asked or
+        not: logits_processor, sampler.sample_tensor, logprobs.logprob_tensors; `greedy`: the raw logits' argmax,
+        when already drawn), else on the host (prompt logprobs, logits returned: the logits come over whole). None
+        on a rank that neither returns nor keeps them."""
         if not num_prompt_rows and self._samples_only(seqs, wanted):
             chosen = [seqs[i] for i in wanted]
             processed = process_logits(logits, chosen)
             tokens = sample_tensor(processed, [s.sampling for s in chosen], [s.num_generated for s in chosen],
                                    greedy if processed is logits else None)
+            logprobs = ()
+            asking = [j for j, s in enumerate(chosen) if s.sampling.num_logprobs is not None]
+            if asking and self.wp.tp_rank == 0:  # (the raw logits' logprobs, as the host's way takes them)
+                num_top = tuple(chosen[j].sampling.num_logprobs or 0 for j in asking)
+                logprobs = (_DeviceLogprobs(tuple(asking), num_top, *logprob_tensors(logits, tokens, asking, num_top)),)
             return _Sampling(request_ids=tuple(s.request_id for s in chosen),
-                             tokens=tokens.clone())  # (a graph's outputs are overwritten by its next replay)
+                             tokens=tokens.clone(),  # (a graph's outputs are overwritten by its next replay)
+                             logprobs=logprobs)
         if not (self.wp.tp_rank == 0 or self.keeps_samples):
             return None
         return _Sampling(sample_outputs(list(seqs), wanted, logits.cpu(), num_prompt_rows))
@@ -254,9 +302,8 @@ class ModelRunner:
     @staticmethod
     def _samples_only(seqs, wanted: list[int]) -> bool:
         """Whether every row draws a token (any temperature, top-k, top-p, seed, penalties, bias, suppressed
-        tokens) and asks for nothing more: no logprobs, no logits."""
-        return all(seqs[i].sample and seqs[i].sampling.num_logprobs is None and not seqs[i].return_logits
-                   for i in wanted)
+        tokens; its logprobs or not) and asks for no logits."""
+        return all(seqs[i].sample and not seqs[i].return_logits for i in wanted)
 
     def _run_eager(self, seqs, feed, rank: int, output: StepOutput) -> tuple[_Sampling | None, StepOutput]:
         meta = AttentionMetadata.build(

@@ -203,7 +203,7 @@ async def test_invariant_numerics_switches_change_no_token_of_64_bf16_streams(ch
     assert switched == together
 
 
-SAMPLED = (SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=1.0, top_k=5, seed=12),
+SAMPLED = (SamplingParams(temperature=0.8, seed=11, num_logprobs=2), SamplingParams(temperature=1.0, top_k=5, seed=12),
            SamplingParams(temperature=0.7, top_p=0.9, seed=13),
            SamplingParams(temperature=0.0, logit_bias=((7, 1.5), (150, -3.0))))  # greedy over processed logits
 
@@ -233,9 +233,9 @@ def _steps_ahead(runner, sampling, tables, sync_debug: bool, return_logits: bool
 
 
 def test_sampled_steps_ahead_draw_on_the_device_what_the_host_draws(checkpoint):
-    """Temperature, top-k, top-p (seeded) beside a greedy row with a logit bias: the steps sent ahead process and
-    draw on the device with no host synchronisation, the same tokens as the host's way draws from the same logits
-    (return_logits)."""
+    """Temperature, top-k, top-p (seeded; one with logprobs) beside a greedy row with a logit bias: the steps sent
+    ahead process and draw on the device with no host synchronisation, the same tokens as the host's way draws
+    from the same logits (return_logits)."""
     runner = in_process_runner(ModelSpec.from_dir(checkpoint), checkpoint, True, device=torch.device("cuda"))
     try:
         tables = [tuple(range(i * 16, (i + 1) * 16)) for i in range(len(PROMPTS))]

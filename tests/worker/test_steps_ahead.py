@@ -95,13 +95,14 @@ def test_a_pipeline_stage_refuses_pending_tokens(tmp_path):
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode-graphs"])
 def test_sampled_steps_ahead_draw_what_the_hosts_sampler_draws(tmp_path, graphs):
     """Temperature, top-k and top-p rows (seeded), one with penalties, a logit bias and suppressed tokens, and a
-    greedy one, fed their own previous tokens: drawn on the device's way (logits_processor and
-    sampler.sample_tensor, no logits to the host), the same tokens as the host's way draws (every row asks for its
-    logits too)."""
+    greedy one, two of them with logprobs, fed their own previous tokens: drawn on the device's way
+    (logits_processor, sampler.sample_tensor, logprobs.logprob_tensors: no logits to the host), the same tokens and
+    logprobs as the host's way gives (every row asks for its logits too)."""
     model_dir = make_checkpoint(tmp_path / "llama", "llama", seed=5)
     prompts = [[5, 6, 7, 8, 9], [3, 4], list(range(20, 33)), [40, 41], [50, 51, 52]]
-    sampling = (SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=1.5, top_k=5, seed=12),
-                SamplingParams(temperature=1.2, top_p=0.9, seed=13), SamplingParams(temperature=0.0),
+    sampling = (SamplingParams(temperature=0.8, seed=11, num_logprobs=3),
+                SamplingParams(temperature=1.5, top_k=5, seed=12),
+                SamplingParams(temperature=1.2, top_p=0.9, seed=13), SamplingParams(temperature=0.0, num_logprobs=0),
                 SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5,
                                logit_bias=((7, 1.5), (9, -2.0))))
     processed = dict(output_token_counts=((7, 2), (11, 1)), distinct_prompt_token_ids=(50, 51, 52),
@@ -111,7 +112,7 @@ def test_sampled_steps_ahead_draw_what_the_hosts_sampler_draws(tmp_path, graphs)
     with runner_of(model_dir, graphs) as runner:
         for way, offset in (("device", 0), ("host", 32)):
             tables = [tuple(range(offset + 8 * i, offset + 8 * (i + 1))) for i in range(len(prompts))]
-            tokens = [[] for _ in prompts]
+            tokens, logprobs = [[] for _ in prompts], []
             seqs = tuple(SequenceStep(f"r{i}", tuple(p), 0, t, sampling[i])
                          for i, (p, t) in enumerate(zip(prompts, tables)))
             launched = runner.launch(StepBatch(0, seqs), 0)
@@ -125,7 +126,17 @@ def test_sampled_steps_ahead_draw_what_the_hosts_sampler_draws(tmp_path, graphs)
                     assert len(launched.request_ids) == (len(prompts) if way == "device" else 0)  # on the device
                 for row, out in zip(tokens, launched.result().outputs, strict=True):
                     row.append(out.token_id)
+                    logprobs += [out.logprob] if out.logprob is not None else []
                 launched = ahead
-            drawn[way] = tokens
-    assert drawn["device"] == drawn["host"]
+            drawn[way] = tokens, logprobs
+    assert drawn["device"][0] == drawn["host"][0]
+    for device_lp, host_lp in zip(drawn["device"][1], drawn["host"][1], strict=True):
+        assert (device_lp is None) == (host_lp is None)
+        if device_lp is not None:
+            assert device_lp.token_id == host_lp.token_id
+            assert [t for t, _ in device_lp.top] == [t for t, _ in host_lp.top]
+            assert device_lp.logprob == pytest.approx(host_lp.logprob, abs=1e-6)
+            assert [v for _, v in device_lp.top] == pytest.approx([v for _, v in host_lp.top], abs=1e-6)
+    assert len(drawn["device"][1]) == 2 * num_new  # 2 rows asked, every step (the prefill's included)
+    drawn = {way: tokens for way, (tokens, _) in drawn.items()}
     assert all(len(set(row)) > 1 for row in drawn["device"][:3])  # they sampled
