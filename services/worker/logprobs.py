@@ -20,15 +20,9 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequ
     """logits [N, vocab] float32; row i: the logprob of token_ids[i] and its num_top[i] most likely tokens."""
     if not token_ids:
         return []
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, vocab]
-    targets = torch.tensor(token_ids, dtype=torch.long, device=logits.device)[:, None]
-    chosen = logprobs.gather(1, targets)[:, 0].tolist()
-    k = min(max(num_top), logprobs.shape[1])
-    top_values, top_ids = ([], []) if k <= 0 else (t.tolist() for t in logprobs.topk(k, dim=-1))
-    return [
-        TokenLogprob(token_id, chosen[i], tuple(zip(top_ids[i][:n], top_values[i][:n])) if n > 0 else ())
-        for i, (token_id, n) in enumerate(zip(token_ids, num_top, strict=True))
-    ]
+    tokens = to_device(list(token_ids), logits.device)
+    values, ids = logprob_tensors(logits, tokens, range(len(token_ids)), num_top)
+    return as_logprobs(token_ids, values.cpu(), ids.cpu(), num_top)
 
 
 def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[int],
