@@ -21,7 +21,7 @@ from services.controller.status import OperationState
 from services.launch.cluster import ClusterConfig, LocalCluster
 from services.launch.generate import generate
 from services.model.spec import ModelSpec
-from services.contracts.step import PENDING_TOKEN, SamplingParams, SequenceStep, StepBatch
+from services.contracts.step import GREEDY, PENDING_TOKEN, SamplingParams, SequenceStep, StepBatch
 from services.router.contracts import GenerationRequest
 from services.router.driver import Driver
 from services.topology import Topology, place, plan_kv_migration
@@ -256,23 +256,9 @@ def test_a_step_ahead_launches_without_waiting_for_the_device(checkpoint, kernel
     expected, _ = hf_greedy(checkpoint, PROMPTS, NUM_NEW_TOKENS)
     runner = in_process_runner(ModelSpec.from_dir(checkpoint), checkpoint, True, device=torch.device("cuda"),
                                kernels=kernels)
-    tables = [tuple(range(i * 16, (i + 1) * 16)) for i in range(len(PROMPTS))]
-    got = [[] for _ in PROMPTS]
     try:
-        prefill = tuple(SequenceStep(f"r{i}", tuple(p), 0, t) for i, (p, t) in enumerate(zip(PROMPTS, tables)))
-        launched = runner.launch(StepBatch(0, prefill), 0)
-        for step in range(1, NUM_NEW_TOKENS + 1):
-            seqs = tuple(SequenceStep(f"r{i}", (PENDING_TOKEN,), len(p) + step - 1, t)
-                         for i, (p, t) in enumerate(zip(PROMPTS, tables)))
-            if step > 2:  # steps 1 and 2 capture the graph (a capture synchronises)
-                torch.cuda.set_sync_debug_mode("error")
-            try:
-                ahead = runner.launch(StepBatch(step, seqs), 0) if step < NUM_NEW_TOKENS else None
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-            for i, out in enumerate(launched.result().outputs):  # the step before, read back after this launch
-                got[i].append(out.token_id)
-            launched = ahead
+        tables = [tuple(range(i * 16, (i + 1) * 16)) for i in range(len(PROMPTS))]
+        got = _steps_ahead(runner, (GREEDY,) * len(PROMPTS), tables, sync_debug=True)
     finally:
         runner.kv_cache.close()
     assert runner.graphs.num_graphs >= 1
