@@ -471,8 +471,9 @@ def main(argv: list[str] | None = None) -> None:
                                                [int(b) for b in args.hf_compile.split(",") if b])),
              ("step", lambda: bench_worker_step(model_dir, batches, args.new_tokens)),
              ("prefill", lambda: gpu_prefill.bench_prefill(model_dir)),
-             ("moe", lambda: gpu_moe.bench_moe()),
-             ("serving", lambda: asyncio.run(bench_serving(model_dir, batches, args.new_tokens)))]
+             ("serving", lambda: asyncio.run(bench_serving(model_dir, batches, args.new_tokens))),
+             ("moe", lambda: gpu_moe.bench_moe())]  # last: a lease that runs out keeps the parts above
+    stamp = time.strftime("%Y%m%d-%H%M%S")
     for name, part in parts:
         if name in skip:
             continue
@@ -483,9 +484,9 @@ def main(argv: list[str] | None = None) -> None:
             result[f"{name}_error"] = traceback.format_exc()
             log(f"part {name} failed:\n{result[f'{name}_error']}")
         result[f"{name}_seconds"] = time.perf_counter() - started
+        # after every part: a run its time limit stops keeps what it measured
+        (args.out / f"gpu-{stamp}.json").write_text(json.dumps(result, indent=2, default=str))
     text = table(result, batches)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    (args.out / f"gpu-{stamp}.json").write_text(json.dumps(result, indent=2, default=str))
     plot(result, batches, args.out / f"gpu-{stamp}.png")
     print(f"\n# reconfig on {result['gpu']} (torch {result['torch']})\n\n{text}\n")
 
