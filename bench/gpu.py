@@ -12,15 +12,16 @@ On a CUDA machine (../shared/gpu/README.md), in one run:
 4. reconfig's worker step in process (ModelRunner over the paged KV cache, greedy on the GPU): decode steps as
    CUDA graphs (with torch's kernels and with --kernels triton's) and eagerly, tok/s over the decode steps alone;
    then prefill: 8 prompts of 2,048 tokens in one step, both kernel sets beside transformers' SDPA forward
-   (bench/gpu_prefill.py); then MoE decode (tiny-moe and a 1.7B Qwen3-MoE shape, batch 1 and 16): torch's
-   product per expert eagerly, the grouped experts eagerly and graphed (bench/gpu_moe.py);
+   (bench/gpu_prefill.py);
 5. reconfig's serving path: a LocalCluster of 2 workers sharing the GPU (tp1pp1, one on standby) behind the router's
    engine over gRPC, concurrent requests, tok/s from submission to the last token (prefill included, as
    `generate`'s), with async scheduling (the default) and with the router waiting for each step's tokens;
 6. tp1pp1 -> tp1pp2 -> tp1pp1 in place (all inside the freeze), then the same two switches staged (the target
    built, its KV pre-copied and its decode graphs captured while serving), each with 16 requests of its own
    streaming: each switch's downtime and phases; for a staged one, the streams' mean gap between tokens while it
-   staged and pre-copied over their gap before it, - 1 ("TPOT while staging").
+   staged and pre-copied over their gap before it, - 1 ("TPOT while staging");
+7. MoE decode (tiny-moe and a 1.7B Qwen3-MoE shape, batch 1 and 16): torch's product per expert eagerly, the
+   grouped experts eagerly and graphed (bench/gpu_moe.py), last so that a run out of time keeps the rest.
 Prints a markdown table, writes JSON and a plot next to it (bench/results/ by default).
 """
 
