@@ -62,6 +62,28 @@ class _DeviceLogprobs:
                         strict=True))
 
 
+@dataclass(frozen=True, slots=True)
+class _DevicePromptLogprobs:
+    """The prompt logprobs of a step's chunks, taken on the device: each asking request's id and its number of
+    positions, every position's target token and top count, logprobs.logprob_tensors' values and ids."""
+
+    request_ids: tuple[str, ...]
+    counts: tuple[int, ...]
+    targets: tuple[int, ...]
+    num_top: tuple[int, ...]
+    values: torch.Tensor  # [P, 1 + k] float32
+    ids: torch.Tensor     # [P, k] int64
+
+    def to_host(self) -> _DevicePromptLogprobs:
+        return dataclasses.replace(self, values=_pinned_copy(self.values), ids=_pinned_copy(self.ids))
+
+    def outputs(self) -> dict[str, tuple[TokenLogprob, ...]]:
+        """Request id -> its positions' TokenLogprobs (on the host)."""
+        logprobs = iter(as_logprobs(self.targets, self.values, self.ids, self.num_top))
+        return {request_id: tuple(next(logprobs) for _ in range(count))
+                for request_id, count in zip(self.request_ids, self.counts, strict=True)}
+
+
 def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     host.copy_(tensor, non_blocking=True)
@@ -77,6 +99,7 @@ class _Sampling:
     request_ids: tuple[str, ...] = ()      # the rows sampled on the device, ...
     tokens: torch.Tensor | None = None     # ... their tokens [len(request_ids)] int64, on the device
     logprobs: tuple[_DeviceLogprobs, ...] = ()  # ... the logprobs of those that asked
+    prompt: tuple[_DevicePromptLogprobs, ...] = ()  # prompt logprobs taken on the device
 
     def joined(self, other: _Sampling) -> _Sampling:
         if self.tokens is None:
@@ -86,7 +109,7 @@ class _Sampling:
         else:
             request_ids, tokens = self.request_ids + other.request_ids, torch.cat([self.tokens, other.tokens])
         logprobs = self.logprobs + tuple(part.shifted(len(self.request_ids)) for part in other.logprobs)
-        return _Sampling(self.outputs + other.outputs, request_ids, tokens, logprobs)
+        return _Sampling(self.outputs + other.outputs, request_ids, tokens, logprobs, self.prompt + other.prompt)
 
 
 class LaunchedStep:
@@ -94,17 +117,18 @@ class LaunchedStep:
     device: they come to the host by a non-blocking copy into pinned memory, and `result()` (on a thread other than
     the model thread's, which goes on to launch the next step) waits for that copy alone."""
 
-    __slots__ = ("output", "request_ids", "tokens", "event", "order", "logprobs")
+    __slots__ = ("output", "request_ids", "tokens", "event", "order", "logprobs", "prompt")
 
     def __init__(self, output: StepOutput, request_ids: tuple[str, ...] = (), tokens: torch.Tensor | None = None,
                  event: torch.cuda.Event | None = None, order: dict[str, int] | None = None,
-                 logprobs: tuple[_DeviceLogprobs, ...] = ()) -> None:
+                 logprobs: tuple[_DeviceLogprobs, ...] = (), prompt: tuple[_DevicePromptLogprobs, ...] = ()) -> None:
         self.output = output            # complete but for the rows of `tokens`
         self.request_ids = request_ids  # the request of each row of `tokens`
         self.tokens = tokens            # [len(request_ids)] int64 host tensor (filled once `event` completes)
         self.event = event
         self.order = order              # the batch's order of requests, where outputs come in another
         self.logprobs = logprobs        # the rows' logprobs, host tensors (filled with `tokens`)
+        self.prompt = prompt            # prompt logprobs, host tensors (likewise)
 
     def result(self) -> StepOutput:
         if self.tokens is None:
@@ -112,10 +136,14 @@ class LaunchedStep:
         if self.event is not None:
             self.event.synchronize()
         tokens = self.tokens.tolist()
-        if self.logprobs:
+        if self.logprobs or self.prompt:
             logprobs = {row: lp for part in self.logprobs for row, lp in part.outputs(tokens).items()}
-            drawn = tuple(SequenceOutput(request_id, token, logprob=logprobs.get(row))
+            prompt = {request_id: lps for part in self.prompt for request_id, lps in part.outputs().items()}
+            drawn = tuple(SequenceOutput(request_id, token, logprob=logprobs.get(row),
+                                         prompt_logprobs=prompt.pop(request_id, ()))
                           for row, (request_id, token) in enumerate(zip(self.request_ids, tokens, strict=True)))
+            # a prefill chunk that does not sample still returns its prompt logprobs
+            drawn += tuple(SequenceOutput(request_id, -1, prompt_logprobs=lps) for request_id, lps in prompt.items())
         else:
             drawn = tuple(map(SequenceOutput, self.request_ids, tokens))
         outputs = self.output.outputs + drawn
@@ -175,9 +203,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: StepBatch, rank: int) -> LaunchedStep:
-        """Queue one step's device work; no host synchronisation where every row only samples (greedy or not, its
-        logits processed or not, with its logprobs or not: drawn on the device; prompt logprobs and returned logits
-        take the host's way).
+        """Queue one step's device work; no host synchronisation unless a row asks for its logits (every row is
+        drawn on the device, greedy or not, processed or not, with its logprobs and prompt logprobs).
         Only the last stage's TP rank 0 returns outputs (in an EP layout, every last-stage rank, each for its own
         requests); in a single-stage layout every rank samples and keeps the tokens on the device for a step sent
         ahead (PENDING_TOKEN inputs)."""
@@ -202,15 +229,18 @@ class ModelRunner:
         output = dataclasses.replace(output, outputs=tuple(sampling.outputs))
         if sampling.tokens is None:
             return LaunchedStep(output)
-        # outputs sampled on the host and on the device (a mixed step's parts) go back in batch order
-        order = {s.request_id: i for i, s in enumerate(seqs)} if sampling.outputs else None
+        # outputs sampled on the host and on the device (a mixed step's parts), and chunks that only return prompt
+        # logprobs, go back in batch order
+        order = {s.request_id: i for i, s in enumerate(seqs)} if sampling.outputs or sampling.prompt else None
         if sampling.tokens.device.type != "cuda":
-            return LaunchedStep(output, sampling.request_ids, sampling.tokens, order=order, logprobs=sampling.logprobs)
+            return LaunchedStep(output, sampling.request_ids, sampling.tokens, order=order, logprobs=sampling.logprobs,
+                                prompt=sampling.prompt)
         host = _pinned_copy(sampling.tokens)
         logprobs = tuple(part.to_host() for part in sampling.logprobs)
+        prompt = tuple(part.to_host() for part in sampling.prompt)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
-        return LaunchedStep(output, sampling.request_ids, host, event, order, logprobs)
+        return LaunchedStep(output, sampling.request_ids, host, event, order, logprobs, prompt)
 
     def _run(self, seqs, feed, rank: int, output: StepOutput) -> tuple[_Sampling | None, StepOutput]:
         """The step's model work: through a decode graph, eagerly, or (a step of decodes and prefill chunks) its
@@ -278,26 +308,40 @@ class ModelRunner:
     def _sampling(self, seqs, wanted: list[int], logits: torch.Tensor, num_prompt_rows: int,
                   greedy: torch.Tensor | None = None) -> _Sampling | None:
         """What the rows `wanted` draw from `logits` (after `num_prompt_rows` rows of prompt logprobs): on the
-        device when every one only samples (greedy or not, its logits processed or not, its logprobs asked or
-        not: logits_processor, sampler.sample_tensor, logprobs.logprob_tensors; `greedy`: the raw logits' argmax,
-        when already drawn), else on the host (prompt logprobs, logits returned: the logits come over whole). None
-        on a rank that neither returns nor keeps them."""
-        if not num_prompt_rows and self._samples_only(seqs, wanted):
+        device unless one asks for its logits (greedy or not, processed or not, logprobs and prompt logprobs
+        included: logits_processor, sampler.sample_tensor, logprobs.logprob_tensors; `greedy`: the raw logits'
+        argmax, when already drawn), else on the host (the logits come over whole). None on a rank that neither
+        returns nor keeps them."""
+        if self._samples_only(seqs, wanted):
+            last = logits[num_prompt_rows:] if num_prompt_rows else logits
             chosen = [seqs[i] for i in wanted]
-            processed = process_logits(logits, chosen)
+            processed = process_logits(last, chosen)
             tokens = sample_tensor(processed, [s.sampling for s in chosen], [s.num_generated for s in chosen],
-                                   greedy if processed is logits else None)
-            logprobs = ()
+                                   greedy if processed is last else None)
+            logprobs, prompt = (), ()
             asking = [j for j, s in enumerate(chosen) if s.sampling.num_logprobs is not None]
             if asking and self.wp.tp_rank == 0:  # (the raw logits' logprobs, as the host's way takes them)
                 num_top = tuple(chosen[j].sampling.num_logprobs or 0 for j in asking)
-                logprobs = (_DeviceLogprobs(tuple(asking), num_top, *logprob_tensors(logits, tokens, asking, num_top)),)
+                logprobs = (_DeviceLogprobs(tuple(asking), num_top, *logprob_tensors(last, tokens, asking, num_top)),)
+            if num_prompt_rows and self.wp.tp_rank == 0:
+                prompt = (self._prompt_logprobs(seqs, logits[:num_prompt_rows]),)
             return _Sampling(request_ids=tuple(s.request_id for s in chosen),
                              tokens=tokens.clone(),  # (a graph's outputs are overwritten by its next replay)
-                             logprobs=logprobs)
+                             logprobs=logprobs, prompt=prompt)
         if not (self.wp.tp_rank == 0 or self.keeps_samples):
             return None
         return _Sampling(sample_outputs(list(seqs), wanted, logits.cpu(), num_prompt_rows))
+
+    def _prompt_logprobs(self, seqs, logits: torch.Tensor) -> _DevicePromptLogprobs:
+        """The prompt logprobs of the steps that asked, from their positions' logits [P, vocab] (steps in order,
+        len(prompt_logprob_token_ids) rows each), on the device."""
+        asking = [s for s in seqs if s.prompt_logprob_token_ids]
+        targets = tuple(t for s in asking for t in s.prompt_logprob_token_ids)
+        num_top = tuple(s.sampling.num_logprobs or 0 for s in asking for _ in s.prompt_logprob_token_ids)
+        values, ids = logprob_tensors(logits, to_device(list(targets), self.device), range(len(targets)), num_top)
+        return _DevicePromptLogprobs(tuple(s.request_id for s in asking),
+                                     tuple(len(s.prompt_logprob_token_ids) for s in asking), targets, num_top,
+                                     values, ids)
 
     @staticmethod
     def _samples_only(seqs, wanted: list[int]) -> bool:

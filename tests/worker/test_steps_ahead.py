@@ -140,3 +140,32 @@ def test_sampled_steps_ahead_draw_what_the_hosts_sampler_draws(tmp_path, graphs)
     assert len(drawn["device"][1]) == 2 * num_new  # 2 rows asked, every step (the prefill's included)
     drawn = {way: tokens for way, (tokens, _) in drawn.items()}
     assert all(len(set(row)) > 1 for row in drawn["device"][:3])  # they sampled
+
+
+def test_prompt_logprobs_are_taken_on_the_device_as_the_host_takes_them(tmp_path):
+    """A prefill chunk that only returns prompt logprobs and one that also samples (with logprobs): on the device's
+    way (no logits to the host) the same outputs as the host's way gives when another row asks for its logits."""
+    model_dir = make_checkpoint(tmp_path / "llama", "llama", seed=5)
+    prompt = list(range(20, 33))
+    asks = SamplingParams(temperature=0.9, seed=3, num_logprobs=2)
+    outputs = {}
+    with runner_of(model_dir, False) as runner:
+        for way, offset in (("device", 0), ("host", 12)):
+            seqs = (SequenceStep("chunk", tuple(prompt[:6]), 0, (offset, offset + 1), asks, sample=False,
+                                 prompt_logprob_token_ids=tuple(prompt[1:7])),
+                    SequenceStep("last", tuple(prompt), 0, tuple(range(offset + 2, offset + 6)), asks,
+                                 prompt_logprob_token_ids=tuple(prompt[1:])),
+                    SequenceStep("other", (5, 6, 7), 0, (offset + 6,), return_logits=way == "host"))
+            launched = runner.launch(StepBatch(0, seqs), 0)
+            assert bool(launched.prompt) == (way == "device")
+            outputs[way] = {o.request_id: o for o in launched.result().outputs}
+    device, host = outputs["device"], outputs["host"]
+    assert [o.request_id for o in outputs["device"].values()] == ["chunk", "last", "other"]  # batch order
+    for request_id in ("chunk", "last"):
+        d, h = device[request_id], host[request_id]
+        assert d.token_id == h.token_id and len(d.prompt_logprobs) == len(h.prompt_logprobs) > 0
+        for a, b in zip(d.prompt_logprobs + (d.logprob,) * (d.logprob is not None),
+                        h.prompt_logprobs + (h.logprob,) * (h.logprob is not None), strict=True):
+            assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-6)
+    assert device["chunk"].token_id == -1 and device["last"].logprob is not None
