@@ -58,6 +58,8 @@ class Kernels:
     # (x, route weights, local slots, ExpertTable, load, repeats) -> the routed experts' weighted sum (the load
     # counted); None: a product per expert
     moe_experts: Callable[..., torch.Tensor] | None = None
+    # (router logits [T, E], k, renormalize, weights' dtype) -> (weights, expert ids), beside moe_experts
+    moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def fused(self) -> bool:
@@ -86,4 +88,5 @@ def choose(name: str, device: torch.device) -> Kernels:
         raise ImportError(f"kernels 'triton' need the triton package ({e}); pip install triton, or kernels 'torch'") \
             from e
     return Kernels("triton", triton_kernels.add_rms_norm, triton_kernels.rotary_write_kv, triton_kernels.silu_mul,
-                   triton_kernels.decode_attention, triton_kernels.prefill_attention, triton_moe.grouped_experts)
+                   triton_kernels.decode_attention, triton_kernels.prefill_attention, triton_moe.grouped_experts,
+                   triton_moe.route)

@@ -25,10 +25,12 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
     """Hugging Face's router, in its order of operations: softmax in float32, top-k, optional renormalization;
     Qwen3-MoE casts the weights back to x's dtype (cast_weights), Mixtral keeps them in float32 (its weighted sum
     is then taken in float32). x [T, hidden] -> (weights [T, k], logical expert ids [T, k] int64). numerics:
-    invariant mode's GEMM rule (services/model/numerics.py)."""
+    invariant mode's GEMM rule (services/model/numerics.py). Among equal probabilities (frequent with bfloat16
+    logits) the lower expert id goes first: a stable sort, where torch.topk's order of ties is its own (it differs
+    between a CPU and a GPU), so every device and triton_moe.route pick the same experts."""
     logits = numerics.linear(x, router) if numerics.is_invariant else F.linear(x, router)
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
-    weights, experts = torch.topk(probs, top_k, dim=-1)
+    weights, experts = (t[:, :top_k] for t in torch.sort(probs, dim=-1, descending=True, stable=True))
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return (weights.to(x.dtype) if cast_weights else weights), experts
@@ -164,6 +166,7 @@ class SparseMoeBlock:
         # stage's counters gives the true load in both forms.
         self.counts_load = self.is_expert_parallel or wp.tp_rank == 0
         self.grouped = kernels.moe_experts if not self.is_expert_parallel and self.pieces is None else None
+        self.routed = kernels.moe_route  # its router after the product (softmax, top-k, renormalisation), with them
         self.table = ExpertTable.build(self.experts) if self.grouped is not None else None
         if self.table is None:
             self.grouped = None  # experts the kernels cannot read in place (not contiguous): per expert
@@ -221,8 +224,12 @@ class SparseMoeBlock:
         load."""
         if self.released:
             raise RuntimeError(f"layer {self.layer_id}: its experts went to an in-place switch; restore them first")
-        weights, experts = route(x, self.router, self.top_k, self.renormalize, self.cast_weights,
-                                 self.numerics)  # [T, k] each
+        if self.routed is not None and self.grouped is not None:  # the router after its product in one kernel
+            weights, experts = self.routed(F.linear(x, self.router), self.top_k, self.renormalize,
+                                           x.dtype if self.cast_weights else torch.float32)  # [T, k] each
+        else:
+            weights, experts = route(x, self.router, self.top_k, self.renormalize, self.cast_weights,
+                                     self.numerics)  # [T, k] each
         if self.grouped is not None:  # TP form: slot == logical expert == local slot; the kernels count the load
             return self.group.all_reduce(self.grouped(x, weights, experts, self.table,
                                                       self.load if self.counts_load else None, repeats))

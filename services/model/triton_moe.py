@@ -5,6 +5,8 @@ a host synchronisation and three small products per expert held, every layer, ev
 cannot hold. Here every (token, k) assignment of a step goes through two kernels whose grid depends only on the
 step's number of tokens:
 
+- `_route_kernel` (`route`), a program per token: the router's softmax, top-k and renormalisation after its
+  product (the lower expert id first among equal probabilities, as moe.route's stable sort);
 - `_align_kernel`, one program: each slot's count of assignments (a histogram), its first sorted row and first
   tile (BLOCK_M rows a tile), and the slot of every tile (at most cdiv(N, BLOCK_M) + slots tiles: the programs
   past the last tile return at once); it also adds the step's assignments to the block's load. The assignments
@@ -39,6 +41,45 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 def block_m(assignments: int) -> int:
     """Rows per tile: 16 (tl.dot's least) for decode-sized steps, 64 for prefills."""
     return 16 if assignments <= 1024 else 64
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr,
+                  TOP_K: tl.constexpr, K_P2: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """One token's router: softmax of its logits in float32, its top-k (the first index among equal values),
+    renormalised to sum to 1 where the model says so; the weights stored in their tensor's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, EXPERTS_P2)
+    inside = experts < NUM_EXPERTS
+    logits = tl.load(logits_ptr + t * NUM_EXPERTS + experts, mask=inside, other=float("-inf")).to(tl.float32)
+    exps = tl.exp(logits - tl.max(logits, axis=0))
+    probs = tl.where(inside, exps / tl.sum(exps, axis=0), -1.0)
+    picks = tl.arange(0, K_P2)
+    chosen = tl.zeros((K_P2,), dtype=tl.float32)
+    chosen_ids = tl.zeros((K_P2,), dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=0)
+        best_id = tl.min(tl.where(probs == best, experts, EXPERTS_P2), axis=0)
+        chosen = tl.where(picks == j, best, chosen)
+        chosen_ids = tl.where(picks == j, best_id, chosen_ids)
+        probs = tl.where(experts == best_id, -1.0, probs)
+    if RENORMALIZE:
+        chosen = chosen / tl.sum(tl.where(picks < TOP_K, chosen, 0.0), axis=0)
+    tl.store(weights_ptr + t * TOP_K + picks, chosen.to(weights_ptr.dtype.element_ty), mask=picks < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + picks, chosen_ids, mask=picks < TOP_K)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """moe.route after its router product, in one launch: logits [T, E] -> (weights [T, k] in `dtype`, expert ids
+    [T, k] int64)."""
+    tokens, num_experts = logits.shape
+    weights = torch.empty((tokens, top_k), dtype=dtype, device=logits.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](logits.contiguous(), weights, ids, NUM_EXPERTS=num_experts,
+                                 EXPERTS_P2=triton.next_power_of_2(num_experts), TOP_K=top_k,
+                                 K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize)
+    return weights, ids
 
 
 @triton.jit

@@ -6,6 +6,7 @@ tests/model/test_triton_kernels.py's."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -26,12 +27,16 @@ TRITON = choose("triton", DEVICE)
 
 
 def _blocks(style: str, dtype: torch.dtype, topology: Topology = Topology(1, 1), rank: int = 0):
+    """(spec, tensors, loader, the block with torch's kernels, the block with the grouped experts). The grouped
+    block routes with torch's ops here (test_the_router_in_one_launch checks the router kernel): in bf16 a weight
+    an ulp apart can move a sum that cancels by more than the tolerance."""
     spec = block_spec(style)
     tensors = block_tensors(spec)
     loader = ShardLoader(tensors.__getitem__, set(tensors), dtype, DEVICE)
     wp = place(topology, spec.shape).workers[rank]
     eager = SparseMoeBlock(spec, wp, 0, loader, SingleRankGroup())
-    grouped = SparseMoeBlock(spec, wp, 0, loader, SingleRankGroup(), kernels=TRITON)
+    grouped = SparseMoeBlock(spec, wp, 0, loader, SingleRankGroup(),
+                             kernels=dataclasses.replace(TRITON, moe_route=None))
     return spec, tensors, loader, eager, grouped
 
 
@@ -71,6 +76,33 @@ def test_the_tile_table_of_one_launch(num_slots, top_k, tokens):
     assert torch.equal(tile_slot.long()[used], owner[used]) and bool((tile_slot.long()[~used] >= num_slots).all())
     real = flat.view(tokens, top_k)[repeats == torch.arange(tokens, device=DEVICE)].reshape(-1)  # the first half
     assert torch.equal(load, 5 + torch.bincount(real, minlength=num_slots))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_experts,top_k,renormalize", [(8, 2, True), (60, 4, False), (128, 8, True)])
+def test_the_router_in_one_launch(num_experts, top_k, renormalize, dtype):
+    """triton_moe.route against moe.route's softmax, top-k and renormalisation: the same experts, in order, and
+    weights within float rounding (cast to the weights' dtype)."""
+    from services.model import moe, triton_moe
+
+    generator = torch.Generator().manual_seed(num_experts)
+    x = torch.randn(37, 16, generator=generator).to(device=DEVICE, dtype=dtype)
+    router = torch.randn(num_experts, 16, generator=generator).to(device=DEVICE, dtype=dtype)
+    expected_weights, expected_ids = moe.route(x, router, top_k, renormalize, cast_weights=True)
+    weights, ids = triton_moe.route(torch.nn.functional.linear(x, router), top_k, renormalize, dtype)
+    assert torch.equal(ids, expected_ids)
+    close(weights, expected_weights)
+
+
+def test_a_block_with_the_router_kernel_equals_torchs():
+    """The grouped block with every Triton kernel, the router's included, against torch's block (float32)."""
+    spec = block_spec("qwen3_moe")
+    tensors = block_tensors(spec)
+    loader = ShardLoader(tensors.__getitem__, set(tensors), torch.float32, DEVICE)
+    wp = place(Topology(1, 1), spec.shape).workers[0]
+    x = tokens(spec, tensors, 40, seed=6, hot_expert=None).to(DEVICE)
+    eager = SparseMoeBlock(spec, wp, 0, loader, SingleRankGroup())
+    close(SparseMoeBlock(spec, wp, 0, loader, SingleRankGroup(), kernels=TRITON)(x), eager(x))
 
 
 def test_a_tp_slice_of_the_experts_gives_its_partial_sums():
