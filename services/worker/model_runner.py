@@ -312,6 +312,8 @@ class ModelRunner:
         included: logits_processor, sampler.sample_tensor, logprobs.logprob_tensors; `greedy`: the raw logits'
         argmax, when already drawn), else on the host (the logits come over whole). None on a rank that neither
         returns nor keeps them."""
+        if not (self.wp.tp_rank == 0 or self.keeps_samples):
+            return None
         if self._samples_only(seqs, wanted):
             last = logits[num_prompt_rows:] if num_prompt_rows else logits
             chosen = [seqs[i] for i in wanted]
@@ -328,8 +330,6 @@ class ModelRunner:
             return _Sampling(request_ids=tuple(s.request_id for s in chosen),
                              tokens=tokens.clone(),  # (a graph's outputs are overwritten by its next replay)
                              logprobs=logprobs, prompt=prompt)
-        if not (self.wp.tp_rank == 0 or self.keeps_samples):
-            return None
         return _Sampling(sample_outputs(list(seqs), wanted, logits.cpu(), num_prompt_rows))
 
     def _prompt_logprobs(self, seqs, logits: torch.Tensor) -> _DevicePromptLogprobs:
