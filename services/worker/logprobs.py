@@ -21,21 +21,24 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequ
     if not token_ids:
         return []
     tokens = to_device(list(token_ids), logits.device)
-    values, ids = logprob_tensors(logits, tokens, range(len(token_ids)), num_top)
+    values, ids = logprob_tensors(logits, tokens, None, num_top)
     return as_logprobs(token_ids, values.cpu(), ids.cpu(), num_top)
 
 
-def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[int],
+def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[int] | None,
                     num_top: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """token_logprobs on the logits' device, without waiting for it: for rows `rows` of logits [N, vocab] and
-    their drawn tokens (tokens [N] int64, on the device), (values [R, 1 + k] float32: the drawn token's logprob, then
-    the top k; ids [R, k] int64), k the largest of num_top. `as_logprobs` reads them on the host."""
-    at = to_device(list(rows), logits.device)
-    logprobs = torch.log_softmax(logits.index_select(0, at).float(), dim=-1)  # [R, vocab]
-    chosen = logprobs.gather(1, tokens.index_select(0, at)[:, None])  # [R, 1]
+    """token_logprobs on the logits' device, without waiting for it: for rows `rows` of logits [N, vocab] (None:
+    every row, with no copy of them) and their drawn tokens (tokens [N] int64, on the device), (values [R, 1 + k]
+    float32: the drawn token's logprob, then the top k; ids [R, k] int64), k the largest of num_top. `as_logprobs`
+    reads them on the host."""
+    if rows is not None:
+        at = to_device(list(rows), logits.device)
+        logits, tokens = logits.index_select(0, at), tokens.index_select(0, at)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [R, vocab]
+    chosen = logprobs.gather(1, tokens[:, None])  # [R, 1]
     k = min(max(num_top, default=0), logprobs.shape[1])
     if k <= 0:
-        return chosen, torch.empty((len(rows), 0), dtype=torch.int64, device=logits.device)
+        return chosen, torch.empty((logprobs.shape[0], 0), dtype=torch.int64, device=logits.device)
     top_values, top_ids = logprobs.topk(k, dim=-1)
     return torch.cat([chosen, top_values], dim=1), top_ids
 

@@ -338,7 +338,7 @@ class ModelRunner:
         asking = [s for s in seqs if s.prompt_logprob_token_ids]
         targets = tuple(t for s in asking for t in s.prompt_logprob_token_ids)
         num_top = tuple(s.sampling.num_logprobs or 0 for s in asking for _ in s.prompt_logprob_token_ids)
-        values, ids = logprob_tensors(logits, to_device(list(targets), self.device), range(len(targets)), num_top)
+        values, ids = logprob_tensors(logits, to_device(list(targets), self.device), None, num_top)
         return _DevicePromptLogprobs(tuple(s.request_id for s in asking),
                                      tuple(len(s.prompt_logprob_token_ids) for s in asking), targets, num_top,
                                      values, ids)

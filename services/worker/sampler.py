@@ -13,6 +13,7 @@ seeded sampling does not depend on the batch, the layout or the worker that draw
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import torch
 
@@ -80,15 +81,21 @@ def _top_p_sorted(row: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 def _restrict(row: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Rows [R, V] (the drawn rows' tempered logits) with what top-k, then top-p, leave out at -inf."""
     vocab = row.shape[1]
-    for wanted, restrict, value in (
-            (lambda p: 0 < p.top_k < vocab, _top_k, lambda p: p.top_k),
-            (lambda p: 0.0 < p.top_p < 1.0, _top_p, lambda p: p.top_p)):
-        rows = [j for j, p in enumerate(params) if wanted(p)]
-        if rows:
-            at = None if len(rows) == len(params) else to_device(rows, row.device)
-            part = restrict(row if at is None else row.index_select(0, at), [value(params[j]) for j in rows])
-            row = part if at is None else row.index_copy(0, at, part)
+    top_k = [j for j, p in enumerate(params) if 0 < p.top_k < vocab]
+    if top_k:
+        row = _on_rows(row, top_k, lambda part: _top_k(part, [params[j].top_k for j in top_k]))
+    top_p = [j for j, p in enumerate(params) if 0.0 < p.top_p < 1.0]
+    if top_p:
+        row = _on_rows(row, top_p, lambda part: _top_p(part, [params[j].top_p for j in top_p]))
     return row
+
+
+def _on_rows(x: torch.Tensor, rows: list[int], fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """x with its rows `rows` replaced by fn of them (fn of x itself where they are all of its rows)."""
+    if len(rows) == x.shape[0]:
+        return fn(x)
+    at = to_device(rows, x.device)
+    return x.index_copy(0, at, fn(x.index_select(0, at)))
 
 
 def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
